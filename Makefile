@@ -1,0 +1,45 @@
+# Two commands on a fresh machine:
+#   make run    set up .venv, then `dvc repro` the default experiment on the bundled MNIST digits
+#   make test   set up if needed, then run the test suite
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+export RAY_TMPDIR ?= /tmp/fedcore-ray
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export MLFLOW_ENABLE_TELEMETRY ?= false
+export DO_NOT_TRACK ?= 1
+export PATH := $(CURDIR)/$(BIN):$(PATH)
+
+.PHONY: setup run test test-fast params bench clean
+
+$(BIN)/.installed: pyproject.toml constraints.txt
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch/torchvision are pinned in pyproject (2.14.1 / 0.29.1); constraints.txt pins the rest.
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[platform,dev]'
+	@mkdir -p $(RAY_TMPDIR)
+	@touch $@
+
+setup: $(BIN)/.installed
+
+params: setup
+	$(BIN)/python -m flows.params
+
+run: setup
+	@git rev-parse --git-dir >/dev/null 2>&1 || (git init -q && echo "initialised a git repo for DVC")
+	$(BIN)/dvc repro
+	@echo; cat results/table.md; echo
+	@echo "Browse the runs: $(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlruns.db --host 127.0.0.1 --port 5000"
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+bench: setup
+	$(BIN)/python benchmarks/overhead.py
+
+clean:
+	rm -rf data/prepared data/partitions models results checkpoints mlruns mlruns.db

@@ -1,0 +1,103 @@
+"""Server-side rules as pure functions of state dicts.
+
+A model is a ``dict[str, Tensor]`` (a ``state_dict``). Nothing here mutates its inputs.
+
+Norm-layer buffers: floating-point buffers (BatchNorm running mean and variance) are merged
+by exactly the same rule as parameters, so the global model's statistics move with its
+affine parameters. Integer buffers (``num_batches_tracked``) are counters, not estimates:
+they are taken from the newest model rather than averaged.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+State = Dict[str, torch.Tensor]
+
+UGSA_NORMALIZERS = ("history", "mean", "none")
+
+
+def _is_mergeable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def weighted_average(updates: Sequence[Tuple[State, float]]) -> State:
+    """FedAvg: the average of states weighted by (e.g.) example counts.
+
+    Parameters
+    ----------
+    updates:
+        ``[(state, weight), ...]`` with weights >= 0 and a positive total.
+    """
+    if not updates:
+        raise ValueError("weighted_average needs at least one update")
+    total = float(sum(w for _, w in updates))
+    if total <= 0 or any(w < 0 for _, w in updates):
+        raise ValueError(f"weights must be >= 0 with a positive sum, got {[w for _, w in updates]}")
+    first = updates[0][0]
+    out: State = {}
+    for key, ref in first.items():
+        if _is_mergeable(ref):
+            acc = torch.zeros_like(ref, dtype=torch.float64)
+            for state, w in updates:
+                acc += state[key].to(torch.float64) * (w / total)
+            out[key] = acc.to(ref.dtype)
+        else:
+            out[key] = updates[-1][0][key].clone()
+    return out
+
+
+def interpolate(global_state: State, client_state: State, *, rate: float) -> State:
+    """θ_G + rate · (θ_client − θ_G): the step every sequential rule here is made of."""
+    if not math.isfinite(rate):
+        raise ValueError(f"merge rate must be finite, got {rate}")
+    out: State = {}
+    for key, g in global_state.items():
+        c = client_state[key]
+        out[key] = g + rate * (c - g) if _is_mergeable(g) else c.clone()
+    return out
+
+
+def ugsa_weight(sigmas: Sequence[float], *, beta: float, normalizer: str = "history") -> float:
+    """The gate weight w_k of the newest client from the entropies σ_1..σ_k merged so far.
+
+    ``history`` (the paper's rule): w_k = exp(−β σ_k) / Σ_{j≤k} exp(−β σ_j).
+    ``mean``: divides by the mean instead of the sum, so w stays near 1 as k grows.
+    ``none``: w_k = exp(−β σ_k).
+    """
+    if beta < 0:
+        raise ValueError(f"UGSA beta must be >= 0, got {beta}")
+    if not sigmas:
+        raise ValueError("ugsa_weight needs the newest client's sigma")
+    scores = [math.exp(-beta * s) for s in sigmas]
+    if normalizer == "history":
+        return scores[-1] / sum(scores)
+    if normalizer == "mean":
+        return scores[-1] / (sum(scores) / len(scores))
+    if normalizer == "none":
+        return scores[-1]
+    raise ValueError(f"unknown UGSA normalizer {normalizer!r}; valid names are: {', '.join(UGSA_NORMALIZERS)}")
+
+
+def ugsa_merge(global_state: State, client_state: State, *, gamma: float, weight: float) -> State:
+    """UGSA: θ_G ← θ_G + γ · w_k · (θ'_k − θ_G)."""
+    if gamma < 0:
+        raise ValueError(f"UGSA gamma must be >= 0, got {gamma}")
+    return interpolate(global_state, client_state, rate=gamma * weight)
+
+
+def running_average_merge(global_state: State, client_state: State, *, count: int) -> State:
+    """Equal-weight running average: with ``count`` models already averaged, add one more."""
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    return interpolate(global_state, client_state, rate=1.0 / (count + 1))
+
+
+def l2_distance(a: State, b: State, keys: List[str] | None = None) -> float:
+    """‖a − b‖₂ over ``keys`` (default: every floating-point entry)."""
+    keys = keys if keys is not None else [k for k, v in a.items() if _is_mergeable(v)]
+    sq = sum(float(((a[k].double() - b[k].double()) ** 2).sum()) for k in keys)
+    return math.sqrt(sq)

@@ -1,0 +1,35 @@
+"""Real data, corruptions and partitions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from fedcore.data.corruptions import CORRUPTION_NAMES, corrupt
+from fedcore.data.partition import Partition, build_partition, sha256_arrays
+from fedcore.data.sources import LOADERS, ImageSet, load_dataset
+
+__all__ = ["CORRUPTION_NAMES", "corrupt", "Partition", "build_partition", "ImageSet", "load_dataset",
+           "LOADERS", "save_prepared", "load_prepared", "sha256_arrays"]
+
+
+def save_prepared(data: ImageSet, path: str | Path) -> str:
+    """Write a loaded dataset as one npz; returns the sha256 of its arrays."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, x=data.x, y=data.y, num_classes=np.int64(data.num_classes))
+    tmp.replace(path)
+    return sha256_arrays(data.x, data.y)
+
+
+def load_prepared(path: str | Path) -> ImageSet:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"prepared data {path} is missing. Build it with `dvc repro prepare` "
+            "(or `python -m flows.stages prepare`)."
+        )
+    with np.load(path) as z:
+        return ImageSet(z["x"], z["y"], int(z["num_classes"]))

@@ -1,0 +1,387 @@
+"""The federation loop, written once.
+
+Step functions (:func:`pretrain_client`, :func:`adapt_client`, :func:`evaluate_global`) do the
+work; the drivers :func:`run_pretrain` and :func:`run_arrivals` call them in order. A driver
+takes a ``submit`` callable: the plain driver runs each step at once, the Prefect flow submits
+each as a task on Ray. A bug fixed in a step is fixed for both, and ``benchmarks/`` can time
+both on the same config.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedcore.adapt import METHODS, USES_BATCH_STATS, create_method, softmax_entropy
+from fedcore.aggregate import MergeHistory, State, advance, create_aggregator, l2_distance, weighted_average
+from fedcore.data.partition import Partition, TargetClient
+from fedcore.evaluate import accuracy, forgetting
+from fedcore.models import create_model
+from fedcore.tensors import batches, resolve_device, state_to_cpu, to_tensor
+from fedcore.train import LocalResult, train_client
+
+CHECKPOINT_VERSION = 1
+
+
+# ------------------------------------------------------------------------------------ configs
+@dataclass(frozen=True)
+class ModelSpec:
+    """Enough to rebuild the network on any worker."""
+
+    name: str
+    in_channels: int
+    num_classes: int
+    norm: str = "batch"
+
+    def build(self) -> nn.Module:
+        return create_model(self.name, in_channels=self.in_channels, num_classes=self.num_classes, norm=self.norm)
+
+
+@dataclass(frozen=True)
+class PretrainConfig:
+    rounds: int = 10
+    local_epochs: int = 1
+    lr: float = 0.05
+    batch_size: int = 64
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    augment: bool = False
+    seed: int = 0
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1 or self.local_epochs < 1:
+            raise ValueError(f"pretrain rounds and local_epochs must be >= 1, got {self.rounds}, {self.local_epochs}")
+        if self.lr <= 0:
+            raise ValueError(f"pretrain lr must be > 0, got {self.lr}")
+
+
+@dataclass(frozen=True)
+class ArrivalConfig:
+    method: str = "bpa"
+    method_params: Dict[str, Any] = field(default_factory=dict)
+    aggregator: str = "ugsa"
+    aggregator_params: Dict[str, Any] = field(default_factory=dict)
+    passes: int = 1
+    order: Optional[Sequence[int]] = None  # arrival order of target client ids; None = 0..K-1
+    batch_size: int = 64
+    seed: int = 0
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        METHODS.get(self.method)  # unknown names fail here, listing the valid ones
+        create_aggregator(self.aggregator, **self.aggregator_params)
+        for key in ("lr", "sigma0"):
+            v = self.method_params.get(key)
+            if v is not None and v <= 0:
+                raise ValueError(f"method {key} must be > 0, got {v}")
+        if self.passes < 1:
+            raise ValueError(f"passes must be >= 1, got {self.passes}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+
+    def schedule(self, num_clients: int) -> List[int]:
+        order = list(range(num_clients)) if self.order is None else [int(k) for k in self.order]
+        bad = [k for k in order if not 0 <= k < num_clients]
+        if bad:
+            raise ValueError(f"arrival order names client(s) {bad}, but only 0..{num_clients - 1} exist")
+        return order * self.passes
+
+    def fingerprint(self) -> str:
+        d = asdict(self)
+        d["order"] = None if self.order is None else list(self.order)
+        return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------ submit
+class Done:
+    """A result that is already there: the plain driver's stand-in for a future."""
+
+    def __init__(self, value: Any) -> None:
+        self._value = value
+
+    def result(self) -> Any:
+        return self._value
+
+
+def run_now(fn: Callable, **kwargs) -> Done:
+    return Done(fn(**kwargs))
+
+
+Submit = Callable[..., Any]
+
+
+# ------------------------------------------------------------------------------------ steps
+def pretrain_client(*, global_state: State, spec: ModelSpec, x: np.ndarray, y: np.ndarray, cfg: PretrainConfig,
+                    seed: int, client_id: int = -1) -> LocalResult:
+    """One source client's local training from the current global model."""
+    torch.manual_seed(seed)
+    device = resolve_device(cfg.device)
+    model = spec.build()
+    model.load_state_dict(global_state)
+    return train_client(model, x, y, epochs=cfg.local_epochs, lr=cfg.lr, batch_size=cfg.batch_size,
+                        momentum=cfg.momentum, weight_decay=cfg.weight_decay, seed=seed, device=device,
+                        augment=cfg.augment)
+
+
+@dataclass
+class AdaptResult:
+    """What a target client sends back after adapting on its whole stream."""
+
+    state: State
+    online_acc: float  # predict-then-adapt accuracy on the stream (labels used only to score)
+    sigma: float  # the adapted model's mean prediction entropy on the stream (nats)
+    num_examples: int
+    seconds: float
+    extras: Dict[str, float] = field(default_factory=dict)
+
+
+def adapt_client(*, global_state: State, spec: ModelSpec, client: TargetClient, cfg: ArrivalConfig,
+                 seed: int, arrival: int = -1) -> AdaptResult:
+    """Adapt the received global model on the client's unlabelled stream, batch by batch."""
+    t0 = time.perf_counter()
+    torch.manual_seed(seed)
+    device = resolve_device(cfg.device)
+    model = spec.build().to(device)
+    model.load_state_dict(global_state)
+    params = dict(cfg.method_params)
+    params.setdefault("num_classes", spec.num_classes)
+    method = create_method(cfg.method, model, **params)
+    x = to_tensor(client.stream_x, device=device)
+    correct = 0
+    for sl in batches(len(x), cfg.batch_size):
+        logits = method(x[sl])
+        correct += int((logits.argmax(1).cpu().numpy() == client.stream_y[sl]).sum())
+    extras = {}
+    if hasattr(method, "last_precision"):
+        extras["prior_precision"] = float(method.last_precision)
+    model.eval()
+    with torch.no_grad():
+        ent = [softmax_entropy(model(x[sl])) for sl in batches(len(x), 512)]
+    sigma = float(torch.cat(ent).mean())
+    return AdaptResult(state=state_to_cpu(model.state_dict()), online_acc=correct / len(x), sigma=sigma,
+                       num_examples=len(x), seconds=time.perf_counter() - t0, extras=extras)
+
+
+def evaluate_global(*, state: State, spec: ModelSpec, partition: Partition, clients: Sequence[int],
+                    device: str = "cpu", batch_stats: bool = False) -> Dict[str, Any]:
+    """Accuracy of a global model on the clean source test set and on the given hold-outs.
+
+    With ``batch_stats`` the hold-outs are scored with each hold-out's own BatchNorm batch
+    statistics, as the adapting methods use the model; the clean source test set is always
+    scored in plain eval mode (running statistics), as a deployed model would be.
+    """
+    dev = resolve_device(device)
+    model = spec.build().to(dev)
+    model.load_state_dict(state)
+    hold = {int(j): accuracy(model, partition.targets[j].holdout_x, partition.targets[j].holdout_y, device=dev,
+                             batch_stats=batch_stats)
+            for j in clients}
+    return {"source_acc": accuracy(model, partition.source_test_x, partition.source_test_y, device=dev),
+            "holdout": hold}
+
+
+# ------------------------------------------------------------------------------------ pretrain
+def init_state(spec: ModelSpec, seed: int) -> State:
+    torch.manual_seed(seed)
+    return state_to_cpu(spec.build().state_dict())
+
+
+def run_pretrain(partition: Partition, spec: ModelSpec, cfg: PretrainConfig, *, submit: Submit = run_now,
+                 on_round: Callable[[int, State, Dict[str, float]], None] | None = None,
+                 aggregate: Callable[[List], State] = weighted_average, progress: bool = False) -> State:
+    """FedAvg over the labelled source clients: ``cfg.rounds`` rounds of local SGD, example-weighted.
+
+    ``aggregate`` defaults to :func:`~fedcore.aggregate.weighted_average`; the flow passes the
+    same function wrapped as a task.
+    """
+    state = init_state(spec, cfg.seed)
+    rounds = range(cfg.rounds)
+    if progress:
+        from tqdm.auto import tqdm
+
+        rounds = tqdm(rounds, desc="FedAvg rounds", unit="round")
+    for r in rounds:
+        futures = [
+            submit(pretrain_client, global_state=state, spec=spec, x=x, y=y, cfg=cfg,
+                   seed=cfg.seed * 100_003 + r * 1009 + i, client_id=i)
+            for i, (x, y) in enumerate(zip(partition.source_x, partition.source_y))
+        ]
+        results: List[LocalResult] = [f.result() for f in futures]
+        state = aggregate([(res.state, res.num_examples) for res in results])
+        if on_round is not None:
+            loss = sum(res.loss * res.num_examples for res in results) / sum(res.num_examples for res in results)
+            on_round(r, state, {"train_loss": loss})
+    return state
+
+
+# ------------------------------------------------------------------------------------ arrivals
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be trusted. It is left on disk untouched."""
+
+
+class RunInterrupted(RuntimeError):
+    """Raised by ``stop_after``: the run stopped on purpose after a checkpoint."""
+
+
+@dataclass
+class ServerState:
+    """Everything needed to continue after arrival ``done``: the flow's durable state."""
+
+    done: int
+    fingerprint: str
+    global_state: State
+    theta0: State
+    history: MergeHistory
+    records: List[Dict[str, Any]]
+    acc_rows: List[List[float]]
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def save_checkpoint(folder: Path, st: ServerState) -> Path:
+    """Atomically write ``server_state.pt`` and its sha256 (tmp file, then rename)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "server_state.pt"
+    existing = folder / "server_state.sha256"
+    if path.exists() and existing.exists() and _sha256(path) != existing.read_text().strip():
+        raise CheckpointError(f"refusing to overwrite {path}: it does not match its sha256 (corrupt); move it away")
+    tmp = folder / "server_state.pt.tmp"
+    payload = {"version": CHECKPOINT_VERSION, **asdict(st)}
+    payload["history"] = asdict(st.history)
+    torch.save(payload, tmp)
+    digest = _sha256(tmp)
+    tmp.replace(path)
+    (folder / "server_state.sha256").write_text(digest + "\n")
+    return path
+
+
+def load_checkpoint(folder: Path) -> ServerState | None:
+    """The last completed arrival's state, ``None`` when there is none; corrupt -> CheckpointError."""
+    path, digest = folder / "server_state.pt", folder / "server_state.sha256"
+    if not path.exists():
+        return None
+    if not digest.exists() or _sha256(path) != digest.read_text().strip():
+        raise CheckpointError(
+            f"checkpoint {path} does not match its sha256 file (truncated or corrupt). It has been left untouched; "
+            "move it away to start fresh, or restore it from the MLflow run's artifacts."
+        )
+    try:
+        raw = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # pragma: no cover - only reachable if sha matches a bad file
+        raise CheckpointError(f"checkpoint {path} cannot be read: {exc}") from exc
+    if raw.get("version") != CHECKPOINT_VERSION:
+        raise CheckpointError(f"checkpoint {path} has version {raw.get('version')}, expected {CHECKPOINT_VERSION}")
+    raw.pop("version")
+    raw["history"] = MergeHistory(**{k: tuple(v) if k != "merged" else v for k, v in raw["history"].items()})
+    return ServerState(**raw)
+
+
+@dataclass
+class ArrivalsResult:
+    records: List[Dict[str, Any]]
+    acc_matrix: np.ndarray  # (A, K): global model after arrival a on client j's hold-out (nan: not yet seen)
+    summary: Dict[str, float]
+    final_state: State
+    schedule: List[int]
+
+
+def summarise(records: List[Dict[str, Any]], acc_matrix: np.ndarray, schedule: List[int]) -> Dict[str, float]:
+    last_visit = {}
+    for a, k in enumerate(schedule):
+        last_visit[k] = a
+    seen = sorted(last_visit)
+    final = acc_matrix[-1, seen]
+    return {
+        "avg_online_acc": float(np.mean([r["online_acc"] for r in records])),
+        "final_avg_holdout_acc": float(np.mean(final)),
+        "final_worst_holdout_acc": float(np.min(final)),
+        "forgetting": forgetting(acc_matrix[:, seen], [last_visit[k] for k in seen]),
+        "source_acc": float(records[-1]["source_acc"]),
+        "total_drift": float(records[-1]["drift_total"]),
+    }
+
+
+ArrivalHook = Callable[[Dict[str, Any], ServerState, AdaptResult], None]
+
+
+def run_arrivals(partition: Partition, spec: ModelSpec, source_state: State, cfg: ArrivalConfig, *,
+                 submit: Submit = run_now, checkpoint_dir: str | Path | None = None, resume: bool = False,
+                 stop_after: int | None = None, on_arrival: ArrivalHook | None = None,
+                 progress: bool = False) -> ArrivalsResult:
+    """Unlabelled clients arrive one after another; each adapts from θ_G and is merged into it.
+
+    Parameters
+    ----------
+    checkpoint_dir:
+        Where the server state is written after every arrival. With ``resume=True`` the run
+        continues after the last completed arrival found there.
+    stop_after:
+        Stop (raising :class:`RunInterrupted`) once this many arrivals are done and saved.
+    on_arrival:
+        Called after each arrival's merge, evaluation and checkpoint with the arrival's record.
+    """
+    K = len(partition.targets)
+    schedule = cfg.schedule(K)
+    merger = create_aggregator(cfg.aggregator, **cfg.aggregator_params)
+    folder = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    fp = cfg.fingerprint()
+    st = None
+    if folder is not None:
+        found = load_checkpoint(folder)  # a corrupt one raises here, before anything is written
+        if resume and found is not None:
+            if found.fingerprint != fp:
+                raise CheckpointError(f"checkpoint in {folder} was written by another config ({found.fingerprint} "
+                                      f"!= {fp}); resume with the same config or use a fresh checkpoint folder")
+            st = found
+    if st is None:
+        st = ServerState(done=0, fingerprint=fp, global_state=source_state, theta0=source_state,
+                         history=MergeHistory(), records=[], acc_rows=[])
+    param_keys = [k for k, _ in spec.build().named_parameters()]
+    steps = range(st.done, len(schedule))
+    if progress:
+        from tqdm.auto import tqdm
+
+        steps = tqdm(steps, desc=f"{cfg.method}+{cfg.aggregator} arrivals", unit="client",
+                     initial=st.done, total=len(schedule))
+    for a in steps:
+        k = schedule[a]
+        res: AdaptResult = submit(adapt_client, global_state=st.global_state, spec=spec,
+                                  client=partition.targets[k], cfg=cfg, seed=cfg.seed * 100_003 + a, arrival=a).result()
+        new_global, weight = merger.merge(st.global_state, res.state, sigma=res.sigma, history=st.history)
+        seen = sorted(set(schedule[: a + 1]))
+        ev = evaluate_global(state=new_global, spec=spec, partition=partition, clients=seen, device=cfg.device,
+                             batch_stats=cfg.method in USES_BATCH_STATS)
+        row = [ev["holdout"].get(j, math.nan) for j in range(K)]
+        record = {
+            "arrival": a, "pass": a // K, "client_id": k, "corruption": partition.targets[k].corruption,
+            "online_acc": res.online_acc, "sigma": res.sigma, "weight": weight,
+            "drift_step": l2_distance(new_global, st.global_state, param_keys),
+            "drift_total": l2_distance(new_global, st.theta0, param_keys),
+            "source_acc": ev["source_acc"], "holdout_acc_client": ev["holdout"][k],
+            "holdout_avg_seen": float(np.mean([ev["holdout"][j] for j in seen])),
+            "adapt_seconds": res.seconds, **res.extras,
+        }
+        st = ServerState(done=a + 1, fingerprint=fp, global_state=new_global, theta0=st.theta0,
+                         history=advance(st.history, sigma=res.sigma, weight=weight),
+                         records=st.records + [record], acc_rows=st.acc_rows + [row])
+        if folder is not None:
+            save_checkpoint(folder, st)
+        if on_arrival is not None:
+            on_arrival(record, st, res)
+        if stop_after is not None and st.done >= stop_after and st.done < len(schedule):
+            raise RunInterrupted(f"stopped after arrival {st.done} as asked; resume to continue")
+    acc = np.asarray(st.acc_rows, dtype=float)
+    return ArrivalsResult(records=st.records, acc_matrix=acc, summary=summarise(st.records, acc, schedule),
+                          final_state=st.global_state, schedule=schedule)

@@ -1,0 +1,64 @@
+"""Evaluation metrics for sequential arrivals."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedcore.tensors import batches, to_tensor
+
+
+@torch.no_grad()
+def predict(model: nn.Module, x: np.ndarray, *, batch_size: int = 512, device: torch.device | str = "cpu",
+            batch_stats: bool = False) -> np.ndarray:
+    """Class predictions of ``model``, shape (N,).
+
+    Eval mode, except that with ``batch_stats`` BatchNorm layers normalise with the statistics
+    of each evaluation batch (the transductive test-time protocol of BN/Tent). The model's
+    running statistics are left as they were.
+    """
+    model.eval()
+    saved = None
+    if batch_stats:
+        bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        saved = [(m, m.momentum) for m in bns]
+        for m in bns:
+            m.train()
+            m.momentum = 0.0  # use batch statistics, keep the running ones unchanged
+    out = []
+    for sl in batches(len(x), batch_size):
+        out.append(model(to_tensor(x[sl], device=device)).argmax(1).cpu())
+    for m, momentum in saved or ():
+        m.momentum = momentum
+        m.eval()
+    return torch.cat(out).numpy() if out else np.zeros(0, dtype=np.int64)
+
+
+def accuracy(model: nn.Module, x: np.ndarray, y: np.ndarray, **kw) -> float:
+    if len(y) == 0:
+        raise ValueError("accuracy of an empty set is undefined")
+    return float((predict(model, x, **kw) == np.asarray(y)).mean())
+
+
+def forgetting(acc_matrix: np.ndarray, last_visit: Sequence[int]) -> float:
+    """Mean drop on earlier domains between their last visit and the end.
+
+    Parameters
+    ----------
+    acc_matrix:
+        (A, K) accuracy of the global model after arrival a on domain j's hold-out.
+    last_visit:
+        For each domain j, the arrival index of its last visit.
+
+    Returns
+    -------
+    float
+        mean over j whose last visit is not the final arrival of
+        ``acc[last_visit[j], j] - acc[-1, j]`` (positive = forgotten); 0.0 with one domain.
+    """
+    final = acc_matrix.shape[0] - 1
+    drops = [acc_matrix[a, j] - acc_matrix[final, j] for j, a in enumerate(last_visit) if a != final]
+    return float(np.mean(drops)) if drops else 0.0

@@ -1,0 +1,81 @@
+"""Plots people would rather look at than read. matplotlib only (Agg), returning the file paths."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+import numpy as np
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_arrivals(records: List[Dict], acc_matrix: np.ndarray, corruptions: Sequence[str], folder: str | Path,
+                  *, title: str = "") -> List[Path]:
+    """online accuracy per arrival, accuracy-matrix heatmap, weight drift, gate weights and sigma."""
+    plt = _plt()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    a = [r["arrival"] for r in records]
+    labels = [f"{r['arrival']}:{r['corruption'][:10]}" for r in records]
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(max(6, len(a) * 0.28), 3.6))
+    ax.plot(a, [r["online_acc"] for r in records], "o-", label="online (stream)")
+    ax.plot(a, [r["holdout_avg_seen"] for r in records], "s--", label="global, mean hold-out of seen")
+    ax.plot(a, [r["source_acc"] for r in records], "^:", label="global, clean source test")
+    ax.set_xticks(a, labels, rotation=90, fontsize=7)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("accuracy")
+    ax.set_title(f"{title} accuracy per arrival")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(folder / "online_accuracy.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(max(4, len(corruptions) * 0.6), max(3, len(a) * 0.2)))
+    im = ax.imshow(acc_matrix, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+    ax.set_xticks(range(len(corruptions)), [c[:12] for c in corruptions], rotation=60, fontsize=7)
+    ax.set_yticks(a, labels, fontsize=6)
+    ax.set_xlabel("hold-out of client")
+    ax.set_ylabel("global model after arrival")
+    fig.colorbar(im, ax=ax, label="accuracy")
+    ax.set_title(f"{title} accuracy matrix", fontsize=9)
+    fig.tight_layout()
+    paths.append(folder / "accuracy_matrix.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.plot(a, [r["drift_step"] for r in records], "o-", label=r"$\|\theta_G^{(k)}-\theta_G^{(k-1)}\|$")
+    ax.plot(a, [r["drift_total"] for r in records], "s-", label=r"$\|\theta_G^{(k)}-\theta_G^{(0)}\|$")
+    ax.set_xlabel("arrival")
+    ax.set_ylabel("L2 distance (parameters)")
+    ax.set_title(f"{title} weight drift")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(folder / "weight_drift.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax1 = plt.subplots(figsize=(6, 3.2))
+    ax1.bar(a, [r["weight"] for r in records], color="tab:blue", alpha=0.6, label="merge weight w_k")
+    ax1.set_xlabel("arrival")
+    ax1.set_ylabel("w_k", color="tab:blue")
+    ax2 = ax1.twinx()
+    ax2.plot(a, [r["sigma"] for r in records], "o-", color="tab:red", label="sigma_k (entropy)")
+    ax2.set_ylabel("sigma_k (nats)", color="tab:red")
+    ax1.set_title(f"{title} gate weights")
+    fig.tight_layout()
+    paths.append(folder / "gate_weights.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths

@@ -1,0 +1,31 @@
+"""A small CNN for greyscale digits (28x28 MNIST, 16x16 sklearn digits)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fedcore.models.norm import make_norm
+
+
+class SmallCNN(nn.Module):
+    """conv(32)-norm-relu-pool, conv(64)-norm-relu-pool, global average pool, linear.
+
+    Global pooling makes the network indifferent to the input size.
+    """
+
+    def __init__(self, *, in_channels: int = 1, num_classes: int = 10, norm: str = "batch", width: int = 16):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, width, 3, padding=1, bias=False), make_norm(norm, width), nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(width, 2 * width, 3, padding=1, bias=False), make_norm(norm, 2 * width), nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(2 * width, 2 * width, 3, padding=1, bias=False), make_norm(norm, 2 * width),
+            nn.ReLU(inplace=True),
+            nn.AdaptiveAvgPool2d(1),
+        )
+        self.fc = nn.Linear(2 * width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.features(x), 1))

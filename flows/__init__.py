@@ -1,0 +1,1 @@
+"""Prefect flows, Ray placement and MLflow tracking around fedcore's step functions."""

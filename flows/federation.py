@@ -1,0 +1,297 @@
+"""Prefect flows: source pretraining, sequential arrival, and the (method x aggregator x seed) sweep.
+
+Thin by design: each task calls a fedcore step function, and each flow hands fedcore's driver
+a ``submit`` that turns a step into a Prefect task on Ray. Tracking happens here, in the
+driver process, never on a worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Dict, List
+
+import mlflow
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.futures import as_completed
+
+from fedcore.aggregate import weighted_average
+from fedcore.data import Partition
+from fedcore.engine import (
+    AdaptResult,
+    ArrivalsResult,
+    ModelSpec,
+    RunInterrupted,
+    adapt_client,
+    pretrain_client,
+    run_arrivals,
+    run_pretrain,
+)
+from fedcore.evaluate.plots import plot_arrivals
+from fedcore.train import LocalResult
+from flows import config as C
+from flows import runtime, tracking
+
+# ------------------------------------------------------------------------------------ tasks
+
+
+def _maybe_fail(fault_marker: str | None) -> None:
+    """Injected fault for tests: fail the first attempt only (a marker file remembers it)."""
+    if fault_marker and not Path(fault_marker).exists():
+        Path(fault_marker).parent.mkdir(parents=True, exist_ok=True)
+        Path(fault_marker).write_text("failed once\n")
+        raise RuntimeError(f"injected fault ({fault_marker}); Prefect should retry this task")
+
+
+@task(name="pretrain-client", cache_policy=NO_CACHE)
+def pretrain_client_task(global_state: Dict[str, torch.Tensor], spec: ModelSpec, x: np.ndarray, y: np.ndarray,
+                         cfg: Any, seed: int, client_id: int) -> LocalResult:
+    return pretrain_client(global_state=global_state, spec=spec, x=x, y=y, cfg=cfg, seed=seed, client_id=client_id)
+
+
+@task(name="fedavg-aggregate", cache_policy=NO_CACHE)
+def aggregate_task(updates: List) -> Dict[str, torch.Tensor]:
+    return weighted_average(updates)
+
+
+@task(name="adapt-client", cache_policy=NO_CACHE)
+def adapt_client_task(global_state: Dict[str, torch.Tensor], spec: ModelSpec, client: Any, cfg: Any, seed: int,
+                      arrival: int, fault_marker: str | None = None) -> AdaptResult:
+    _maybe_fail(fault_marker)
+    return adapt_client(global_state=global_state, spec=spec, client=client, cfg=cfg, seed=seed, arrival=arrival)
+
+
+@task(name="run-cell", cache_policy=NO_CACHE)
+def run_cell_task(cfg_dict: Dict[str, Any], method: str, aggregator: str, seed: int) -> Dict[str, Any]:
+    """One whole sweep cell, in one worker: the plain driver over the fedcore steps."""
+    cfg = OmegaConf.create(cfg_dict)
+    acfg = C.arrival_config(cfg, method=method, aggregator=aggregator, seed=seed)
+    partition, spec, source = load_inputs(cfg)
+    ckpt = _ckpt_dir(cfg, f"{method}-{aggregator}-s{seed}")
+    t0 = time.perf_counter()
+    res = run_arrivals(partition, spec, source, acfg, checkpoint_dir=ckpt, resume=bool(cfg.flow.resume),
+                       stop_after=cfg.flow.stop_after)
+    return {"method": method, "aggregator": aggregator, "seed": seed, "records": res.records,
+            "acc_matrix": res.acc_matrix, "summary": res.summary, "final_state": res.final_state,
+            "seconds": time.perf_counter() - t0, "fingerprint": acfg.fingerprint(), "checkpoint_dir": str(ckpt)}
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def source_model_path(cfg: DictConfig) -> Path:
+    return C.resolve_path(cfg.paths.models) / f"source-{cfg.data.name}-{cfg.model.name}-{cfg.model.norm}.pt"
+
+
+def partition_dir(cfg: DictConfig) -> Path:
+    return C.resolve_path(cfg.paths.partitions) / cfg.data.name
+
+
+def prepared_path(cfg: DictConfig) -> Path:
+    return C.resolve_path(cfg.paths.prepared) / f"{cfg.data.name}.npz"
+
+
+def _ckpt_dir(cfg: DictConfig, cell: str) -> Path:
+    return C.resolve_path(cfg.paths.checkpoints) / f"{cfg.data.name}-{cfg.model.name}-{cfg.model.norm}" / cell
+
+
+def load_source(path: Path, spec: ModelSpec) -> Dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise FileNotFoundError(f"source model {path} is missing. Build it with `dvc repro pretrain` "
+                                "(or `python -m flows.stages pretrain`).")
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=False)
+        state = blob["state"]
+    except Exception as exc:
+        raise ValueError(f"source model {path} is corrupt or not a fedcore checkpoint ({exc}); "
+                         "rebuild it with `dvc repro pretrain`") from exc
+    if blob.get("spec") != asdict(spec):
+        raise ValueError(f"source model {path} was trained for {blob.get('spec')}, not {asdict(spec)}; "
+                         "rebuild it with `dvc repro pretrain`")
+    return state
+
+
+def load_inputs(cfg: DictConfig):
+    spec = C.model_spec(cfg)
+    partition = Partition.load(partition_dir(cfg))
+    return partition, spec, load_source(source_model_path(cfg), spec)
+
+
+def _runner(cfg: DictConfig):
+    return runtime.make_task_runner(address=cfg.flow.ray_address, num_cpus=int(cfg.flow.num_cpus), root=C.ROOT)
+
+
+def _gpus(cfg: DictConfig) -> float:
+    return float(cfg.flow.gpus_per_task) if str(cfg.device).startswith("cuda") or (
+        cfg.device == "auto" and torch.cuda.is_available()) else 0.0
+
+
+# ------------------------------------------------------------------------------------ flows
+
+
+def pretrain(cfg: DictConfig) -> Path:
+    """FedAvg source pretraining: a training task per client per round on Ray, an aggregation task per round."""
+
+    @flow(name="source-pretraining", task_runner=_runner(cfg), log_prints=True)
+    def source_pretraining() -> str:
+        logger = get_run_logger()
+        partition = Partition.load(partition_dir(cfg))
+        spec, pcfg = C.model_spec(cfg), C.pretrain_config(cfg)
+        tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
+
+        def submit(fn, **kw):
+            with runtime.task_resources(num_gpus=_gpus(cfg)):
+                return pretrain_client_task.submit(**kw)
+
+        with mlflow.start_run(run_name=f"pretrain-{cfg.data.name}-{cfg.model.name}"):
+            mlflow.set_tags({**tracking.lineage_tags(seed=pcfg.seed, prepared=prepared_path(cfg),
+                                                     partition_dir=partition_dir(cfg)), "stage": "pretrain"})
+            mlflow.log_params(tracking.flatten({k: v for k, v in C.to_dict(cfg).items() if k != "sweep"}))
+
+            def on_round(r, state, metrics):
+                logger.info("round %d/%d train_loss=%.4f", r + 1, pcfg.rounds, metrics["train_loss"])
+                tracking.log_round(r, metrics)
+
+            state = run_pretrain(partition, spec, pcfg, submit=submit, on_round=on_round,
+                                 aggregate=aggregate_task)
+            model = spec.build()
+            model.load_state_dict(state)
+            from fedcore.evaluate import accuracy
+
+            acc = accuracy(model, partition.source_test_x, partition.source_test_y)
+            mlflow.log_metric("source_test_acc", acc)
+            out = source_model_path(cfg)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"state": state, "spec": asdict(spec), "pretrain": asdict(pcfg),
+                        "source_test_acc": acc}, out.with_suffix(".tmp"))
+            out.with_suffix(".tmp").replace(out)
+            mlflow.log_artifact(str(out), artifact_path="checkpoints")
+            logger.info("source model: clean test accuracy %.3f -> %s", acc, out)
+        return str(out)
+
+    try:
+        return Path(source_pretraining())
+    finally:
+        runtime.shutdown_ray()
+
+
+def _log_experiment(cfg: DictConfig, acfg, res: Dict[str, Any] | ArrivalsResult, *, spec: ModelSpec,
+                    partition: Partition, live: bool) -> None:
+    """Everything about one finished experiment on the active MLflow run."""
+    records = res["records"] if isinstance(res, dict) else res.records
+    acc = res["acc_matrix"] if isinstance(res, dict) else res.acc_matrix
+    summary = res["summary"] if isinstance(res, dict) else res.summary
+    final_state = res["final_state"] if isinstance(res, dict) else res.final_state
+    if not live:
+        for rec in records:
+            tracking.log_arrival(rec)
+    mlflow.log_metrics({f"final_{k}": v for k, v in summary.items()})
+    out = C.resolve_path(cfg.paths.results) / "cells" / f"{acfg.method}-{acfg.aggregator}-s{acfg.seed}"
+    plots = plot_arrivals(records, acc, [t.corruption for t in partition.targets], out,
+                          title=f"{acfg.method}+{acfg.aggregator}")
+    np.savetxt(out / "accuracy_matrix.csv", acc, delimiter=",", fmt="%.4f")
+    tracking.log_files(plots + [out / "accuracy_matrix.csv"], artifact_path="plots")
+    ckpt = _ckpt_dir(cfg, f"{acfg.method}-{acfg.aggregator}-s{acfg.seed}")
+    tracking.log_files([ckpt / "server_state.pt", ckpt / "server_state.sha256"], artifact_path="checkpoints")
+    model = spec.build()
+    model.load_state_dict(final_state)
+    from fedcore.tensors import to_tensor
+
+    example = to_tensor(partition.source_test_x[:2]).numpy()
+    tracking.log_model(model, registered_name=cfg.flow.register_model or None, example=example)
+
+
+def _start_experiment_run(cfg: DictConfig, acfg, spec: ModelSpec):
+    run = mlflow.start_run(run_name=f"{acfg.method}+{acfg.aggregator}-s{acfg.seed}")
+    params = {k: v for k, v in C.to_dict(cfg).items() if k not in ("sweep", "method", "aggregator")}
+    params.update({"method": {"name": acfg.method, **acfg.method_params},
+                   "aggregator": {"name": acfg.aggregator, **acfg.aggregator_params}, "seed": acfg.seed})
+    mlflow.log_params(tracking.flatten(params))
+    mlflow.set_tags({**tracking.lineage_tags(seed=acfg.seed, prepared=prepared_path(cfg),
+                                             partition_dir=partition_dir(cfg),
+                                             extra={"method": acfg.method, "aggregator": acfg.aggregator,
+                                                    "config_fingerprint": acfg.fingerprint(),
+                                                    "source_model": str(source_model_path(cfg).name)}),
+                     "stage": "adapt"})
+    src = source_model_path(cfg)
+    if src.is_file():
+        mlflow.set_tag("source_model_sha256", tracking.file_sha256(src))
+    return run
+
+
+def arrival(cfg: DictConfig) -> ArrivalsResult:
+    """Sequential arrival: an adaptation task per client on Ray; merge, evaluate, checkpoint, log."""
+
+    @flow(name="sequential-arrival", task_runner=_runner(cfg), log_prints=True)
+    def sequential_arrival() -> ArrivalsResult:
+        logger = get_run_logger()
+        partition, spec, source = load_inputs(cfg)
+        acfg = C.arrival_config(cfg)
+        ckpt = _ckpt_dir(cfg, f"{acfg.method}-{acfg.aggregator}-s{acfg.seed}")
+        tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
+        adapt = adapt_client_task.with_options(retries=int(cfg.flow.retries),
+                                               retry_delay_seconds=float(cfg.flow.retry_delay_seconds))
+
+        def submit(fn, **kw):
+            fault = None
+            if cfg.flow.inject_fault is not None and kw["arrival"] == int(cfg.flow.inject_fault):
+                fault = str(ckpt / f"fault-{kw['arrival']}.marker")
+            with runtime.task_resources(num_gpus=_gpus(cfg)):
+                return adapt.submit(fault_marker=fault, **kw)
+
+        def on_arrival(record, st, res):
+            logger.info("arrival %d (%s): online %.3f, hold-out(seen) %.3f, w=%.3f", record["arrival"],
+                        record["corruption"], record["online_acc"], record["holdout_avg_seen"], record["weight"])
+            tracking.log_arrival(record)
+
+        with _start_experiment_run(cfg, acfg, spec):
+            res = run_arrivals(partition, spec, source, acfg, submit=submit, checkpoint_dir=ckpt,
+                               resume=bool(cfg.flow.resume), stop_after=cfg.flow.stop_after, on_arrival=on_arrival)
+            _log_experiment(cfg, acfg, res, spec=spec, partition=partition, live=True)
+        return res
+
+    try:
+        return sequential_arrival()
+    finally:
+        runtime.shutdown_ray()
+
+
+def sweep(cfg: DictConfig) -> List[Dict[str, Any]]:
+    """The (method x aggregator x seed) grid, cells running concurrently on Ray; logged as each ends."""
+
+    @flow(name="sweep", task_runner=_runner(cfg), log_prints=True)
+    def sweep_flow() -> List[Dict[str, Any]]:
+        logger = get_run_logger()
+        partition, spec, _ = load_inputs(cfg)
+        tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
+        cells = [(m, a, int(s)) for s in cfg.sweep.seeds for m in cfg.sweep.methods for a in cfg.sweep.aggregators]
+        for m, a, s in cells:
+            C.arrival_config(cfg, method=m, aggregator=a, seed=s)  # fail before any work on a bad cell
+        cfg_dict = C.to_dict(cfg)
+        with runtime.task_resources(num_gpus=_gpus(cfg)):
+            futures = [run_cell_task.with_options(retries=int(cfg.flow.retries)).submit(
+                cfg_dict=cfg_dict, method=m, aggregator=a, seed=s) for m, a, s in cells]
+        results = []
+        for i, fut in enumerate(as_completed(futures), 1):
+            res = fut.result()
+            acfg = C.arrival_config(cfg, method=res["method"], aggregator=res["aggregator"], seed=res["seed"])
+            with _start_experiment_run(cfg, acfg, spec):
+                _log_experiment(cfg, acfg, res, spec=spec, partition=partition, live=False)
+            s = res["summary"]
+            logger.info("[%d/%d] %s+%s seed %d: online %.3f, final hold-out %.3f, forgetting %+.3f (%.1fs)", i,
+                        len(cells), res["method"], res["aggregator"], res["seed"], s["avg_online_acc"],
+                        s["final_avg_holdout_acc"], s["forgetting"], res["seconds"])
+            results.append({k: res[k] for k in ("method", "aggregator", "seed", "summary", "seconds")})
+        order = {c: i for i, c in enumerate(cells)}
+        return sorted(results, key=lambda r: order[(r["method"], r["aggregator"], r["seed"])])
+
+    try:
+        return sweep_flow()
+    finally:
+        runtime.shutdown_ray()
