@@ -1,0 +1,57 @@
+"""Shared fixtures: a tiny digits federation built through the real stage code."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("MLFLOW_ENABLE_TELEMETRY", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("RAY_TMPDIR", "/tmp/fedcore-ray-test")
+Path(os.environ["RAY_TMPDIR"]).mkdir(parents=True, exist_ok=True)
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def tiny_overrides(tmp: Path) -> list[str]:
+    return [
+        "data=digits", "pretrain.rounds=8", "pretrain.lr=0.1", "pretrain.local_epochs=2", "pretrain.batch_size=32", "adapt.passes=2", "flow.num_cpus=2", "flow.progress=false",
+        f"paths.prepared={tmp}/prepared", f"paths.partitions={tmp}/partitions", f"paths.models={tmp}/models",
+        f"paths.results={tmp}/results", f"paths.checkpoints={tmp}/checkpoints",
+        f"flow.tracking_uri=sqlite:///{tmp}/mlruns.db",
+    ]
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """Prepared digits, their partition and a FedAvg source model, made by the stage code (plain driver)."""
+    from dataclasses import asdict
+
+    from fedcore.data import Partition
+    from fedcore.engine import run_pretrain
+    from flows import config as C
+    from flows import federation as F
+    from flows.stages import _partition, _prepare
+
+    tmp = tmp_path_factory.mktemp("tiny")
+    cfg = C.compose(tiny_overrides(tmp))
+    _prepare(cfg)
+    _partition(cfg)
+    part = Partition.load(F.partition_dir(cfg))
+    spec = C.model_spec(cfg)
+    torch.set_num_threads(2)
+    state = run_pretrain(part, spec, C.pretrain_config(cfg))
+    path = F.source_model_path(cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"state": state, "spec": asdict(spec)}, path)
+    return {"cfg": cfg, "tmp": tmp, "partition": part, "spec": spec, "source": state}
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)

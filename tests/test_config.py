@@ -1,0 +1,51 @@
+"""The real Hydra config, composed with tiny overrides; every group option instantiates."""
+
+import pytest
+from omegaconf import OmegaConf
+
+from flows import config as C
+from flows.params import render
+
+
+@pytest.mark.parametrize("group,option", [(g, p.stem) for g in ("data", "model", "method", "aggregator", "flow")
+                                          for p in sorted((C.CONF_DIR / g).glob("*.yaml"))])
+def test_every_group_option_composes_and_builds(group, option):
+    cfg = C.compose([f"{group}={option}"])
+    C.model_spec(cfg).build()
+    assert C.arrival_config(cfg).method == cfg.method.name
+
+
+def test_params_yaml_is_conf_composed():
+    assert C.PARAMS.read_text() == render(), "params.yaml is stale: run `make params`"
+
+
+def test_params_file_and_overrides_agree():
+    a = C.load(C.PARAMS, ["method.params.lr=0.02"])
+    b = C.compose(["method.params.lr=0.02"])
+    assert OmegaConf.to_container(a) == OmegaConf.to_container(b)
+
+
+def test_sweep_cell_takes_group_defaults():
+    cfg = C.compose([])
+    acfg = C.arrival_config(cfg, method="tent", aggregator="none", seed=4)
+    assert (acfg.method, acfg.aggregator, acfg.seed) == ("tent", "none", 4)
+    assert acfg.method_params["lr"] == 0.01
+
+
+@pytest.mark.parametrize("override,match", [
+    ("method=cotta", "Could not find 'method/cotta'"),
+    ("aggregator.params.gamma=-1", "gamma must be >= 0"),
+    ("aggregator.params.beta=-1", "beta must be >= 0"),
+    ("method.params.lr=-0.1", "lr must be > 0"),
+    ("data.severity=7", "severity must be in 1..5"),
+    ("data.stream_order=sorted", "valid values are: shuffled, class_sorted"),
+    ("data.corruptions=[a,b,c,d,e,f,g,h,i,j,k,l,m,n,o,p]", "only 15 corruption domains"),
+])
+def test_invalid_values_are_rejected(override, match):
+    with pytest.raises(Exception, match=match):
+        C.compose([override])
+
+
+def test_unknown_sweep_cell_lists_valid_names():
+    with pytest.raises(ValueError, match="valid names are: bn, bpa, source, tent"):
+        C.arrival_config(C.compose([]), method="cotta")
