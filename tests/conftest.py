@@ -55,3 +55,12 @@ def tiny(tmp_path_factory):
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_services():
+    """Stop the temporary Prefect server the flows started, while pytest still owns stdout."""
+    yield
+    from flows import runtime
+
+    runtime.stop_prefect_api()
