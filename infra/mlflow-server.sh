@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# An MLflow tracking server with a real backend store (PostgreSQL) and an artifact root.
+# The flows default to a local SQLite file; point them here with
+#   python -m flows.stages sweep flow.tracking_uri=http://127.0.0.1:5000
+# Environment: MLFLOW_DB_URI (e.g. postgresql://mlflow:secret@127.0.0.1:5432/mlflow, needs psycopg2),
+#              MLFLOW_ARTIFACTS (a folder or an object-store URI), MLFLOW_PORT.
+set -euo pipefail
+: "${MLFLOW_DB_URI:=sqlite:///$(pwd)/mlruns.db}"
+: "${MLFLOW_ARTIFACTS:=$(pwd)/mlartifacts}"
+: "${MLFLOW_PORT:=5000}"
+exec mlflow server --backend-store-uri "$MLFLOW_DB_URI" --artifacts-destination "$MLFLOW_ARTIFACTS" \
+  --serve-artifacts --host 127.0.0.1 --port "$MLFLOW_PORT"
