@@ -62,8 +62,9 @@ def aggregate_task(updates: List) -> Dict[str, torch.Tensor]:
 
 @task(name="adapt-client", cache_policy=NO_CACHE)
 def adapt_client_task(global_state: Dict[str, torch.Tensor], spec: ModelSpec, client: Any, cfg: Any, seed: int,
-                      arrival: int, fault_marker: str | None = None) -> AdaptResult:
+                      arrival: int, fault_marker: str | None = None, threads: int = 1) -> AdaptResult:
     _maybe_fail(fault_marker)
+    torch.set_num_threads(threads)  # arrivals are sequential: the one running task may use every CPU
     return adapt_client(global_state=global_state, spec=spec, client=client, cfg=cfg, seed=seed, arrival=arrival)
 
 
@@ -242,8 +243,9 @@ def arrival(cfg: DictConfig) -> ArrivalsResult:
             fault = None
             if cfg.flow.inject_fault is not None and kw["arrival"] == int(cfg.flow.inject_fault):
                 fault = str(ckpt / f"fault-{kw['arrival']}.marker")
-            with runtime.task_resources(num_gpus=_gpus(cfg)):
-                return adapt.submit(fault_marker=fault, **kw)
+            threads = int(cfg.flow.num_cpus) if not cfg.flow.ray_address else 1
+            with runtime.task_resources(num_gpus=_gpus(cfg), num_cpus=threads):
+                return adapt.submit(fault_marker=fault, threads=threads, **kw)
 
         def on_arrival(record, st, res):
             logger.info("arrival %d (%s): online %.3f, hold-out(seen) %.3f, w=%.3f", record["arrival"],

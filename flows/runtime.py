@@ -42,7 +42,9 @@ def stop_prefect_api() -> None:
 
 
 def ray_init_kwargs(*, num_cpus: int, prefect_api_url: str, root: Path) -> Dict[str, Any]:
-    env = {"PREFECT_API_URL": prefect_api_url, "OMP_NUM_THREADS": "1",
+    # OMP_NUM_THREADS is left to Ray (it sets it from each task's num_cpus); tasks that get
+    # several CPUs call torch.set_num_threads themselves.
+    env = {"PREFECT_API_URL": prefect_api_url,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH", "")]))}
     for key in ("MLFLOW_TRACKING_URI", "PREFECT_LOGGING_LEVEL"):
         if key in os.environ:
