@@ -17,7 +17,7 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch/torchvision are pinned in pyproject (2.14.1 / 0.29.1); constraints.txt pins the rest.
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[platform,dev]'
+	$(BIN)/python -m pip install -q --no-compile -c constraints.txt -e '.[platform,dev]'
 	@mkdir -p $(RAY_TMPDIR)
 	@touch $@
 

@@ -17,6 +17,13 @@ def _plt():
     return plt
 
 
+def save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+    return path
+
+
 def plot_arrivals(records: List[Dict], acc_matrix: np.ndarray, corruptions: Sequence[str], folder: str | Path,
                   *, title: str = "") -> List[Path]:
     """online accuracy per arrival, accuracy-matrix heatmap, weight drift, gate weights and sigma."""
@@ -36,10 +43,7 @@ def plot_arrivals(records: List[Dict], acc_matrix: np.ndarray, corruptions: Sequ
     ax.set_ylabel("accuracy")
     ax.set_title(f"{title} accuracy per arrival")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(folder / "online_accuracy.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(save(fig, folder / "online_accuracy.png"))
 
     fig, ax = plt.subplots(figsize=(max(4, len(corruptions) * 0.6), max(3, len(a) * 0.2)))
     im = ax.imshow(acc_matrix, vmin=0, vmax=1, cmap="viridis", aspect="auto")
@@ -49,10 +53,7 @@ def plot_arrivals(records: List[Dict], acc_matrix: np.ndarray, corruptions: Sequ
     ax.set_ylabel("global model after arrival")
     fig.colorbar(im, ax=ax, label="accuracy")
     ax.set_title(f"{title} accuracy matrix", fontsize=9)
-    fig.tight_layout()
-    paths.append(folder / "accuracy_matrix.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(save(fig, folder / "accuracy_matrix.png"))
 
     fig, ax = plt.subplots(figsize=(6, 3.2))
     ax.plot(a, [r["drift_step"] for r in records], "o-", label=r"$\|\theta_G^{(k)}-\theta_G^{(k-1)}\|$")
@@ -61,10 +62,7 @@ def plot_arrivals(records: List[Dict], acc_matrix: np.ndarray, corruptions: Sequ
     ax.set_ylabel("L2 distance (parameters)")
     ax.set_title(f"{title} weight drift")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(folder / "weight_drift.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(save(fig, folder / "weight_drift.png"))
 
     fig, ax1 = plt.subplots(figsize=(6, 3.2))
     ax1.bar(a, [r["weight"] for r in records], color="tab:blue", alpha=0.6, label="merge weight w_k")
@@ -74,8 +72,5 @@ def plot_arrivals(records: List[Dict], acc_matrix: np.ndarray, corruptions: Sequ
     ax2.plot(a, [r["sigma"] for r in records], "o-", color="tab:red", label="sigma_k (entropy)")
     ax2.set_ylabel("sigma_k (nats)", color="tab:red")
     ax1.set_title(f"{title} gate weights")
-    fig.tight_layout()
-    paths.append(folder / "gate_weights.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(save(fig, folder / "gate_weights.png"))
     return paths

@@ -31,7 +31,7 @@ def train_client(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int,
     g = torch.Generator().manual_seed(seed)
     model.to(device).train()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
-    xt, yt = to_tensor(x, device=device), torch.as_tensor(y, device=device)
+    xt, yt = to_tensor(x, device=device), torch.as_tensor(np.array(y), device=device)
     total, count = 0.0, 0
     for _ in range(epochs):
         perm = torch.randperm(len(xt), generator=g).to(device)
