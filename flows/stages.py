@@ -97,10 +97,13 @@ def main(argv=None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     try:
         cfg = C.load(args.params, args.overrides)
         STAGES[args.stage](cfg)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, HydraException, OmegaConfBaseException) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

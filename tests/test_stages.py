@@ -1,0 +1,43 @@
+"""The command line names the fix for bad input, and nothing is half-written."""
+
+import pytest
+import torch
+
+from flows import federation as F
+from flows.stages import main
+
+from .conftest import tiny_overrides
+
+
+def test_unknown_method_on_the_command_line(capsys):
+    assert main(["arrival", "method=cotta"]) == 2
+    err = capsys.readouterr().err
+    assert "method/cotta" in err and "bpa" in err
+
+
+def test_impossible_value_on_the_command_line(capsys):
+    assert main(["arrival", "aggregator.params.gamma=-1"]) == 2
+    assert "gamma must be >= 0" in capsys.readouterr().err
+
+
+def test_missing_prepared_data_names_the_stage(tmp_path, capsys):
+    assert main(["partition", *tiny_overrides(tmp_path)]) == 2
+    assert "dvc repro prepare" in capsys.readouterr().err
+
+
+def test_missing_params_file_names_the_fix(tmp_path, capsys):
+    assert main(["prepare", "--params", str(tmp_path / "params.yaml")]) == 2
+    assert "make params" in capsys.readouterr().err
+
+
+def test_corrupt_or_mismatched_source_model_is_refused(tiny, tmp_path):
+    bad = tmp_path / "source.pt"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="dvc repro pretrain"):
+        F.load_source(bad, tiny["spec"])
+    other = tmp_path / "other.pt"
+    torch.save({"state": tiny["source"], "spec": {"name": "resnet20"}}, other)
+    with pytest.raises(ValueError, match="was trained for"):
+        F.load_source(other, tiny["spec"])
+    with pytest.raises(FileNotFoundError, match="dvc repro pretrain"):
+        F.load_source(tmp_path / "missing.pt", tiny["spec"])
