@@ -78,9 +78,8 @@ def run_cell_task(cfg_dict: Dict[str, Any], method: str, aggregator: str, seed: 
     t0 = time.perf_counter()
     res = run_arrivals(partition, spec, source, acfg, checkpoint_dir=ckpt, resume=bool(cfg.flow.resume),
                        stop_after=cfg.flow.stop_after)
-    return {"method": method, "aggregator": aggregator, "seed": seed, "records": res.records,
-            "acc_matrix": res.acc_matrix, "summary": res.summary, "final_state": res.final_state,
-            "seconds": time.perf_counter() - t0, "fingerprint": acfg.fingerprint(), "checkpoint_dir": str(ckpt)}
+    return {"method": method, "aggregator": aggregator, "seed": seed, "result": res,
+            "seconds": time.perf_counter() - t0}
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -182,17 +181,14 @@ def pretrain(cfg: DictConfig) -> Path:
         runtime.shutdown_ray()
 
 
-def _log_experiment(cfg: DictConfig, acfg, res: Dict[str, Any] | ArrivalsResult, *, spec: ModelSpec,
-                    partition: Partition, live: bool) -> None:
-    """Everything about one finished experiment on the active MLflow run."""
-    records = res["records"] if isinstance(res, dict) else res.records
-    acc = res["acc_matrix"] if isinstance(res, dict) else res.acc_matrix
-    summary = res["summary"] if isinstance(res, dict) else res.summary
-    final_state = res["final_state"] if isinstance(res, dict) else res.final_state
+def _log_experiment(cfg: DictConfig, acfg, res: ArrivalsResult, *, spec: ModelSpec, partition: Partition,
+                    live: bool) -> None:
+    """Everything about one finished experiment on the active MLflow run (arrivals too, unless ``live``)."""
+    records, acc = res.records, res.acc_matrix
     if not live:
         for rec in records:
             tracking.log_arrival(rec)
-    mlflow.log_metrics({f"final_{k}": v for k, v in summary.items()})
+    mlflow.log_metrics({f"final_{k}": v for k, v in res.summary.items()})
     out = C.resolve_path(cfg.paths.results) / "cells" / f"{acfg.method}-{acfg.aggregator}-s{acfg.seed}"
     plots = plot_arrivals(records, acc, [t.corruption for t in partition.targets], out,
                           title=f"{acfg.method}+{acfg.aggregator}")
@@ -201,7 +197,7 @@ def _log_experiment(cfg: DictConfig, acfg, res: Dict[str, Any] | ArrivalsResult,
     ckpt = _ckpt_dir(cfg, f"{acfg.method}-{acfg.aggregator}-s{acfg.seed}")
     tracking.log_files([ckpt / "server_state.pt", ckpt / "server_state.sha256"], artifact_path="checkpoints")
     model = spec.build()
-    model.load_state_dict(final_state)
+    model.load_state_dict(res.final_state)
     from fedcore.tensors import to_tensor
 
     example = to_tensor(partition.source_test_x[:2]).numpy()
@@ -284,12 +280,13 @@ def sweep(cfg: DictConfig) -> List[Dict[str, Any]]:
             res = fut.result()
             acfg = C.arrival_config(cfg, method=res["method"], aggregator=res["aggregator"], seed=res["seed"])
             with _start_experiment_run(cfg, acfg, spec):
-                _log_experiment(cfg, acfg, res, spec=spec, partition=partition, live=False)
-            s = res["summary"]
+                _log_experiment(cfg, acfg, res["result"], spec=spec, partition=partition, live=False)
+            s = res["result"].summary
             logger.info("[%d/%d] %s+%s seed %d: online %.3f, final hold-out %.3f, forgetting %+.3f (%.1fs)", i,
                         len(cells), res["method"], res["aggregator"], res["seed"], s["avg_online_acc"],
                         s["final_avg_holdout_acc"], s["forgetting"], res["seconds"])
-            results.append({k: res[k] for k in ("method", "aggregator", "seed", "summary", "seconds")})
+            results.append({"method": res["method"], "aggregator": res["aggregator"], "seed": res["seed"],
+                            "summary": s, "seconds": res["seconds"]})
         order = {c: i for i, c in enumerate(cells)}
         return sorted(results, key=lambda r: order[(r["method"], r["aggregator"], r["seed"])])
 
