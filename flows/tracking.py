@@ -8,6 +8,7 @@ model in the Model Registry.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import subprocess
@@ -38,6 +39,13 @@ def flatten(d: Mapping[str, Any], prefix: str = "") -> Dict[str, str]:
 
 
 def file_sha256(path: Path) -> str:
+    """sha256 of a file, computed once per (path, size, mtime): a sweep tags every cell with it."""
+    st = Path(path).stat()
+    return _file_sha256(str(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
