@@ -36,6 +36,9 @@ def ensure_prefect_api() -> str:
 def stop_prefect_api() -> None:
     global _SERVER
     if _SERVER is not None:
+        from prefect.logging.handlers import APILogWorker
+
+        APILogWorker.drain_all(timeout=5)  # send queued flow/task logs while the server is still there
         _SERVER.stop()
         os.environ.pop("PREFECT_API_URL", None)
         _SERVER = None
