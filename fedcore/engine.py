@@ -23,7 +23,7 @@ from torch import nn
 
 from fedcore.adapt import METHODS, USES_BATCH_STATS, create_method, softmax_entropy
 from fedcore.aggregate import MergeHistory, State, advance, create_aggregator, l2_distance, weighted_average
-from fedcore.data.partition import Partition, TargetClient
+from fedcore.data.partition import Partition, TargetClient, sha256_file
 from fedcore.evaluate import accuracy, forgetting
 from fedcore.models import create_model
 from fedcore.tensors import batches, resolve_device, state_to_cpu, to_tensor
@@ -246,22 +246,18 @@ class ServerState:
     acc_rows: List[List[float]]
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def save_checkpoint(folder: Path, st: ServerState) -> Path:
     """Atomically write ``server_state.pt`` and its sha256 (tmp file, then rename)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "server_state.pt"
     existing = folder / "server_state.sha256"
-    if path.exists() and existing.exists() and _sha256(path) != existing.read_text().strip():
+    if path.exists() and existing.exists() and sha256_file(path) != existing.read_text().strip():
         raise CheckpointError(f"refusing to overwrite {path}: it does not match its sha256 (corrupt); move it away")
     tmp = folder / "server_state.pt.tmp"
     payload = {"version": CHECKPOINT_VERSION, **asdict(st)}
     payload["history"] = asdict(st.history)
     torch.save(payload, tmp)
-    digest = _sha256(tmp)
+    digest = sha256_file(tmp)
     tmp.replace(path)
     (folder / "server_state.sha256").write_text(digest + "\n")
     return path
@@ -272,7 +268,7 @@ def load_checkpoint(folder: Path) -> ServerState | None:
     path, digest = folder / "server_state.pt", folder / "server_state.sha256"
     if not path.exists():
         return None
-    if not digest.exists() or _sha256(path) != digest.read_text().strip():
+    if not digest.exists() or sha256_file(path) != digest.read_text().strip():
         raise CheckpointError(
             f"checkpoint {path} does not match its sha256 file (truncated or corrupt). It has been left untouched; "
             "move it away to start fresh, or restore it from the MLflow run's artifacts."

@@ -9,7 +9,6 @@ model in the Model Registry.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import subprocess
 from pathlib import Path
@@ -19,6 +18,7 @@ import mlflow
 import numpy as np
 import torch
 
+from fedcore.data import sha256_file
 from flows.config import ROOT
 
 
@@ -46,11 +46,7 @@ def file_sha256(path: Path) -> str:
 
 @functools.lru_cache(maxsize=64)
 def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    return sha256_file(path)
 
 
 def git_commit() -> str:

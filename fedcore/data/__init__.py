@@ -7,11 +7,11 @@ from pathlib import Path
 import numpy as np
 
 from fedcore.data.corruptions import CORRUPTION_NAMES, corrupt
-from fedcore.data.partition import Partition, build_partition, sha256_arrays
+from fedcore.data.partition import Partition, build_partition, sha256_arrays, sha256_file
 from fedcore.data.sources import LOADERS, ImageSet, load_dataset
 
 __all__ = ["CORRUPTION_NAMES", "corrupt", "Partition", "build_partition", "ImageSet", "load_dataset",
-           "LOADERS", "save_prepared", "load_prepared", "sha256_arrays"]
+           "LOADERS", "save_prepared", "load_prepared", "sha256_arrays", "sha256_file"]
 
 
 def save_prepared(data: ImageSet, path: str | Path) -> str:

@@ -20,6 +20,15 @@ from fedcore.data.sources import ImageSet
 STREAM_ORDERS = ("shuffled", "class_sorted")
 
 
+def sha256_file(path: str | Path) -> str:
+    """sha256 of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def sha256_arrays(*arrays: np.ndarray) -> str:
     h = hashlib.sha256()
     for a in arrays:
