@@ -1,0 +1,138 @@
+"""What a federation promises each client: the privacy settings, resolved, and a ledger per client."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional
+
+from fedcore.privacy.accountant import (
+    CALIBRATIONS,
+    GDPAccountant,
+    calibrate_sigma,
+    check_clip_norm,
+    check_delta,
+    check_epsilon,
+    check_sigma,
+    gdp_epsilon,
+    mu_from_sigma,
+)
+from fedcore.privacy.dp import BACKENDS, MODES, PrivacySpec
+
+
+@dataclass(frozen=True)
+class PrivacyConfig:
+    """The privacy form of a run, as configured (``conf/privacy``).
+
+    ``mode``: ``off`` | ``clip`` (σ = 0) | ``dp``. In ``dp`` mode σ is calibrated so that one
+    arrival (every stream sample used ``uses`` times) costs ``epsilon`` at ``delta``, unless
+    ``noise_multiplier`` gives σ directly. ``budget`` caps a client's cumulative ε over all its
+    arrivals; a client that would exceed it is refused the update.
+    """
+
+    mode: str = "off"
+    epsilon: Optional[float] = None
+    delta: float = 1e-6
+    clip_norm: float = 1.0
+    noise_multiplier: Optional[float] = None
+    calibration: str = "dp-tta"
+    backend: str = "functorch"
+    budget: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown privacy mode {self.mode!r}; valid names are: {', '.join(MODES)}")
+        if self.calibration not in CALIBRATIONS:
+            raise ValueError(f"unknown calibration {self.calibration!r}; valid names are: {', '.join(CALIBRATIONS)}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown per-sample gradient backend {self.backend!r}; "
+                             f"valid names are: {', '.join(BACKENDS)}")
+        if self.mode == "off":
+            return
+        check_clip_norm(self.clip_norm)
+        if self.mode == "clip":
+            if self.budget is not None or self.epsilon is not None:
+                raise ValueError("clip-only mode (sigma = 0) gives no privacy guarantee, so epsilon and budget "
+                                 "do not apply; use privacy mode 'dp' for a guarantee")
+            return
+        check_delta(self.delta)
+        if self.noise_multiplier is None:
+            if self.epsilon is None:
+                raise ValueError("privacy mode 'dp' needs a target epsilon per arrival (privacy.epsilon) "
+                                 "or an explicit privacy.noise_multiplier")
+            check_epsilon(self.epsilon)
+        elif check_sigma(self.noise_multiplier) == 0:
+            raise ValueError("privacy mode 'dp' needs noise_multiplier > 0; for sigma = 0 use mode 'clip'")
+        if self.budget is not None:
+            check_epsilon(self.budget)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> "PrivacyConfig":
+        d = dict(d or {})
+        d.pop("name", None)
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown privacy setting(s) {sorted(unknown)}; valid names are: "
+                             f"{', '.join(cls.__dataclass_fields__)}")
+        return cls(**d)
+
+    def sigma(self, uses: int) -> float:
+        if self.mode != "dp":
+            return 0.0
+        if self.noise_multiplier is not None:
+            return float(self.noise_multiplier)
+        return calibrate_sigma(self.epsilon, self.delta, uses=uses, method=self.calibration)
+
+    def spec(self, uses: int) -> PrivacySpec:
+        return PrivacySpec(mode=self.mode, clip_norm=self.clip_norm, noise_multiplier=self.sigma(uses),
+                           backend=self.backend)
+
+    @property
+    def accounted(self) -> bool:
+        return self.mode == "dp"
+
+
+class Ledger:
+    """One :class:`GDPAccountant` per target client, keyed by client id."""
+
+    def __init__(self, cfg: PrivacyConfig, *, uses: int):
+        self.cfg, self.uses = cfg, uses
+        self.sigma = cfg.sigma(uses)
+        self.accountants: Dict[int, GDPAccountant] = {}
+
+    def account(self, client: int) -> GDPAccountant:
+        return self.accountants.setdefault(int(client), GDPAccountant())
+
+    def epsilon(self, client: int) -> float:
+        return self.account(client).get_epsilon(self.cfg.delta) if self.cfg.accounted else math.inf
+
+    def arrival_epsilon(self) -> float:
+        return gdp_epsilon(mu_from_sigma(self.sigma, self.uses), self.cfg.delta) if self.cfg.accounted else math.inf
+
+    def would_exceed(self, client: int) -> bool:
+        if not self.cfg.accounted or self.cfg.budget is None:
+            return False
+        after = self.account(client).epsilon_after(noise_multiplier=self.sigma, uses=self.uses, delta=self.cfg.delta)
+        return after > self.cfg.budget * (1 + 1e-9)
+
+    def charge(self, client: int) -> None:
+        if self.cfg.accounted:
+            self.account(client).step(noise_multiplier=self.sigma, uses=self.uses)
+
+    def state_dict(self) -> Dict[int, Dict[str, Any]]:
+        return {k: a.state_dict() for k, a in sorted(self.accountants.items())}
+
+    def load_state_dict(self, state: Mapping[int, Mapping[str, Any]]) -> None:
+        self.accountants = {}
+        for k, s in state.items():
+            self.account(int(k)).load_state_dict(dict(s))
+
+    def record(self, client: int, *, refused: bool) -> Dict[str, float]:
+        """The per-arrival ledger line for MLflow (finite numbers only)."""
+        if not self.cfg.accounted:
+            return {}
+        out = {"privacy_sigma": self.sigma, "privacy_refused": float(refused),
+               "eps_arrival": 0.0 if refused else self.arrival_epsilon(), "eps_client_total": self.epsilon(client)}
+        if self.cfg.budget is not None:
+            out["eps_budget_remaining"] = max(0.0, self.cfg.budget - out["eps_client_total"])
+        return out

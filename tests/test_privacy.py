@@ -1,0 +1,229 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fedcore.adapt import create_method
+from fedcore.models import create_model
+from fedcore.privacy import (
+    GDPAccountant,
+    Ledger,
+    PrivacyConfig,
+    PrivacySpec,
+    calibrate_sigma,
+    gdp_delta,
+    gdp_epsilon,
+    mu_from_sigma,
+    per_sample_grads_functorch,
+    per_sample_grads_opacus,
+    privatize,
+)
+from fedcore.privacy.audit import canary_audit, epsilon_lower_bound
+
+# DP-TTA's table: sigma for each epsilon at delta = 1e-6.
+PAPER = {1: 8.594, 5: 1.966, 10: 1.084, 15: 0.777, 20: 0.619}
+
+
+@pytest.mark.parametrize("eps,sigma", sorted(PAPER.items()))
+def test_calibrate_sigma_reproduces_the_paper_table(eps, sigma):
+    assert calibrate_sigma(eps, 1e-6) == pytest.approx(sigma, abs=0.002)
+
+
+@pytest.mark.parametrize("eps", sorted(PAPER))
+def test_exact_calibration_inverts_the_conversion_and_the_paper_is_conservative(eps):
+    exact = calibrate_sigma(eps, 1e-6, method="exact")
+    assert gdp_epsilon(2 / exact, 1e-6) == pytest.approx(eps, rel=1e-6)
+    assert gdp_delta(eps, 2 / exact) == pytest.approx(1e-6, rel=1e-4)
+    # The paper's sigma is never smaller, so its epsilon is within budget.
+    assert calibrate_sigma(eps, 1e-6) >= exact
+    assert gdp_epsilon(2 / PAPER[eps], 1e-6) <= eps
+
+
+def test_gdp_delta_at_zero_is_the_gaussian_tail_formula():
+    mu = 1.3
+    from scipy.stats import norm
+
+    assert gdp_delta(0.0, mu) == pytest.approx(2 * norm.cdf(mu / 2) - 1, rel=1e-12)
+    assert gdp_epsilon(mu, 0.9) == 0.0  # delta above delta(0): no epsilon needed
+
+
+def test_reuse_composes_as_mu_sqrt_k():
+    acc = GDPAccountant()
+    for _ in range(3):
+        acc.step(noise_multiplier=2.0)
+    assert acc.mu == pytest.approx(mu_from_sigma(2.0) * math.sqrt(3))
+    assert acc.mu == pytest.approx(mu_from_sigma(2.0, uses=3))
+    once = GDPAccountant()
+    once.step(noise_multiplier=2.0)
+    assert acc.get_epsilon(1e-6) > once.get_epsilon(1e-6)
+    # calibrating for k uses scales sigma by sqrt(k), so one arrival still costs the target
+    s1, s4 = calibrate_sigma(5, 1e-6, method="exact"), calibrate_sigma(5, 1e-6, uses=4, method="exact")
+    assert s4 == pytest.approx(2 * s1, rel=1e-6)
+
+
+def test_accountant_state_round_trip():
+    a = GDPAccountant()
+    a.step(noise_multiplier=1.5, uses=2)
+    a.step(noise_multiplier=3.0)
+    b = GDPAccountant()
+    b.load_state_dict(a.state_dict())
+    assert b.history == a.history and b.get_epsilon(1e-5) == a.get_epsilon(1e-5)
+    with pytest.raises(ValueError, match="not a GDP accountant"):
+        b.load_state_dict({"mechanism": "rdp", "history": []})
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(mode="dp", epsilon=0.0), "epsilon must be a finite number > 0"),
+    (dict(mode="dp", epsilon=-1.0), "epsilon must be a finite number > 0"),
+    (dict(mode="dp", epsilon=1.0, delta=0.0), "delta must lie strictly between 0 and 1"),
+    (dict(mode="dp", epsilon=1.0, delta=1.0), "delta must lie strictly between 0 and 1"),
+    (dict(mode="dp", epsilon=1.0, clip_norm=0.0), "clip norm C must be a finite number > 0"),
+    (dict(mode="dp", epsilon=1.0, clip_norm=-2.0), "clip norm C must be a finite number > 0"),
+    (dict(mode="dp", noise_multiplier=-0.5), "sigma must be >= 0"),
+    (dict(mode="dp"), "needs a target epsilon"),
+    (dict(mode="dp", noise_multiplier=0.0), "use mode 'clip'"),
+    (dict(mode="clip", budget=5.0), "no privacy guarantee"),
+    (dict(mode="secret"), "valid names are: off, clip, dp"),
+    (dict(mode="dp", epsilon=1.0, calibration="rdp"), "valid names are: dp-tta, exact"),
+])
+def test_impossible_privacy_parameters_are_rejected(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PrivacyConfig(**kwargs)
+
+
+def test_bad_values_rejected_by_the_functions_too():
+    with pytest.raises(ValueError, match="epsilon"):
+        calibrate_sigma(0, 1e-6)
+    with pytest.raises(ValueError, match="delta"):
+        calibrate_sigma(1, 1.5)
+    with pytest.raises(ValueError, match="sigma"):
+        mu_from_sigma(-1)
+    with pytest.raises(ValueError, match="clip norm"):
+        PrivacySpec(mode="clip", clip_norm=0)
+
+
+def test_ledger_refuses_once_the_budget_would_be_exceeded():
+    cfg = PrivacyConfig(mode="dp", epsilon=5.0, budget=6.0)
+    led = Ledger(cfg, uses=1)
+    assert not led.would_exceed(0)
+    led.charge(0)
+    assert led.epsilon(0) == pytest.approx(5.0, abs=0.05)
+    assert led.would_exceed(0)  # two arrivals compose to about 7.4 > 6
+    assert not led.would_exceed(1)  # another client's ledger is its own
+    rec = led.record(0, refused=True)
+    assert rec["privacy_refused"] == 1.0 and rec["eps_arrival"] == 0.0
+    assert rec["eps_budget_remaining"] == pytest.approx(6.0 - led.epsilon(0))
+
+
+# ------------------------------------------------------------------------------------ private gradients
+def gn_model(seed=0):
+    torch.manual_seed(seed)
+    return create_model("cnn", in_channels=1, num_classes=10, norm="group")
+
+
+@pytest.fixture
+def x():
+    torch.manual_seed(1)
+    return torch.randn(24, 1, 16, 16)
+
+
+def test_dp_on_batchnorm_fails_and_names_the_groupnorm_fix(x):
+    bn = create_model("cnn", in_channels=1, num_classes=10, norm="batch")
+    with pytest.raises(ValueError, match="model.norm=group"):
+        create_method("tent", bn, lr=0.1, privacy=PrivacySpec(mode="dp", noise_multiplier=1.0))
+
+
+@pytest.mark.parametrize("which", ["norm", "all"])
+def test_functorch_and_opacus_per_sample_gradients_agree(x, which):
+    m = gn_model()
+    method = create_method("tent", m, lr=0.1, adapt_params=which)
+    a = per_sample_grads_functorch(m, method.params, method.sample_loss, x, {})
+    b = per_sample_grads_opacus(m, method.params, method.sample_loss, x, {})
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5), k
+    # and they sum to the ordinary batch gradient
+    loss = method.sample_loss(m(x), {}, method.params).sum()
+    full = torch.autograd.grad(loss, list(method.params.values()))
+    for k, g in zip(a, full):
+        assert torch.allclose(a[k].sum(0), g, atol=1e-5), k
+
+
+def test_privatize_clips_each_sample_and_scales_noise():
+    per = {"w": torch.tensor([[3.0, 4.0], [0.3, 0.4]])}  # norms 5 and 0.5
+    g, stats = privatize(per, clip_norm=1.0, noise_multiplier=0.0, batch_size=2)
+    assert torch.allclose(g["w"], (torch.tensor([0.6, 0.8]) + torch.tensor([0.3, 0.4])) / 2)
+    assert stats["clip_fraction"] == 0.5
+    zeros = {"w": torch.zeros(10, 20000)}
+    torch.manual_seed(0)
+    g, _ = privatize(zeros, clip_norm=0.5, noise_multiplier=2.0, batch_size=10)
+    assert float(g["w"].std()) == pytest.approx(2.0 * 0.5 / 10, rel=0.03)
+
+
+@pytest.mark.parametrize("name", ["tent", "come", "bpa"])
+def test_clip_only_with_a_huge_clip_norm_is_the_plain_update(x, name):
+    """With C large enough nothing is clipped and Σ g_i / |B| is the plain mean gradient."""
+    a, b = gn_model(), gn_model()
+    create_method(name, a, lr=0.1, num_classes=10)(x)
+    create_method(name, b, lr=0.1, num_classes=10, privacy=PrivacySpec(mode="clip", clip_norm=1e6))(x)
+    for (k, va), vb in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.allclose(va, vb, atol=1e-6), k
+
+
+def test_private_update_norm_is_bounded_by_the_clip_norm(x):
+    """Without noise, one SGD step moves the parameters by at most lr * C (each sample clipped to C)."""
+    m = gn_model()
+    method = create_method("tent", m, lr=1.0, momentum=0.0, privacy=PrivacySpec(mode="clip", clip_norm=1e-3))
+    before = {k: p.detach().clone() for k, p in method.params.items()}
+    method(x * 50)
+    step = torch.sqrt(sum(((p.detach() - before[k]) ** 2).sum() for k, p in method.params.items()))
+    assert 0 < float(step) <= 1e-3 * (1 + 1e-5)
+    assert method.private.stats["clip_fraction"] == 1.0
+
+
+@pytest.mark.parametrize("name", ["tent", "eata", "sar", "deyo", "come", "bpa"])
+def test_every_method_has_a_deterministic_private_form(x, name):
+    def run():
+        torch.manual_seed(3)
+        m = gn_model()
+        kw = {"source_x": x[:8]} if name == "eata" else {}
+        method = create_method(name, m, lr=0.05, num_classes=10, privacy=PrivacySpec(mode="dp", noise_multiplier=1.0),
+                               **kw)
+        for _ in range(3):
+            out = method(x)
+        return out, m.state_dict()
+
+    (o1, s1), (o2, s2) = run(), run()
+    assert torch.equal(o1, o2)
+    assert all(torch.equal(s1[k], s2[k]) for k in s1)
+    base = gn_model().state_dict()
+    assert any(not torch.equal(s1[k], base[k]) for k in s1)  # it did adapt
+
+
+# ------------------------------------------------------------------------------------ audit
+def test_epsilon_lower_bound_of_identical_scores_is_zero():
+    s = np.zeros(100)
+    assert epsilon_lower_bound(s, s, delta=1e-5) == 0.0
+    sep = epsilon_lower_bound(np.ones(200), np.zeros(200), delta=1e-5)
+    assert 3.5 < sep < math.log(200)  # perfect separation, limited by the number of trials
+
+
+@pytest.mark.slow
+def test_canary_audit_never_beats_the_accountant_and_catches_clip_only():
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    pool = torch.tensor(d.images[:400] / 8.0 - 1.0, dtype=torch.float32).unsqueeze(1)
+
+    def build():
+        return gn_model(seed=0)
+
+    # C far below the per-sample gradient norms: every sample is clipped, the tight regime.
+    clip = canary_audit(build, pool, spec=PrivacySpec(mode="clip", clip_norm=1e-3), delta=1e-5, num_classes=10,
+                        trials=150, stream_size=4, seed=0)
+    assert clip.epsilon_lower > 2.0 and clip.auc > 0.9  # no noise: the attack sees the canary
+    for sigma in (0.5, 2.0):
+        res = canary_audit(build, pool, spec=PrivacySpec(mode="dp", clip_norm=1e-3, noise_multiplier=sigma),
+                           delta=1e-5, num_classes=10, trials=150, stream_size=4, seed=1)
+        assert res.epsilon_lower <= res.epsilon_accountant
+        assert res.auc < clip.auc
