@@ -100,7 +100,7 @@ def test_precision_modes_are_mirror_images():
 
 
 def test_bad_method_input():
-    with pytest.raises(ValueError, match="valid names are: bn, bpa, source, tent"):
+    with pytest.raises(ValueError, match="valid names are: bn, bpa, come, deyo, eata, sar, source, tent"):
         create_method("cotta", model())
     with pytest.raises(ValueError, match="learning rate must be > 0"):
         create_method("tent", model(), lr=-0.1)

@@ -6,19 +6,27 @@ and returns the wrapped :class:`~fedcore.adapt.base.TTAMethod`.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from fedcore.adapt.base import (
+    GradientMethod,
     TTAMethod,
     check_norm_params,
+    collect_params,
     collect_norm_params,
     configure_norm_adaptation,
     make_optimizer,
     softmax_entropy,
 )
 from fedcore.adapt.bpa import BPA, PRECISION_MODES, prior_precision
+from fedcore.adapt.come import COME, opinion_entropy
+from fedcore.adapt.deyo import DeYO, shuffle_patches
+from fedcore.adapt.eata import EATA, fisher_information
+from fedcore.adapt.sar import SAR
 from fedcore.adapt.simple import BatchNormAdapt, Source
 from fedcore.adapt.tent import Tent
+from fedcore.privacy.dp import PrivacySpec, PrivateGradient
 from fedcore.registry import Registry
 
 METHODS: Registry[TTAMethod] = Registry("adaptation method")
@@ -36,27 +44,72 @@ def _bn(*, model: nn.Module, **_) -> TTAMethod:
     return BatchNormAdapt(model)
 
 
+def _gradient_method(cls, *, model: nn.Module, lr: float, optimizer: str = "sgd", momentum: float = 0.9,
+                     steps: int = 1, adapt_params: str = "norm", privacy: PrivacySpec | None = None, **kw) -> TTAMethod:
+    """Configure ``model`` (norm layers in train mode, the rest frozen), pick the adapted
+    parameters, and wire in the private gradient when ``privacy`` asks for one."""
+    configure_norm_adaptation(model, grad=False)
+    params = collect_params(model, adapt_params)
+    private = PrivateGradient(model, params, privacy) if privacy is not None and privacy.private else None
+    opt = make_optimizer(params.values(), optimizer=optimizer, lr=lr, momentum=momentum)
+    return cls(model, opt, params, steps=steps, private=private, **kw)
+
+
 @METHODS.register("tent")
-def _tent(*, model: nn.Module, lr: float, optimizer: str = "sgd", momentum: float = 0.9, steps: int = 1,
-          **_) -> TTAMethod:
-    configure_norm_adaptation(model, grad=True)
-    check_norm_params(model)
-    params, _ = collect_norm_params(model)
-    return Tent(model, make_optimizer(params, optimizer=optimizer, lr=lr, momentum=momentum), steps=steps)
+def _tent(*, model: nn.Module, num_classes: int | None = None, **hp) -> TTAMethod:
+    return _gradient_method(Tent, model=model, **hp)
 
 
 @METHODS.register("bpa")
-def _bpa(*, model: nn.Module, lr: float, num_classes: int, optimizer: str = "sgd", momentum: float = 0.9,
-         steps: int = 1, sigma0: float = 1.0, precision_mode: str = "confidence", **_) -> TTAMethod:
-    configure_norm_adaptation(model, grad=True)
-    check_norm_params(model)
-    params, _ = collect_norm_params(model)
-    opt = make_optimizer(params, optimizer=optimizer, lr=lr, momentum=momentum)
-    return BPA(model, opt, num_classes=num_classes, sigma0=sigma0, precision_mode=precision_mode, steps=steps)
+def _bpa(*, model: nn.Module, num_classes: int, sigma0: float = 1.0, precision_mode: str = "confidence",
+         **hp) -> TTAMethod:
+    if hp.get("privacy") is not None and hp["privacy"].private and hp["privacy"].backend == "opacus":
+        raise ValueError("private bpa puts the prior inside each sample's loss, which Opacus' layer hooks cannot "
+                         "see; use privacy.backend=functorch")
+    return _gradient_method(BPA, model=model, num_classes=num_classes, sigma0=sigma0, precision_mode=precision_mode,
+                            **hp)
+
+
+@METHODS.register("eata")
+def _eata(*, model: nn.Module, num_classes: int, e_margin_coeff: float = 0.4, d_margin: float = 0.05,
+          fisher_alpha: float = 2000.0, fisher_size: int = 2000, source_x: torch.Tensor | None = None,
+          **hp) -> TTAMethod:
+    method = _gradient_method(EATA, model=model, num_classes=num_classes, e_margin_coeff=e_margin_coeff,
+                              d_margin=d_margin, fisher_alpha=fisher_alpha, **hp)
+    if fisher_alpha > 0:
+        if source_x is None or len(source_x) == 0:
+            raise ValueError("EATA's Fisher regulariser needs source samples (source_x); pass them, "
+                             "or set fisher_alpha: 0 to run without it")
+        method.fisher = fisher_information(model, method.params, source_x[:fisher_size])
+    return method
+
+
+@METHODS.register("sar")
+def _sar(*, model: nn.Module, num_classes: int, e_margin_coeff: float = 0.4, rho: float = 0.05,
+         reset_constant: float = 0.2, ema_momentum: float = 0.9, **hp) -> TTAMethod:
+    return _gradient_method(SAR, model=model, num_classes=num_classes, e_margin_coeff=e_margin_coeff, rho=rho,
+                            reset_constant=reset_constant, ema_momentum=ema_momentum, **hp)
+
+
+@METHODS.register("deyo")
+def _deyo(*, model: nn.Module, num_classes: int, deyo_margin_coeff: float = 0.5, e_margin_coeff: float = 0.4,
+          plpd_threshold: float = 0.2, patch_len: int = 4, reweight_ent: float = 1.0, reweight_plpd: float = 1.0,
+          **hp) -> TTAMethod:
+    return _gradient_method(DeYO, model=model, num_classes=num_classes, deyo_margin_coeff=deyo_margin_coeff,
+                            e_margin_coeff=e_margin_coeff, plpd_threshold=plpd_threshold, patch_len=patch_len,
+                            reweight_ent=reweight_ent, reweight_plpd=reweight_plpd, **hp)
+
+
+@METHODS.register("come")
+def _come(*, model: nn.Module, num_classes: int, prior_weight: float | None = None, **hp) -> TTAMethod:
+    return _gradient_method(COME, model=model, num_classes=num_classes, prior_weight=prior_weight, **hp)
 
 
 # Methods that normalise with test-batch statistics; their models are scored the same way.
-USES_BATCH_STATS = frozenset({"bn", "tent", "bpa"})
+USES_BATCH_STATS = frozenset({"bn", "tent", "bpa", "eata", "sar", "deyo", "come"})
+# Methods that take gradients, so have a private form; and those that need source samples.
+GRADIENT_METHODS = frozenset({"tent", "bpa", "eata", "sar", "deyo", "come"})
+NEEDS_SOURCE = frozenset({"eata"})
 
 
 def create_method(name: str, model: nn.Module, **hparams) -> TTAMethod:
@@ -64,5 +117,6 @@ def create_method(name: str, model: nn.Module, **hparams) -> TTAMethod:
     return METHODS.create(name, model=model, **hparams)
 
 
-__all__ = ["METHODS", "create_method", "TTAMethod", "Tent", "BPA", "Source", "BatchNormAdapt", "softmax_entropy",
+__all__ = ["METHODS", "create_method", "TTAMethod", "GradientMethod", "Tent", "BPA", "EATA", "SAR", "DeYO", "COME",
+           "GRADIENT_METHODS", "NEEDS_SOURCE", "opinion_entropy", "shuffle_patches", "fisher_information", "Source", "BatchNormAdapt", "softmax_entropy",
            "prior_precision", "USES_BATCH_STATS", "PRECISION_MODES", "configure_norm_adaptation", "collect_norm_params"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Iterable, List
+from typing import Any, Dict, Iterable, List, Mapping
 
 import torch
 from torch import nn
@@ -104,3 +104,97 @@ def make_optimizer(params: Iterable[nn.Parameter], *, optimizer: str, lr: float,
     if optimizer == "adam":
         return torch.optim.Adam(list(params), lr=lr, betas=(0.9, 0.999), weight_decay=weight_decay)
     raise ValueError(f"unknown optimizer {optimizer!r}; valid names are: adam, sgd")
+
+
+def collect_params(model: nn.Module, which: str) -> Dict[str, nn.Parameter]:
+    """The parameters a method adapts, by name: ``norm`` (affine parameters of the norm layers,
+    as Tent) or ``all``. Everything else is frozen."""
+    if which == "norm":
+        params, names = collect_norm_params(model)
+        named = dict(zip(names, params))
+    elif which == "all":
+        named = dict(model.named_parameters())
+    else:
+        raise ValueError(f"unknown adapt_params {which!r}; valid names are: all, norm")
+    if not named:
+        check_norm_params(model)
+    for p in named.values():
+        p.requires_grad_(True)
+    return named
+
+
+class GradientMethod(TTAMethod):
+    """An entropy-style method written as a per-sample loss, so it has a plain and a private form.
+
+    Subclasses define:
+
+    * ``aux(x, logits)``: per-sample, detached quantities computed from the batch without
+      gradients (filters, weights, PLPD, prior precisions), a dict of (N, ...) tensors;
+    * ``sample_loss(logits, aux, params)``: the differentiable per-sample loss, shape (N,);
+    * ``penalty(params)`` (optional): a term that depends on the parameters only (EATA's
+      Fisher regulariser), added outside the privacy boundary;
+    * ``plain_normaliser(aux, n)``: what the plain form divides the summed loss by (the
+      number of samples the filters kept, as the originals do); 0 skips the update.
+
+    Plain form: one forward with gradients, loss = Σ sample_loss / normaliser + penalty.
+    Private form (``private`` given): a forward without gradients for the prediction and
+    ``aux``, then the clipped, noised per-sample gradient of ``sample_loss`` divided by the
+    batch size, plus the penalty's gradient. Filters there become per-sample 0/1 weights.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, params: Dict[str, nn.Parameter], *,
+                 steps: int = 1, private: Any = None):
+        super().__init__(model, optimizer, steps=steps)
+        self.params = params
+        self.private = private  # a fedcore.privacy.PrivateGradient, or None
+        self.kept = 0  # samples that passed the filters (plain form), summed over batches
+
+    # -- what a subclass defines
+    def aux(self, x: torch.Tensor, logits: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return {}
+
+    def sample_loss(self, logits: torch.Tensor, aux: Mapping[str, torch.Tensor],
+                    params: Mapping[str, torch.Tensor]) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def penalty(self, params: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+        return None
+
+    def plain_normaliser(self, aux: Mapping[str, torch.Tensor], n: int) -> float:
+        return float(aux["mask"].sum()) if "mask" in aux else float(n)
+
+    # -- the two forms
+    @torch.enable_grad()
+    def forward_and_adapt(self, x: torch.Tensor) -> torch.Tensor:
+        if self.private is not None:
+            return self._private_step(x)
+        logits = self.model(x)
+        aux = self.aux(x, logits.detach())
+        denom = self.plain_normaliser(aux, len(x))
+        self.kept += int(denom)
+        if denom > 0:
+            loss = self.sample_loss(logits, aux, self.params).sum() / denom
+            pen = self.penalty(self.params)
+            if pen is not None:
+                loss = loss + pen
+            loss.backward()
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return logits.detach()
+
+    def _private_step(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            logits = self.model(x)
+            aux = self.aux(x, logits)
+        self.apply_gradient(self.private(self.sample_loss, x, aux))
+        return logits
+
+    def apply_gradient(self, grads: Mapping[str, torch.Tensor]) -> None:
+        """Set ``p.grad`` to the given gradient plus the penalty's, then take an optimizer step."""
+        pen = self.penalty(self.params)
+        pen_grads = torch.autograd.grad(pen, list(self.params.values()), allow_unused=True) if pen is not None \
+            else [None] * len(self.params)
+        for (k, p), pg in zip(self.params.items(), pen_grads):
+            p.grad = grads[k].detach().clone() if pg is None else grads[k].detach() + pg
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)

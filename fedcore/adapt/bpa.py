@@ -23,7 +23,7 @@ import math
 import torch
 from torch import nn
 
-from fedcore.adapt.base import TTAMethod, collect_norm_params, softmax_entropy
+from fedcore.adapt.base import GradientMethod, collect_norm_params, softmax_entropy
 
 PRECISION_MODES = ("confidence", "literal")
 
@@ -41,39 +41,52 @@ def prior_precision(mean_entropy: float, *, num_classes: int, sigma0: float, mod
     raise ValueError(f"unknown precision_mode {mode!r}; valid names are: {', '.join(PRECISION_MODES)}")
 
 
-class BPA(TTAMethod):
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, num_classes: int,
-                 sigma0: float = 1.0, precision_mode: str = "confidence", steps: int = 1):
-        super().__init__(model, optimizer, steps=steps)
+class BPA(GradientMethod):
+    """Private form: the precision becomes per-sample, λ_i from the global model's entropy on
+    x_i alone, and the prior term ½·λ_i·‖θ − θ_G‖² joins that sample's clipped loss (its batch
+    mean is the plain form's prior with the batch's mean entropy). A running mean over
+    batches would couple every later update to every earlier sample, with no sensitivity bound.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, params=None, *, num_classes: int,
+                 sigma0: float = 1.0, precision_mode: str = "confidence", steps: int = 1, private=None):
         prior_precision(0.0, num_classes=num_classes, sigma0=sigma0, mode=precision_mode)  # validate early
+        if params is None:
+            norm_params, names = collect_norm_params(model)
+            params = dict(zip(names, norm_params))
+        super().__init__(model, optimizer, params, steps=steps, private=private)
         self.num_classes, self.sigma0, self.precision_mode = num_classes, sigma0, precision_mode
-        params, _ = collect_norm_params(model)
-        self._params = params
-        self._anchor = [p.detach().clone() for p in params]
+        self._anchor = {k: p.detach().clone() for k, p in params.items()}
         self._global = copy.deepcopy(model).eval()  # the received θ_G, frozen, for Ē
         self._global.requires_grad_(False)
         self._entropy_sum, self._entropy_n = 0.0, 0
         self.last_precision = float("nan")
 
+    def _prior(self, params) -> torch.Tensor:
+        return sum(((p - self._anchor[k]) ** 2).sum() for k, p in params.items())
+
     @torch.no_grad()
-    def _update_global_entropy(self, x: torch.Tensor) -> float:
+    def aux(self, x, logits):
         h = softmax_entropy(self._global(x))
+        if self.private is not None:
+            lam = ((math.log(self.num_classes) - h.clamp(0, math.log(self.num_classes))) if self.precision_mode ==
+                   "confidence" else h.clamp(0, math.log(self.num_classes))) / self.sigma0 ** 2
+            self.last_precision = float(lam.mean())
+            return {"lam": lam}
         self._entropy_sum += float(h.sum())
         self._entropy_n += len(h)
-        return self._entropy_sum / self._entropy_n
+        self.last_precision = prior_precision(self._entropy_sum / self._entropy_n, num_classes=self.num_classes,
+                                              sigma0=self.sigma0, mode=self.precision_mode)
+        return {}
 
-    @torch.enable_grad()
-    def forward_and_adapt(self, x: torch.Tensor) -> torch.Tensor:
-        mean_h = self._update_global_entropy(x)
-        lam = prior_precision(mean_h, num_classes=self.num_classes, sigma0=self.sigma0, mode=self.precision_mode)
-        self.last_precision = lam
-        logits = self.model(x)
-        prior = sum(((p - a) ** 2).sum() for p, a in zip(self._params, self._anchor))
-        loss = softmax_entropy(logits).mean(0) + 0.5 * lam * prior
-        loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return logits.detach()
+    def sample_loss(self, logits, aux, params) -> torch.Tensor:
+        loss = softmax_entropy(logits)
+        if "lam" in aux:
+            loss = loss + 0.5 * aux["lam"] * self._prior(params)
+        return loss
+
+    def penalty(self, params):
+        return None if self.private is not None else 0.5 * self.last_precision * self._prior(params)
 
     def reset(self) -> None:
         super().reset()

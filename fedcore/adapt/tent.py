@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import torch
 
-from fedcore.adapt.base import TTAMethod, softmax_entropy
+from fedcore.adapt.base import GradientMethod, softmax_entropy
 
 
-class Tent(TTAMethod):
-    """One gradient step on the mean prediction entropy per batch."""
+class Tent(GradientMethod):
+    """One gradient step on the mean prediction entropy per batch.
 
-    @torch.enable_grad()
-    def forward_and_adapt(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.model(x)
-        loss = softmax_entropy(logits).mean(0)
-        loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return logits.detach()
+    Private form: each sample's entropy is its own loss; nothing else is data-dependent.
+    """
+
+    def sample_loss(self, logits: torch.Tensor, aux: Mapping[str, torch.Tensor], params) -> torch.Tensor:
+        return softmax_entropy(logits)
