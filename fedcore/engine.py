@@ -21,11 +21,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedcore.adapt import METHODS, USES_BATCH_STATS, create_method, softmax_entropy
+from fedcore.adapt import GRADIENT_METHODS, METHODS, NEEDS_SOURCE, USES_BATCH_STATS, create_method, softmax_entropy
 from fedcore.aggregate import MergeHistory, State, advance, create_aggregator, l2_distance, weighted_average
 from fedcore.data.partition import Partition, TargetClient, sha256_file
 from fedcore.evaluate import accuracy, forgetting
 from fedcore.models import create_model
+from fedcore.privacy import Ledger, PrivacyConfig
 from fedcore.tensors import batches, resolve_device, state_to_cpu, to_tensor
 from fedcore.train import LocalResult, train_client
 
@@ -76,9 +77,14 @@ class ArrivalConfig:
     batch_size: int = 64
     seed: int = 0
     device: str = "cpu"
+    privacy: Dict[str, Any] = field(default_factory=dict)  # see fedcore.privacy.PrivacyConfig; {} = off
 
     def __post_init__(self) -> None:
         METHODS.get(self.method)  # unknown names fail here, listing the valid ones
+        pcfg = self.privacy_config()
+        if pcfg.mode != "off" and self.method not in GRADIENT_METHODS:
+            raise ValueError(f"privacy mode {pcfg.mode!r} privatises gradient updates, and method {self.method!r} "
+                             f"takes none; private forms exist for: {', '.join(sorted(GRADIENT_METHODS))}")
         create_aggregator(self.aggregator, **self.aggregator_params)
         for key in ("lr", "sigma0"):
             v = self.method_params.get(key)
@@ -95,6 +101,24 @@ class ArrivalConfig:
         if bad:
             raise ValueError(f"arrival order names client(s) {bad}, but only 0..{num_clients - 1} exist")
         return order * self.passes
+
+    def privacy_config(self) -> PrivacyConfig:
+        return PrivacyConfig.from_dict(self.privacy)
+
+    @property
+    def uses_per_arrival(self) -> int:
+        """How many private gradients each stream sample enters in one arrival."""
+        return int(self.method_params.get("steps", 1))
+
+    @property
+    def form(self) -> str:
+        """plain | clip | dp-eps<ε> | dp-sigma<σ>: the privacy form, for names and tables."""
+        p = self.privacy_config()
+        if p.mode == "off":
+            return "plain"
+        if p.mode == "clip":
+            return "clip"
+        return f"dp-eps{p.epsilon:g}" if p.noise_multiplier is None else f"dp-sigma{p.noise_multiplier:g}"
 
     def fingerprint(self) -> str:
         d = asdict(self)
@@ -146,8 +170,14 @@ class AdaptResult:
 
 
 def adapt_client(*, global_state: State, spec: ModelSpec, client: TargetClient, cfg: ArrivalConfig,
-                 seed: int, arrival: int = -1) -> AdaptResult:
-    """Adapt the received global model on the client's unlabelled stream, batch by batch."""
+                 seed: int, arrival: int = -1, source_x: np.ndarray | None = None,
+                 refused: bool = False) -> AdaptResult:
+    """Adapt the received global model on the client's unlabelled stream, batch by batch.
+
+    ``source_x``: source samples for methods that need them (EATA's Fisher). ``refused``: the
+    client's privacy budget is spent, so it only predicts with the global model it received
+    and sends that model back unchanged.
+    """
     t0 = time.perf_counter()
     torch.manual_seed(seed)
     device = resolve_device(cfg.device)
@@ -155,7 +185,15 @@ def adapt_client(*, global_state: State, spec: ModelSpec, client: TargetClient, 
     model.load_state_dict(global_state)
     params = dict(cfg.method_params)
     params.setdefault("num_classes", spec.num_classes)
-    method = create_method(cfg.method, model, **params)
+    if refused:
+        method = create_method("source", model)
+    else:
+        pcfg = cfg.privacy_config()
+        if pcfg.mode != "off":
+            params["privacy"] = pcfg.spec(cfg.uses_per_arrival)
+        if cfg.method in NEEDS_SOURCE and source_x is not None:
+            params["source_x"] = to_tensor(source_x, device=device)
+        method = create_method(cfg.method, model, **params)
     x = to_tensor(client.stream_x, device=device)
     correct = 0
     for sl in batches(len(x), cfg.batch_size):
@@ -164,6 +202,10 @@ def adapt_client(*, global_state: State, spec: ModelSpec, client: TargetClient, 
     extras = {}
     if hasattr(method, "last_precision"):
         extras["prior_precision"] = float(method.last_precision)
+    if getattr(method, "private", None) is not None:
+        extras.update({f"dp_{k}": float(v) for k, v in method.private.stats.items()})
+    if hasattr(method, "resets"):
+        extras["sar_resets"] = float(method.resets)
     model.eval()
     with torch.no_grad():
         ent = [softmax_entropy(model(x[sl])) for sl in batches(len(x), 512)]
@@ -244,6 +286,7 @@ class ServerState:
     history: MergeHistory
     records: List[Dict[str, Any]]
     acc_rows: List[List[float]]
+    ledgers: Dict[int, Dict[str, Any]] = field(default_factory=dict)  # privacy ledger per client (dp mode)
 
 
 def save_checkpoint(folder: Path, st: ServerState) -> Path:
@@ -291,6 +334,7 @@ class ArrivalsResult:
     summary: Dict[str, float]
     final_state: State
     schedule: List[int]
+    ledgers: Dict[int, Dict[str, Any]] = field(default_factory=dict)
 
 
 def summarise(records: List[Dict[str, Any]], acc_matrix: np.ndarray, schedule: List[int]) -> Dict[str, float]:
@@ -306,7 +350,17 @@ def summarise(records: List[Dict[str, Any]], acc_matrix: np.ndarray, schedule: L
         "forgetting": forgetting(acc_matrix[:, seen], [last_visit[k] for k in seen]),
         "source_acc": float(records[-1]["source_acc"]),
         "total_drift": float(records[-1]["drift_total"]),
+        **privacy_summary(records),
     }
+
+
+def privacy_summary(records: List[Dict[str, Any]]) -> Dict[str, float]:
+    """The largest ε any client has spent, and how many updates were refused (dp mode only)."""
+    if not records or "eps_client_total" not in records[0]:
+        return {}
+    return {"eps_max_client": float(max(r["eps_client_total"] for r in records)),
+            "eps_per_arrival": float(max(r["eps_arrival"] for r in records)),
+            "privacy_refusals": float(sum(r["privacy_refused"] for r in records))}
 
 
 ArrivalHook = Callable[[Dict[str, Any], ServerState, AdaptResult], None]
@@ -351,15 +405,31 @@ def run_arrivals(partition: Partition, spec: ModelSpec, source_state: State, cfg
 
         steps = tqdm(steps, desc=f"{cfg.method}+{cfg.aggregator} arrivals", unit="client",
                      initial=st.done, total=len(schedule))
+    ledger = Ledger(cfg.privacy_config(), uses=cfg.uses_per_arrival)
+    ledger.load_state_dict(st.ledgers)
+    source_x = source_pool(partition, int(cfg.method_params.get("fisher_size", 2000)), cfg.seed) \
+        if cfg.method in NEEDS_SOURCE else None
+
     def submit_arrival(a: int, global_state: State):
-        return submit(adapt_client, global_state=global_state, spec=spec, client=partition.targets[schedule[a]],
-                      cfg=cfg, seed=cfg.seed * 100_003 + a, arrival=a)
+        # The ledger is charged when the client is sent off, so the next client's decision
+        # (submitted before this one's result is in) already sees this charge.
+        k = schedule[a]
+        refused = ledger.would_exceed(k)
+        if not refused:
+            ledger.charge(k)
+        fut = submit(adapt_client, global_state=global_state, spec=spec, client=partition.targets[k],
+                     cfg=cfg, seed=cfg.seed * 100_003 + a, arrival=a, source_x=source_x, refused=refused)
+        return fut, refused, ledger.record(k, refused=refused), ledger.state_dict()
 
     pending = submit_arrival(st.done, st.global_state) if st.done < len(schedule) else None
     for a in steps:
         k = schedule[a]
-        res: AdaptResult = pending.result()
-        new_global, weight = merger.merge(st.global_state, res.state, sigma=res.sigma, history=st.history)
+        fut, refused, privacy_record, ledger_state = pending
+        res: AdaptResult = fut.result()
+        if refused:  # nothing private was learnt: the server keeps its model and its merge history
+            new_global, weight = st.global_state, 0.0
+        else:
+            new_global, weight = merger.merge(st.global_state, res.state, sigma=res.sigma, history=st.history)
         # The next client needs only the merged model: start it now, so that its adaptation
         # overlaps this arrival's evaluation, checkpoint and logging (same results, less wall time).
         stopping = stop_after is not None and a + 1 >= stop_after
@@ -375,11 +445,11 @@ def run_arrivals(partition: Partition, spec: ModelSpec, source_state: State, cfg
             "drift_total": l2_distance(new_global, st.theta0, param_keys),
             "source_acc": ev["source_acc"], "holdout_acc_client": ev["holdout"][k],
             "holdout_avg_seen": float(np.mean([ev["holdout"][j] for j in seen])),
-            "adapt_seconds": res.seconds, **res.extras,
+            "adapt_seconds": res.seconds, **res.extras, **privacy_record,
         }
         st = ServerState(done=a + 1, fingerprint=fp, global_state=new_global, theta0=st.theta0,
-                         history=advance(st.history, sigma=res.sigma, weight=weight),
-                         records=st.records + [record], acc_rows=st.acc_rows + [row])
+                         history=st.history if refused else advance(st.history, sigma=res.sigma, weight=weight),
+                         records=st.records + [record], acc_rows=st.acc_rows + [row], ledgers=ledger_state)
         if folder is not None:
             save_checkpoint(folder, st)
         if on_arrival is not None:
@@ -388,4 +458,11 @@ def run_arrivals(partition: Partition, spec: ModelSpec, source_state: State, cfg
             raise RunInterrupted(f"stopped after arrival {st.done} as asked; resume to continue")
     acc = np.asarray(st.acc_rows, dtype=float)
     return ArrivalsResult(records=st.records, acc_matrix=acc, summary=summarise(st.records, acc, schedule),
-                          final_state=st.global_state, schedule=schedule)
+                          final_state=st.global_state, schedule=schedule, ledgers=st.ledgers)
+
+
+def source_pool(partition: Partition, size: int, seed: int) -> np.ndarray:
+    """``size`` labelled-source images (labels dropped), the same for every arrival of a run."""
+    x = np.concatenate(partition.source_x)
+    idx = np.random.default_rng(seed).permutation(len(x))[:size]
+    return x[np.sort(idx)]

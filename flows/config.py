@@ -64,7 +64,7 @@ def validate(cfg: DictConfig) -> None:
     if not 1 <= int(d.severity) <= 5:
         raise ValueError(f"data.severity must be in 1..5, got {d.severity}")
     pretrain_config(cfg)
-    arrival_config(cfg)  # checks method, aggregator, lr, gamma, beta, passes
+    arrival_config(cfg)  # checks method, aggregator, lr, gamma, beta, passes, privacy
 
 
 def model_spec(cfg: DictConfig) -> ModelSpec:
@@ -80,9 +80,35 @@ def pretrain_config(cfg: DictConfig) -> PretrainConfig:
                           device=str(cfg.device))
 
 
+def privacy_form(cfg: DictConfig, form: str | None) -> Dict[str, Any]:
+    """The privacy settings of a form: ``plain``, ``clip``, ``dp`` or ``dp-eps<e>`` (dp with epsilon e).
+
+    ``None`` means the selected ``privacy`` group as configured.
+    """
+    if form is None:
+        return dict(OmegaConf.to_container(cfg.privacy, resolve=True)) if "privacy" in cfg else {}
+    name, _, eps = form.partition("-eps")
+    own = "privacy" in cfg and _form_name(cfg.privacy) == name
+    base = cfg.privacy if own else _group("privacy", name)
+    out = dict(OmegaConf.to_container(base, resolve=True))
+    if eps:
+        if name != "dp":
+            raise ValueError(f"privacy form {form!r}: only dp takes -eps<e>; valid forms are: plain, clip, dp, dp-eps<e>")
+        try:
+            out["epsilon"] = float(eps)
+        except ValueError:
+            raise ValueError(f"privacy form {form!r}: {eps!r} is not a number (e.g. dp-eps5)") from None
+        out["noise_multiplier"] = None
+    return out
+
+
+def _form_name(privacy: DictConfig) -> str:
+    return {"off": "plain"}.get(str(privacy.mode), str(privacy.mode))
+
+
 def arrival_config(cfg: DictConfig, *, method: str | None = None, aggregator: str | None = None,
-                   seed: int | None = None) -> ArrivalConfig:
-    """The arrival settings; ``method``/``aggregator``/``seed`` pick a sweep cell (its defaults from conf/)."""
+                   seed: int | None = None, form: str | None = None) -> ArrivalConfig:
+    """The arrival settings; ``method``/``aggregator``/``seed``/``form`` pick a sweep cell (defaults from conf/)."""
     mcfg = cfg.method if method is None or method == cfg.method.name else _group("method", method)
     acfg = cfg.aggregator if aggregator is None or aggregator == cfg.aggregator.name else _group("aggregator", aggregator)
     a = cfg.adapt
@@ -90,8 +116,19 @@ def arrival_config(cfg: DictConfig, *, method: str | None = None, aggregator: st
         method=str(mcfg.name), method_params=dict(OmegaConf.to_container(mcfg.params, resolve=True)),
         aggregator=str(acfg.name), aggregator_params=dict(OmegaConf.to_container(acfg.params, resolve=True)),
         passes=int(a.passes), order=None if a.order is None else list(a.order), batch_size=int(a.batch_size),
-        seed=int(cfg.seed if seed is None else seed), device=str(cfg.device),
+        seed=int(cfg.seed if seed is None else seed), device=str(cfg.device), privacy=privacy_form(cfg, form),
     )
+
+
+def private_grid(cfg: DictConfig) -> DictConfig:
+    """``cfg`` turned into the private-TTA grid's config (the ``private`` block applied)."""
+    p = cfg.private
+    out = OmegaConf.merge(cfg, {"model": {"norm": p.norm}, "paths": {"models": p.models, "results": p.results},
+                                "pretrain": {"local_epochs": int(p.local_epochs)},
+                                "sweep": {"methods": list(p.methods), "aggregators": list(p.aggregators),
+                                          "privacy": list(p.privacy)}})
+    validate(out)
+    return out
 
 
 def _group(group: str, name: str) -> DictConfig:

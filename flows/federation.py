@@ -7,6 +7,7 @@ driver process, never on a worker.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import asdict
@@ -33,7 +34,7 @@ from fedcore.engine import (
     run_arrivals,
     run_pretrain,
 )
-from fedcore.evaluate.plots import plot_arrivals
+from fedcore.evaluate.plots import plot_arrivals, plot_privacy
 from fedcore.train import LocalResult
 from flows import config as C
 from flows import runtime, tracking
@@ -69,16 +70,17 @@ def adapt_client_task(global_state: Dict[str, torch.Tensor], spec: ModelSpec, cl
 
 
 @task(name="run-cell", cache_policy=NO_CACHE)
-def run_cell_task(cfg_dict: Dict[str, Any], method: str, aggregator: str, seed: int) -> Dict[str, Any]:
+def run_cell_task(cfg_dict: Dict[str, Any], method: str, aggregator: str, seed: int,
+                  form: str | None = None) -> Dict[str, Any]:
     """One whole sweep cell, in one worker: the plain driver over the fedcore steps."""
     cfg = OmegaConf.create(cfg_dict)
-    acfg = C.arrival_config(cfg, method=method, aggregator=aggregator, seed=seed)
+    acfg = C.arrival_config(cfg, method=method, aggregator=aggregator, seed=seed, form=form)
     partition, spec, source = load_inputs(cfg)
-    ckpt = _ckpt_dir(cfg, f"{method}-{aggregator}-s{seed}")
+    ckpt = _ckpt_dir(cfg, cell_name(acfg))
     t0 = time.perf_counter()
     res = run_arrivals(partition, spec, source, acfg, checkpoint_dir=ckpt, resume=bool(cfg.flow.resume),
                        stop_after=cfg.flow.stop_after)
-    return {"method": method, "aggregator": aggregator, "seed": seed, "result": res,
+    return {"method": method, "aggregator": aggregator, "seed": seed, "form": acfg.form, "result": res,
             "seconds": time.perf_counter() - t0}
 
 
@@ -95,6 +97,12 @@ def partition_dir(cfg: DictConfig) -> Path:
 
 def prepared_path(cfg: DictConfig) -> Path:
     return C.resolve_path(cfg.paths.prepared) / f"{cfg.data.name}.npz"
+
+
+def cell_name(acfg) -> str:
+    """method-aggregator[-form]-s<seed>; the plain form keeps the short name."""
+    form = "" if acfg.form == "plain" else f"-{acfg.form}"
+    return f"{acfg.method}-{acfg.aggregator}{form}-s{acfg.seed}"
 
 
 def _ckpt_dir(cfg: DictConfig, cell: str) -> Path:
@@ -189,12 +197,18 @@ def _log_experiment(cfg: DictConfig, acfg, res: ArrivalsResult, *, spec: ModelSp
         for rec in records:
             tracking.log_arrival(rec)
     mlflow.log_metrics({f"final_{k}": v for k, v in res.summary.items()})
-    out = C.resolve_path(cfg.paths.results) / "cells" / f"{acfg.method}-{acfg.aggregator}-s{acfg.seed}"
+    out = C.resolve_path(cfg.paths.results) / "cells" / cell_name(acfg)
     plots = plot_arrivals(records, acc, [t.corruption for t in partition.targets], out,
-                          title=f"{acfg.method}+{acfg.aggregator}")
+                          title=f"{acfg.method}+{acfg.aggregator} ({acfg.form})")
+    if res.ledgers:
+        (out / "privacy_ledger.json").write_text(json.dumps(
+            {"delta": acfg.privacy_config().delta, "clients": {str(k): v for k, v in res.ledgers.items()}},
+            indent=1) + "\n")
+        plots.append(plot_privacy(records, out))
+        plots.append(out / "privacy_ledger.json")
     np.savetxt(out / "accuracy_matrix.csv", acc, delimiter=",", fmt="%.4f")
     tracking.log_files(plots + [out / "accuracy_matrix.csv"], artifact_path="plots")
-    ckpt = _ckpt_dir(cfg, f"{acfg.method}-{acfg.aggregator}-s{acfg.seed}")
+    ckpt = _ckpt_dir(cfg, cell_name(acfg))
     tracking.log_files([ckpt / "server_state.pt", ckpt / "server_state.sha256"], artifact_path="checkpoints")
     model = spec.build()
     model.load_state_dict(res.final_state)
@@ -205,14 +219,21 @@ def _log_experiment(cfg: DictConfig, acfg, res: ArrivalsResult, *, spec: ModelSp
 
 
 def _start_experiment_run(cfg: DictConfig, acfg, spec: ModelSpec):
-    run = mlflow.start_run(run_name=f"{acfg.method}+{acfg.aggregator}-s{acfg.seed}")
-    params = {k: v for k, v in C.to_dict(cfg).items() if k not in ("sweep", "method", "aggregator")}
+    form = "" if acfg.form == "plain" else f" {acfg.form}"
+    run = mlflow.start_run(run_name=f"{acfg.method}+{acfg.aggregator}{form}-s{acfg.seed}")
+    params = {k: v for k, v in C.to_dict(cfg).items() if k not in ("sweep", "method", "aggregator", "privacy",
+                                                                  "private")}
     params.update({"method": {"name": acfg.method, **acfg.method_params},
-                   "aggregator": {"name": acfg.aggregator, **acfg.aggregator_params}, "seed": acfg.seed})
+                   "aggregator": {"name": acfg.aggregator, **acfg.aggregator_params}, "seed": acfg.seed,
+                   "privacy": {"form": acfg.form, **acfg.privacy}})
+    pcfg = acfg.privacy_config()
+    if pcfg.mode == "dp":
+        params["privacy"]["sigma"] = pcfg.sigma(acfg.uses_per_arrival)
     mlflow.log_params(tracking.flatten(params))
     mlflow.set_tags({**tracking.lineage_tags(seed=acfg.seed, prepared=prepared_path(cfg),
                                              partition_dir=partition_dir(cfg),
                                              extra={"method": acfg.method, "aggregator": acfg.aggregator,
+                                                    "privacy_form": acfg.form,
                                                     "config_fingerprint": acfg.fingerprint(),
                                                     "source_model": str(source_model_path(cfg).name)}),
                      "stage": "adapt"})
@@ -230,7 +251,7 @@ def arrival(cfg: DictConfig) -> ArrivalsResult:
         logger = get_run_logger()
         partition, spec, source = load_inputs(cfg)
         acfg = C.arrival_config(cfg)
-        ckpt = _ckpt_dir(cfg, f"{acfg.method}-{acfg.aggregator}-s{acfg.seed}")
+        ckpt = _ckpt_dir(cfg, cell_name(acfg))
         tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
         adapt = adapt_client_task.with_options(retries=int(cfg.flow.retries),
                                                retry_delay_seconds=float(cfg.flow.retry_delay_seconds))
@@ -244,6 +265,11 @@ def arrival(cfg: DictConfig) -> ArrivalsResult:
                 return adapt.submit(fault_marker=fault, threads=threads, **kw)
 
         def on_arrival(record, st, res):
+            if record.get("privacy_refused"):
+                logger.warning("arrival %d: client %d refused a private update: its budget of epsilon=%g is spent "
+                               "(%.3f used); it predicted with the global model, which stays as it was",
+                               record["arrival"], record["client_id"], acfg.privacy_config().budget,
+                               record["eps_client_total"])
             logger.info("arrival %d (%s): online %.3f, hold-out(seen) %.3f, w=%.3f", record["arrival"],
                         record["corruption"], record["online_acc"], record["holdout_avg_seen"], record["weight"])
             tracking.log_arrival(record)
@@ -268,27 +294,31 @@ def sweep(cfg: DictConfig) -> List[Dict[str, Any]]:
         logger = get_run_logger()
         partition, spec, _ = load_inputs(cfg)
         tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
-        cells = [(m, a, int(s)) for s in cfg.sweep.seeds for m in cfg.sweep.methods for a in cfg.sweep.aggregators]
-        for m, a, s in cells:
-            C.arrival_config(cfg, method=m, aggregator=a, seed=s)  # fail before any work on a bad cell
+        forms = list(cfg.sweep.get("privacy", None) or ["plain"])
+        cells = [(m, a, f, int(s)) for s in cfg.sweep.seeds for m in cfg.sweep.methods for f in forms
+                 for a in cfg.sweep.aggregators]
+        for m, a, f, s in cells:
+            C.arrival_config(cfg, method=m, aggregator=a, seed=s, form=f)  # fail before any work on a bad cell
         cfg_dict = C.to_dict(cfg)
         with runtime.task_resources(num_gpus=_gpus(cfg)):
             futures = [run_cell_task.with_options(retries=int(cfg.flow.retries)).submit(
-                cfg_dict=cfg_dict, method=m, aggregator=a, seed=s) for m, a, s in cells]
+                cfg_dict=cfg_dict, method=m, aggregator=a, seed=s, form=f) for m, a, f, s in cells]
         results = []
         for i, fut in enumerate(as_completed(futures), 1):
             res = fut.result()
-            acfg = C.arrival_config(cfg, method=res["method"], aggregator=res["aggregator"], seed=res["seed"])
+            acfg = C.arrival_config(cfg, method=res["method"], aggregator=res["aggregator"], seed=res["seed"],
+                                    form=res["form"])
             with _start_experiment_run(cfg, acfg, spec):
                 _log_experiment(cfg, acfg, res["result"], spec=spec, partition=partition, live=False)
             s = res["result"].summary
-            logger.info("[%d/%d] %s+%s seed %d: online %.3f, final hold-out %.3f, forgetting %+.3f (%.1fs)", i,
-                        len(cells), res["method"], res["aggregator"], res["seed"], s["avg_online_acc"],
+            logger.info("[%d/%d] %s+%s %s seed %d: online %.3f, final hold-out %.3f, forgetting %+.3f (%.1fs)", i,
+                        len(cells), res["method"], res["aggregator"], res["form"], res["seed"], s["avg_online_acc"],
                         s["final_avg_holdout_acc"], s["forgetting"], res["seconds"])
-            results.append({"method": res["method"], "aggregator": res["aggregator"], "seed": res["seed"],
-                            "summary": s, "seconds": res["seconds"]})
-        order = {c: i for i, c in enumerate(cells)}
-        return sorted(results, key=lambda r: order[(r["method"], r["aggregator"], r["seed"])])
+            results.append({"method": res["method"], "aggregator": res["aggregator"], "form": res["form"],
+                            "seed": res["seed"], "summary": s, "seconds": res["seconds"]})
+        order = {(m, a, C.arrival_config(cfg, method=m, aggregator=a, seed=s, form=f).form, s): i
+                 for i, (m, a, f, s) in enumerate(cells)}
+        return sorted(results, key=lambda r: order[(r["method"], r["aggregator"], r["form"], r["seed"])])
 
     try:
         return sweep_flow()

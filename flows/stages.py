@@ -2,7 +2,8 @@
 
     python -m flows.stages prepare|partition|pretrain|adapt [--params params.yaml] [overrides...]
     python -m flows.stages arrival method=tent aggregator=ugsa      # one experiment, Hydra overrides
-    python -m flows.stages sweep 'sweep.methods=[bn,tent]'
+    python -m flows.stages sweep 'sweep.methods=[bn,tent]' 'sweep.privacy=[plain,dp-eps5]'
+    python -m flows.stages pretrain_private && python -m flows.stages private   # the private-TTA grid
 
 With ``--params`` the stage reads the file DVC tracks; without it, conf/ is composed with the
 overrides. ``adapt`` is the sweep over ``sweep.*`` that writes results/ for DVC.
@@ -73,7 +74,8 @@ def _adapt(cfg) -> None:
     out.mkdir(parents=True, exist_ok=True)
     table = summary_rows(results)
     (out / "table.md").write_text(table + "\n")
-    summary = {f"{r['method']}+{r['aggregator']}+s{r['seed']}": r["summary"] for r in results}
+    summary = {"+".join([r["method"], r["aggregator"]] + ([r["form"]] if r.get("form", "plain") != "plain" else [])
+                        + [f"s{r['seed']}"]): r["summary"] for r in results}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
     print(f"\n{cfg.data.name} ({len(cfg.data.corruptions)} corruptions, severity {cfg.data.severity}, "
           f"{cfg.adapt.passes} passes), sweep took {time.perf_counter() - t0:.0f}s\n")
@@ -81,8 +83,16 @@ def _adapt(cfg) -> None:
     print(f"\nBrowse the runs: mlflow ui --backend-store-uri {C.tracking_uri(cfg)} --host 127.0.0.1 --port 5000")
 
 
+def _pretrain_private(cfg) -> None:
+    _pretrain(C.private_grid(cfg))
+
+
+def _private(cfg) -> None:
+    _adapt(C.private_grid(cfg))
+
+
 STAGES = {"prepare": _prepare, "partition": _partition, "pretrain": _pretrain, "adapt": _adapt,
-          "sweep": _adapt, "arrival": _arrival}
+          "sweep": _adapt, "arrival": _arrival, "pretrain_private": _pretrain_private, "private": _private}
 
 
 def main(argv=None) -> int:

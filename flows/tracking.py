@@ -92,8 +92,12 @@ def log_arrival(record: Mapping[str, Any]) -> None:
     metrics = {k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and k not in ("arrival",)}
     mlflow.log_metrics(metrics, step=step)
     with mlflow.start_run(run_name=f"arrival-{step:03d}-{record['corruption']}", nested=True):
-        mlflow.set_tags({"client_id": str(record["client_id"]), "corruption": record["corruption"],
-                         "pass": str(record["pass"]), "arrival": str(step)})
+        tags = {"client_id": str(record["client_id"]), "corruption": record["corruption"],
+                "pass": str(record["pass"]), "arrival": str(step)}
+        if "privacy_refused" in record:
+            tags["privacy"] = ("REFUSED: client budget spent, no update merged" if record["privacy_refused"]
+                               else "private update")
+        mlflow.set_tags(tags)
         mlflow.log_metrics(metrics, step=step)
 
 
@@ -122,12 +126,20 @@ def log_files(paths: Iterable[Path], artifact_path: str | None = None) -> None:
 
 
 def summary_rows(results: List[Dict[str, Any]]) -> str:
-    """A Markdown table of sweep results."""
+    """A Markdown table of sweep results (privacy columns when any cell is private)."""
+    private = any(r.get("form", "plain") != "plain" for r in results)
     head = "| method | aggregator | seed | avg online acc | final avg hold-out acc | worst hold-out | forgetting | source acc |"
-    lines = [head, "|" + "---|" * 8]
+    if private:
+        head = head.replace("| seed |", "| form | seed |") + " ε per arrival | max client ε |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         s = r["summary"]
-        lines.append(f"| {r['method']} | {r['aggregator']} | {r['seed']} | {s['avg_online_acc']:.3f} | "
-                     f"{s['final_avg_holdout_acc']:.3f} | {s['final_worst_holdout_acc']:.3f} | "
-                     f"{s['forgetting']:+.3f} | {s['source_acc']:.3f} |")
+        form = f" {r.get('form', 'plain')} |" if private else ""
+        line = (f"| {r['method']} | {r['aggregator']} |{form} {r['seed']} | {s['avg_online_acc']:.3f} | "
+                f"{s['final_avg_holdout_acc']:.3f} | {s['final_worst_holdout_acc']:.3f} | "
+                f"{s['forgetting']:+.3f} | {s['source_acc']:.3f} |")
+        if private:
+            line += (f" {s['eps_per_arrival']:.2f} | {s['eps_max_client']:.2f} |" if "eps_max_client" in s
+                     else " – | – |")
+        lines.append(line)
     return "\n".join(lines)

@@ -64,3 +64,16 @@ def _stop_services():
     from flows import runtime
 
     runtime.stop_prefect_api()
+
+
+@pytest.fixture(scope="session")
+def tiny_gn(tiny):
+    """The same digits federation with a GroupNorm source model, for the private forms."""
+    from dataclasses import replace
+
+    from fedcore.engine import run_pretrain
+    from flows import config as C
+
+    spec = replace(tiny["spec"], norm="group")
+    state = run_pretrain(tiny["partition"], spec, replace(C.pretrain_config(tiny["cfg"]), local_epochs=3))
+    return {**tiny, "spec": spec, "source": state}

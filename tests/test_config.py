@@ -47,5 +47,5 @@ def test_invalid_values_are_rejected(override, match):
 
 
 def test_unknown_sweep_cell_lists_valid_names():
-    with pytest.raises(ValueError, match="valid names are: bn, bpa, source, tent"):
+    with pytest.raises(ValueError, match="valid names are: bn, bpa, come, deyo, eata, sar, source, tent"):
         C.arrival_config(C.compose([]), method="cotta")

@@ -79,7 +79,7 @@ def test_forgetting_golden():
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(method="cotta"), "valid names are: bn, bpa, source, tent"),
+    (dict(method="cotta"), "valid names are: bn, bpa, come, deyo, eata, sar, source, tent"),
     (dict(aggregator="fedprox"), "valid names are: fedavg, none, ugsa"),
     (dict(method_params={"lr": -1.0}), "lr must be > 0"),
     (dict(aggregator_params={"gamma": -0.5}), "gamma must be >= 0"),

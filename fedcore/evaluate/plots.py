@@ -74,3 +74,28 @@ def plot_arrivals(records: List[Dict], acc_matrix: np.ndarray, corruptions: Sequ
     ax1.set_title(f"{title} gate weights")
     paths.append(save(fig, folder / "gate_weights.png"))
     return paths
+
+
+def plot_privacy(records: List[Dict], folder: str | Path) -> Path:
+    """Each client's cumulative ε after every arrival (a step line per client), refusals marked."""
+    plt = _plt()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(max(6, len(records) * 0.25), 3.6))
+    clients = sorted({r["client_id"] for r in records})
+    for k in clients:
+        pts = [(r["arrival"], r["eps_client_total"]) for r in records if r["client_id"] == k]
+        name = next(r["corruption"] for r in records if r["client_id"] == k)
+        ax.step([p[0] for p in pts], [p[1] for p in pts], where="post", marker="o", ms=3, label=f"{k}:{name[:10]}")
+    refused = [r for r in records if r.get("privacy_refused")]
+    if refused:
+        ax.plot([r["arrival"] for r in refused], [r["eps_client_total"] for r in refused], "rx", ms=9,
+                label="refused (budget spent)")
+    if "eps_budget_remaining" in records[0]:
+        budget = records[0]["eps_budget_remaining"] + records[0]["eps_client_total"]
+        ax.axhline(budget, color="k", ls="--", lw=1, label=f"budget ε={budget:g}")
+    ax.set_xlabel("arrival")
+    ax.set_ylabel("cumulative ε of the client")
+    ax.set_title("privacy ledger")
+    ax.legend(fontsize=6, ncol=2, loc="upper left")
+    return save(fig, folder / "privacy_ledger.png")
