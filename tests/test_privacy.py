@@ -227,3 +227,24 @@ def test_canary_audit_never_beats_the_accountant_and_catches_clip_only():
                            delta=1e-5, num_classes=10, trials=150, stream_size=4, seed=1)
         assert res.epsilon_lower <= res.epsilon_accountant
         assert res.auc < clip.auc
+
+
+@pytest.mark.parametrize("backend", ["functorch", "opacus"])
+def test_private_prediction_comes_from_the_model_before_the_update(x, backend):
+    m = gn_model()
+    with torch.no_grad():
+        expected = m(x)
+    method = create_method("tent", m, lr=0.5, privacy=PrivacySpec(mode="dp", noise_multiplier=1.0, backend=backend))
+    assert torch.allclose(method(x), expected, atol=1e-5)
+    with torch.no_grad():
+        assert not torch.allclose(m(x), expected, atol=1e-5)  # and then it adapted
+
+
+def test_auto_backend_follows_the_benchmark(x):
+    dp = PrivacySpec(mode="dp", noise_multiplier=1.0)
+    assert create_method("tent", gn_model(), lr=0.1, privacy=dp).private.spec.backend == "opacus"
+    assert create_method("tent", gn_model(), lr=0.1, privacy=dp, adapt_params="all").private.spec.backend == "functorch"
+    assert create_method("bpa", gn_model(), lr=0.1, num_classes=10, privacy=dp).private.spec.backend == "functorch"
+    with pytest.raises(ValueError, match="use privacy.backend=functorch"):
+        create_method("bpa", gn_model(), lr=0.1, num_classes=10,
+                      privacy=PrivacySpec(mode="dp", noise_multiplier=1.0, backend="opacus"))

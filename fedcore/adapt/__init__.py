@@ -6,6 +6,8 @@ and returns the wrapped :class:`~fedcore.adapt.base.TTAMethod`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -50,7 +52,15 @@ def _gradient_method(cls, *, model: nn.Module, lr: float, optimizer: str = "sgd"
     parameters, and wire in the private gradient when ``privacy`` asks for one."""
     configure_norm_adaptation(model, grad=False)
     params = collect_params(model, adapt_params)
-    private = PrivateGradient(model, params, privacy) if privacy is not None and privacy.private else None
+    private = None
+    if privacy is not None and privacy.private:
+        if privacy.backend == "auto":
+            # Measured (benchmarks/dp_step.py): Opacus' hooks win when only norm layers adapt,
+            # since the batched backward is reused; vmap wins when every layer needs per-sample grads.
+            # A loss with its own parameter terms (bpa's prior) needs torch.func.
+            fast = "opacus" if adapt_params == "norm" and not cls.direct_param_terms else "functorch"
+            privacy = dataclasses.replace(privacy, backend=fast)
+        private = PrivateGradient(model, params, privacy)
     opt = make_optimizer(params.values(), optimizer=optimizer, lr=lr, momentum=momentum)
     return cls(model, opt, params, steps=steps, private=private, **kw)
 

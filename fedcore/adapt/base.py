@@ -182,11 +182,24 @@ class GradientMethod(TTAMethod):
         self.optimizer.zero_grad(set_to_none=True)
         return logits.detach()
 
+    # True when the private form's ``aux`` reads nothing but each sample's own logits: then it
+    # runs inside the per-sample pass, which also yields the prediction (one forward, not two).
+    aux_in_loss = False
+    # True when sample_loss depends on the parameters directly, not only through the logits.
+    direct_param_terms = False
+
     def _private_step(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            logits = self.model(x)
-            aux = self.aux(x, logits)
-        self.apply_gradient(self.private(self.sample_loss, x, aux))
+        if self.aux_in_loss:
+            def loss(logits, _aux, params):
+                return self.sample_loss(logits, self.aux(None, logits.detach()), params)
+
+            grads, logits = self.private(loss, x, {})
+        else:
+            with torch.no_grad():
+                logits = self.model(x)
+                aux = self.aux(x, logits)
+            grads, _ = self.private(self.sample_loss, x, aux)
+        self.apply_gradient(grads)
         return logits
 
     def apply_gradient(self, grads: Mapping[str, torch.Tensor]) -> None:

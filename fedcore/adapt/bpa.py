@@ -48,6 +48,8 @@ class BPA(GradientMethod):
     batches would couple every later update to every earlier sample, with no sensitivity bound.
     """
 
+    direct_param_terms = True
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, params=None, *, num_classes: int,
                  sigma0: float = 1.0, precision_mode: str = "confidence", steps: int = 1, private=None):
         prior_precision(0.0, num_classes=num_classes, sigma0=sigma0, mode=precision_mode)  # validate early

@@ -37,6 +37,8 @@ def opinion_entropy(logits: torch.Tensor, prior_weight: float) -> torch.Tensor:
 
 
 class COME(GradientMethod):
+    aux_in_loss = True
+
     def __init__(self, model, optimizer, params, *, num_classes: int, prior_weight: float | None = None,
                  steps: int = 1, private=None):
         super().__init__(model, optimizer, params, steps=steps, private=private)

@@ -56,6 +56,8 @@ def fisher_information(model: nn.Module, params: Dict[str, nn.Parameter], x: tor
 
 
 class EATA(GradientMethod):
+    aux_in_loss = True  # the private form's aux is the weight from the sample's own entropy
+
     def __init__(self, model, optimizer, params, *, num_classes: int, e_margin_coeff: float = 0.4,
                  d_margin: float = 0.05, fisher_alpha: float = 2000.0, fisher: Dict[str, torch.Tensor] | None = None,
                  steps: int = 1, private=None):
@@ -71,7 +73,7 @@ class EATA(GradientMethod):
         self.mean_probs: torch.Tensor | None = None
 
     def aux(self, x, logits):
-        h = softmax_entropy(logits)
+        h = softmax_entropy(logits)  # logits come detached (both forms)
         weight = torch.exp(-(h - self.e_margin))
         if self.private is not None:
             return {"weight": weight}

@@ -97,7 +97,7 @@ class SAR(GradientMethod):
             logits = self.model(x)
             aux = self.aux(x, logits)
         eps = self._perturb(self._prev) if self._prev is not None else None
-        grads = self.private(self.sample_loss, x, aux)
+        grads, _ = self.private(self.sample_loss, x, aux)
         if eps is not None:
             self._restore(eps)
         self._prev = {k: g.detach().clone() for k, g in grads.items()}

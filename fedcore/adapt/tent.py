@@ -15,5 +15,7 @@ class Tent(GradientMethod):
     Private form: each sample's entropy is its own loss; nothing else is data-dependent.
     """
 
+    aux_in_loss = True
+
     def sample_loss(self, logits: torch.Tensor, aux: Mapping[str, torch.Tensor], params) -> torch.Tensor:
         return softmax_entropy(logits)

@@ -20,7 +20,7 @@ from torch.func import functional_call, grad, vmap
 
 from fedcore.privacy.accountant import check_clip_norm, check_sigma
 
-BACKENDS = ("functorch", "opacus")
+BACKENDS = ("auto", "functorch", "opacus")
 MODES = ("off", "clip", "dp")
 
 Params = Dict[str, torch.Tensor]
@@ -40,7 +40,7 @@ class PrivacySpec:
     mode: str = "off"
     clip_norm: float = 1.0
     noise_multiplier: float = 0.0
-    backend: str = "functorch"
+    backend: str = "auto"  # auto: Opacus hooks for norm-only adaptation, torch.func otherwise (benchmarks/dp_step.py)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -73,21 +73,26 @@ def check_private_model(model: nn.Module) -> None:
 
 
 def per_sample_grads_functorch(model: nn.Module, params: Params, sample_loss: SampleLoss, x: torch.Tensor,
-                               aux: Mapping[str, torch.Tensor]) -> Params:
-    """{name: (B, *shape)} per-sample gradients of ``sample_loss`` over ``params`` via torch.func."""
+                               aux: Mapping[str, torch.Tensor], *, with_logits: bool = False):
+    """{name: (B, *shape)} per-sample gradients of ``sample_loss`` over ``params`` via torch.func.
+
+    With ``with_logits`` also the (B, C) logits of that same forward pass.
+    """
     frozen = {k: v.detach() for k, v in model.named_parameters() if k not in params}
     frozen.update({k: v for k, v in model.named_buffers()})
 
-    def one(p: Params, xi: torch.Tensor, ai: Dict[str, torch.Tensor]) -> torch.Tensor:
+    def one(p: Params, xi: torch.Tensor, ai: Dict[str, torch.Tensor]):
         logits = functional_call(model, {**frozen, **p}, (xi.unsqueeze(0),))
-        return sample_loss(logits, {k: v.unsqueeze(0) for k, v in ai.items()}, p).sum()
+        loss = sample_loss(logits, {k: v.unsqueeze(0) for k, v in ai.items()}, p).sum()
+        return loss, logits.detach()[0]
 
     detached = {k: v.detach() for k, v in params.items()}
-    return vmap(grad(one), in_dims=(None, 0, 0), randomness="different")(detached, x, dict(aux))
+    grads, logits = vmap(grad(one, has_aux=True), in_dims=(None, 0, 0), randomness="different")(detached, x, dict(aux))
+    return (grads, logits) if with_logits else grads
 
 
 def per_sample_grads_opacus(model: nn.Module, params: Params, sample_loss: SampleLoss, x: torch.Tensor,
-                            aux: Mapping[str, torch.Tensor]) -> Params:
+                            aux: Mapping[str, torch.Tensor], *, with_logits: bool = False):
     """The same through Opacus' per-layer hooks. The loss may depend on the parameters only
     through the model's output (no direct parameter terms: those are invisible to hooks)."""
     from opacus import GradSampleModule
@@ -111,7 +116,7 @@ def per_sample_grads_opacus(model: nn.Module, params: Params, sample_loss: Sampl
     for p in named.values():
         p.grad = None
         p.grad_sample = None
-    return out
+    return (out, logits.detach()) if with_logits else out
 
 
 def privatize(per_sample: Params, *, clip_norm: float, noise_multiplier: float, batch_size: int,
@@ -145,16 +150,19 @@ class PrivateGradient:
         if not spec.private:
             raise ValueError("PrivateGradient needs privacy mode 'clip' or 'dp'")
         check_private_model(model)
+        if spec.backend == "auto":
+            raise ValueError("resolve backend 'auto' before building the private gradient (see adapt._gradient_method)")
         self.model, self.params, self.spec = model, params, spec
         self._fn = per_sample_grads_functorch if spec.backend == "functorch" else per_sample_grads_opacus
         self.stats: Dict[str, float] = {"clip_fraction": 0.0, "grad_norm": 0.0}
         self._calls = 0
 
-    def __call__(self, sample_loss: SampleLoss, x: torch.Tensor, aux: Mapping[str, torch.Tensor]) -> Params:
-        per_sample = self._fn(self.model, dict(self.params), sample_loss, x, aux)
+    def __call__(self, sample_loss: SampleLoss, x: torch.Tensor, aux: Mapping[str, torch.Tensor]):
+        """The private gradient, and the logits of the forward pass that computed it."""
+        per_sample, logits = self._fn(self.model, dict(self.params), sample_loss, x, aux, with_logits=True)
         g, stats = privatize(per_sample, clip_norm=self.spec.clip_norm, noise_multiplier=self.spec.noise_multiplier,
                              batch_size=len(x))
         self._calls += 1
         for k, v in stats.items():  # running means over the client's batches
             self.stats[k] += (v - self.stats[k]) / self._calls
-        return g
+        return g, logits

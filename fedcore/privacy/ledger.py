@@ -36,7 +36,7 @@ class PrivacyConfig:
     clip_norm: float = 1.0
     noise_multiplier: Optional[float] = None
     calibration: str = "dp-tta"
-    backend: str = "functorch"
+    backend: str = "auto"
     budget: Optional[float] = None
 
     def __post_init__(self) -> None:
