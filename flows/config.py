@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fedcore.data.corruptions import CORRUPTION_NAMES
 from fedcore.engine import ArrivalConfig, ModelSpec, PretrainConfig
+from fedcore.privacy import PrivacyConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = ROOT / "conf"
@@ -65,6 +66,10 @@ def validate(cfg: DictConfig) -> None:
         raise ValueError(f"data.severity must be in 1..5, got {d.severity}")
     pretrain_config(cfg)
     arrival_config(cfg)  # checks method, aggregator, lr, gamma, beta, passes, privacy
+    forms = list(cfg.sweep.get("privacy", None) or []) if "sweep" in cfg else []
+    forms += list(cfg.private.privacy) if "private" in cfg else []
+    for form in forms:  # a bad sweep form fails here, before any stage starts work
+        PrivacyConfig.from_dict(privacy_form(cfg, str(form)))
 
 
 def model_spec(cfg: DictConfig) -> ModelSpec:

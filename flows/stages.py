@@ -4,6 +4,7 @@
     python -m flows.stages arrival method=tent aggregator=ugsa      # one experiment, Hydra overrides
     python -m flows.stages sweep 'sweep.methods=[bn,tent]' 'sweep.privacy=[plain,dp-eps5]'
     python -m flows.stages pretrain_private && python -m flows.stages private   # the private-TTA grid
+    python -m flows.stages audit          # canary membership audit of the private form
 
 With ``--params`` the stage reads the file DVC tracks; without it, conf/ is composed with the
 overrides. ``adapt`` is the sweep over ``sweep.*`` that writes results/ for DVC.
@@ -83,6 +84,22 @@ def _adapt(cfg) -> None:
     print(f"\nBrowse the runs: mlflow ui --backend-store-uri {C.tracking_uri(cfg)} --host 127.0.0.1 --port 5000")
 
 
+def _audit(cfg) -> None:
+    """The canary audit: empirical ε lower bounds beside the accountant's ε (results/private/audit.*)."""
+    from flows.federation import audit
+
+    rows = audit(C.private_grid(cfg))
+    out = C.resolve_path(cfg.private.results)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "audit.json").write_text(json.dumps(rows, indent=1) + "\n")
+    lines = ["| form | sigma | accountant ε | empirical ε lower bound | AUC |", "|---|---|---|---|---|"]
+    for r in rows:
+        acc = "∞ (no guarantee)" if r["epsilon_accountant"] == float("inf") else f"{r['epsilon_accountant']:.2f}"
+        lines.append(f"| {r['form']} | {r['sigma']:.3f} | {acc} | {r['epsilon_lower']:.2f} | {r['auc']:.3f} |")
+    (out / "audit.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def _pretrain_private(cfg) -> None:
     _pretrain(C.private_grid(cfg))
 
@@ -92,7 +109,7 @@ def _private(cfg) -> None:
 
 
 STAGES = {"prepare": _prepare, "partition": _partition, "pretrain": _pretrain, "adapt": _adapt,
-          "sweep": _adapt, "arrival": _arrival, "pretrain_private": _pretrain_private, "private": _private}
+          "sweep": _adapt, "arrival": _arrival, "pretrain_private": _pretrain_private, "private": _private, "audit": _audit}
 
 
 def main(argv=None) -> int:

@@ -73,6 +73,57 @@ def test_pretrain_flow_writes_model_and_rounds(tiny, tmp_path):
     assert len(client.get_metric_history(run.info.run_id, "train_loss")) == 2
 
 
+def _save_source(cfg, state, spec):
+    import torch
+    from dataclasses import asdict
+
+    path = F.source_model_path(cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"state": state, "spec": asdict(spec)}, path)
+
+
+def test_private_arrival_flow_logs_each_clients_ledger_and_refusals(tiny_gn, tmp_path):
+    cfg = cfg_for(tiny_gn, "flow.experiment=private-test", "model.norm=group", "method=tent", "privacy=dp",
+                  "privacy.epsilon=5", "privacy.budget=6", f"paths.models={tmp_path}")
+    _save_source(cfg, tiny_gn["source"], tiny_gn["spec"])
+    res = F.arrival(cfg)
+    A, K = len(res.records), len(tiny_gn["partition"].targets)
+    client, runs = runs_of(cfg, "tent+ugsa dp-eps5-s0")
+    run = runs[0]
+    assert run.data.tags["privacy_form"] == "dp-eps5"
+    assert float(run.data.params["privacy.sigma"]) == pytest.approx(1.966, abs=0.002)
+    for name in ("eps_arrival", "eps_client_total", "eps_budget_remaining", "privacy_refused"):
+        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, name)) == list(range(A)), name
+    refused = [m for m in client.get_metric_history(run.info.run_id, "privacy_refused") if m.value == 1.0]
+    assert sorted(m.step for m in refused) == list(range(K, A))  # the second pass would exceed the budget
+    total = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "eps_client_total")}
+    assert max(total.values()) <= 6.0
+    children = client.search_runs([run.info.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
+    assert sum(c.data.tags.get("privacy", "").startswith("REFUSED") for c in children) == A - K
+    arts = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
+    assert {"plots/privacy_ledger.png", "plots/privacy_ledger.json"} <= arts
+    assert run.data.metrics["final_privacy_refusals"] == A - K
+
+
+def test_audit_stage_bounds_stay_below_the_accountant(tiny_gn, tmp_path):
+    import json
+
+    from flows.stages import _audit
+
+    cfg = cfg_for(tiny_gn, "flow.experiment=audit-test", f"private.models={tmp_path}/m",
+                  f"private.results={tmp_path}/r", "audit.trials=40", "audit.epsilons=[1,20]")
+    _save_source(C.private_grid(cfg), tiny_gn["source"], tiny_gn["spec"])
+    _audit(cfg)
+    rows = json.loads((tmp_path / "r" / "audit.json").read_text())
+    assert [r["form"] for r in rows] == ["clip", "dp-eps1", "dp-eps20"]
+    for r in rows:
+        assert r["epsilon_lower"] <= r["epsilon_accountant"]
+    assert rows[0]["epsilon_lower"] > rows[1]["epsilon_lower"]  # without noise the canary shows
+    assert (tmp_path / "r" / "audit.md").read_text().count("\n") == 5
+    client, runs = runs_of(cfg, "privacy-audit")
+    assert runs and "dp-eps1.eps_accountant" in runs[0].data.metrics
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

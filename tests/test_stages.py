@@ -20,6 +20,21 @@ def test_impossible_value_on_the_command_line(capsys):
     assert "gamma must be >= 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("overrides,message", [
+    (["privacy=dp", "privacy.epsilon=0"], "epsilon must be a finite number > 0"),
+    (["privacy=dp", "privacy.delta=1.5"], "delta must lie strictly between 0 and 1"),
+    (["privacy=dp", "privacy.clip_norm=-1"], "clip norm C must be a finite number > 0"),
+    (["privacy=dp", "privacy.noise_multiplier=-0.1"], "sigma must be >= 0"),
+    (["privacy=dp", "method=bn"], "private forms exist for: bpa, come, deyo, eata, sar, tent"),
+    (["privacy=nonsense"], "privacy/nonsense"),
+    (["sweep.privacy=[plain,dp-epsfive]"], "is not a number"),
+    (["sweep.privacy=[clip-eps5]"], "only dp takes -eps"),
+])
+def test_impossible_privacy_settings_on_the_command_line(overrides, message, capsys):
+    assert main(["sweep", *overrides, "data=digits", "paths.partitions=/nonexistent"]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_missing_prepared_data_names_the_stage(tmp_path, capsys):
     assert main(["partition", *tiny_overrides(tmp_path)]) == 2
     assert "dvc repro prepare" in capsys.readouterr().err
