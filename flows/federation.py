@@ -22,6 +22,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import as_completed
 
+from fedcore.adapt import GRADIENT_METHODS
 from fedcore.aggregate import weighted_average
 from fedcore.data import Partition
 from fedcore.engine import (
@@ -295,8 +296,10 @@ def sweep(cfg: DictConfig) -> List[Dict[str, Any]]:
         partition, spec, _ = load_inputs(cfg)
         tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
         forms = list(cfg.sweep.get("privacy", None) or ["plain"])
+        # A method without gradients (source, bn) has no private form: it runs once, plain, as a reference.
         cells = [(m, a, f, int(s)) for s in cfg.sweep.seeds for m in cfg.sweep.methods for f in forms
-                 for a in cfg.sweep.aggregators]
+                 for a in cfg.sweep.aggregators
+                 if m in GRADIENT_METHODS or C.privacy_form(cfg, f).get("mode") == "off"]
         for m, a, f, s in cells:
             C.arrival_config(cfg, method=m, aggregator=a, seed=s, form=f)  # fail before any work on a bad cell
         cfg_dict = C.to_dict(cfg)
