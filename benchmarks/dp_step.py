@@ -10,9 +10,13 @@ Tent's whole step (predict, per-sample gradients, clip, step) in three forms:
 * clip-only via Opacus: GradSampleModule hooks;
 * clip-only via torch.func: vmap(grad(...)).
 
-Clip-only (sigma = 0) costs the same as DP: the noise is one randn per parameter. Each
-form runs in its own process, so its peak memory (max RSS, or CUDA peak allocation) is its
-own. Targets from the issue: DP/plain <= 1.5 with norm parameters, <= 2.5 with all.
+Clip-only (sigma = 0) costs the same as DP: the noise is one randn per parameter.
+
+Timing: the three forms run in one process, interleaved (``--rounds`` rounds of ``--steps``
+steps each, the median round per form), so that a busy machine slows them alike; the ratio
+is to the plain step of the same round set. Memory: each form then runs alone in a fresh
+process, so its peak (max RSS, or CUDA peak allocation) is its own.
+Targets from the issue: DP/plain <= 1.5 with norm parameters, <= 2.5 with all.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ FORMS = [("plain", None), ("clip/opacus", "opacus"), ("clip/torch.func", "functo
 TARGET = {"norm": 1.5, "all": 2.5}
 
 
-def _measure(model_name: str, which: str, backend: str | None, batch: int, steps: int, device: str, out) -> None:
+def _build(model_name: str, which: str, backend: str | None, device: str):
     import torch
 
     from fedcore.adapt import create_method
@@ -40,35 +44,58 @@ def _measure(model_name: str, which: str, backend: str | None, batch: int, steps
     from fedcore.privacy import PrivacySpec
 
     torch.manual_seed(0)
-    torch.set_num_threads(torch.get_num_threads())
     cin, size = MODELS[model_name]
     dev = torch.device(device)
     model = create_model(model_name, in_channels=cin, num_classes=10, norm="group").to(dev)
     spec = None if backend is None else PrivacySpec(mode="clip", clip_norm=1.0, backend=backend)
     method = create_method("tent", model, lr=0.01, adapt_params=which, privacy=spec)
-    x = torch.randn(batch, cin, size, size, device=dev)
-    for _ in range(3):  # warm-up (first vmap traces, allocator growth)
-        method(x)
-    if dev.type == "cuda":
+    return method, torch.randn(64, cin, size, size, device=dev)
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
         torch.cuda.synchronize()
+
+
+def _time(model_name: str, which: str, batch: int, steps: int, rounds: int, device: str, out) -> None:
+    import statistics
+
+    built = {form: _build(model_name, which, backend, device) for form, backend in FORMS}
+    for method, x in built.values():
+        for _ in range(3):  # warm-up (first vmap traces, allocator growth)
+            method(x[:batch])
+    times = {form: [] for form in built}
+    for _ in range(rounds):
+        for form, (method, x) in built.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                method(x[:batch])
+            _sync(device)
+            times[form].append((time.perf_counter() - t0) / steps)
+    out.put({form: statistics.median(v) for form, v in times.items()} |
+            {"n_params": sum(p.numel() for p in built["plain"][0].params.values())})
+
+
+def _memory(model_name: str, which: str, backend: str | None, batch: int, device: str, out) -> None:
+    import torch
+
+    method, x = _build(model_name, which, backend, device)
+    if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        method(x)
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    sec = (time.perf_counter() - t0) / steps
-    peak = (torch.cuda.max_memory_allocated() / 2**20 if dev.type == "cuda"
+    for _ in range(5):
+        method(x[:batch])
+    _sync(device)
+    out.put(torch.cuda.max_memory_allocated() / 2**20 if device.startswith("cuda")
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    out.put({"sec": sec, "peak_mib": peak, "rss_before_mib": rss_before / 1024,
-             "params": sum(p.numel() for p in method.params.values())})
 
 
-def run(model_name: str, which: str, backend: str | None, *, batch: int, steps: int, device: str) -> dict:
+def _child(target, *args):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_measure, args=(model_name, which, backend, batch, steps, device, q))
+    p = ctx.Process(target=target, args=(*args, q))
     p.start()
     res = q.get()
     p.join()
@@ -77,26 +104,28 @@ def run(model_name: str, which: str, backend: str | None, *, batch: int, steps: 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--models", nargs="*", default=list(MODELS))
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args(argv)
     rows = []
-    print(f"one Tent step, batch {args.batch}, mean of {args.steps} after 3 warm-up steps, device {args.device}")
+    print(f"one Tent step, batch {args.batch}, median of {args.rounds} interleaved rounds of {args.steps} steps, "
+          f"device {args.device}")
     print(f"{'model':9} {'params':6} {'form':16} {'ms/step':>8} {'ratio':>6} {'peak MiB':>9}  target")
     for m in args.models:
         for which in ("norm", "all"):
-            base = None
+            t = _child(_time, m, which, args.batch, args.steps, args.rounds, args.device)
+            base = t["plain"]
             for form, backend in FORMS:
-                r = run(m, which, backend, batch=args.batch, steps=args.steps, device=args.device)
-                base = base or r["sec"]
-                ratio = r["sec"] / base
+                peak = _child(_memory, m, which, backend, args.batch, args.device)
+                ratio = t[form] / base
                 ok = "" if backend is None else ("ok" if ratio <= TARGET[which] else f"MISSED (<= {TARGET[which]})")
-                print(f"{m:9} {which:6} {form:16} {r['sec'] * 1e3:8.2f} {ratio:6.2f} {r['peak_mib']:9.0f}  {ok}",
-                      flush=True)
-                rows.append({"model": m, "params": which, "form": form, "n_params": r["params"], **r, "ratio": ratio})
+                print(f"{m:9} {which:6} {form:16} {t[form] * 1e3:8.2f} {ratio:6.2f} {peak:9.0f}  {ok}", flush=True)
+                rows.append({"model": m, "params": which, "form": form, "n_params": t["n_params"],
+                             "sec": t[form], "ratio": ratio, "peak_mib": peak})
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
