@@ -64,10 +64,12 @@ def aggregate_task(updates: List) -> Dict[str, torch.Tensor]:
 
 @task(name="adapt-client", cache_policy=NO_CACHE)
 def adapt_client_task(global_state: Dict[str, torch.Tensor], spec: ModelSpec, client: Any, cfg: Any, seed: int,
-                      arrival: int, fault_marker: str | None = None, threads: int = 1) -> AdaptResult:
+                      arrival: int, source_x: np.ndarray | None = None, refused: bool = False,
+                      fault_marker: str | None = None, threads: int = 1) -> AdaptResult:
     _maybe_fail(fault_marker)
     torch.set_num_threads(threads)  # arrivals are sequential: the one running task may use every CPU
-    return adapt_client(global_state=global_state, spec=spec, client=client, cfg=cfg, seed=seed, arrival=arrival)
+    return adapt_client(global_state=global_state, spec=spec, client=client, cfg=cfg, seed=seed, arrival=arrival,
+                        source_x=source_x, refused=refused)
 
 
 @task(name="run-cell", cache_policy=NO_CACHE)

@@ -138,3 +138,10 @@ def test_methods_skip_the_update_when_every_sample_is_filtered(x):
     after = m.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before if "running" not in k and "num_batches" not in k)
     assert method.kept == 0
+
+
+def test_a_misspelt_setting_names_the_valid_ones():
+    with pytest.raises(ValueError, match="EATA has no setting fishr_alpha; valid settings are: .*fisher_alpha"):
+        create_method("eata", model(), lr=0.01, num_classes=10, fishr_alpha=1.0)
+    with pytest.raises(ValueError, match="Tent has no setting rho"):
+        create_method("tent", model(), lr=0.01, rho=0.05)

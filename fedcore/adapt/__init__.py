@@ -7,6 +7,7 @@ and returns the wrapped :class:`~fedcore.adapt.base.TTAMethod`.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import torch
 from torch import nn
@@ -50,6 +51,12 @@ def _gradient_method(cls, *, model: nn.Module, lr: float, optimizer: str = "sgd"
                      steps: int = 1, adapt_params: str = "norm", privacy: PrivacySpec | None = None, **kw) -> TTAMethod:
     """Configure ``model`` (norm layers in train mode, the rest frozen), pick the adapted
     parameters, and wire in the private gradient when ``privacy`` asks for one."""
+    own = set(inspect.signature(cls.__init__).parameters) - {"self", "model", "optimizer", "params", "steps",
+                                                              "private"}
+    unknown = sorted(set(kw) - own)
+    if unknown:
+        valid = sorted(own | {"lr", "optimizer", "momentum", "steps", "adapt_params"})
+        raise ValueError(f"{cls.__name__} has no setting {', '.join(unknown)}; valid settings are: {', '.join(valid)}")
     configure_norm_adaptation(model, grad=False)
     params = collect_params(model, adapt_params)
     private = None
