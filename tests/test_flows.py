@@ -130,29 +130,55 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _alive_nodes(ray: str, env) -> int:
-    out = subprocess.run([ray, "status"], env=env, capture_output=True, text=True, timeout=60).stdout
+def _alive_nodes(ray: str, env, port: int) -> int:
+    out = subprocess.run([ray, "status", f"--address=127.0.0.1:{port}"], env=env, capture_output=True, text=True,
+                         timeout=60).stdout
     active = out.split("Active:")[-1].split("Pending:")[0]
     return sum(1 for line in active.splitlines() if line.strip().startswith("1 node_"))
 
 
+def _stop_our_ray(temp_dir: str) -> None:
+    """Stop only the Ray processes of this test's cluster (their command lines name its temp dir).
+
+    ``ray stop --force`` would also kill every other Ray on the machine, e.g. a nightly run.
+    """
+    import psutil
+
+    ours = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(temp_dir in arg for arg in (p.info["cmdline"] or [])):
+                ours.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    for p in ours:
+        p.terminate()
+    _, alive = psutil.wait_procs(ours, timeout=10)
+    for p in alive:
+        p.kill()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
 def test_flow_on_a_multi_process_ray_cluster(tiny, tmp_path, monkeypatch):
+    import tempfile
+
     # `ray start` enables token auth; the worker node and the driver must present the token too.
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     port = _free_port()
     env = {**os.environ}
     ray = str(Path(sys.executable).parent / "ray")
-    head = ["--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
-            "--disable-usage-stats"]
+    temp_dir = tempfile.mkdtemp(prefix="fcray", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
+    node = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--disable-usage-stats", f"--temp-dir={temp_dir}"]
+    head = ["--head", f"--port={port}", "--include-dashboard=false", *node]
     subprocess.run([ray, "start", *head], check=True, env=env, capture_output=True, timeout=120)
     try:
-        subprocess.run([ray, "start", f"--address=127.0.0.1:{port}", "--node-ip-address=127.0.0.1", "--num-cpus=1",
-                        "--disable-usage-stats"], check=True, env=env, capture_output=True, timeout=120)
+        subprocess.run([ray, "start", f"--address=127.0.0.1:{port}", *node], check=True, env=env,
+                       capture_output=True, timeout=120)
         for _ in range(30):
-            if _alive_nodes(ray, env) == 2:
+            if _alive_nodes(ray, env, port) == 2:
                 break
             time.sleep(1)
-        assert _alive_nodes(ray, env) == 2, "head + worker should both be up"
+        assert _alive_nodes(ray, env, port) == 2, "head + worker should both be up"
         cfg = cfg_for(tiny, "flow.experiment=cluster-test", f"flow.ray_address=127.0.0.1:{port}", "adapt.passes=1",
                       f"paths.checkpoints={tmp_path}")
         res = F.arrival(cfg)
@@ -161,4 +187,4 @@ def test_flow_on_a_multi_process_ray_cluster(tiny, tmp_path, monkeypatch):
 
         assert not ray_mod.is_initialized()
     finally:
-        subprocess.run([ray, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        _stop_our_ray(temp_dir)
