@@ -333,7 +333,7 @@ def sweep(cfg: DictConfig) -> List[Dict[str, Any]]:
 
 def audit(cfg: DictConfig) -> List[Dict[str, Any]]:
     """The canary audit on a real client's stream, one setting per ε (and clip-only), logged to MLflow."""
-    from fedcore.privacy import PrivacySpec, calibrate_sigma, per_sample_grads_functorch
+    from fedcore.privacy import PrivacySpec, calibrate_sigma, flatten_per_sample, per_sample_grads_functorch
     from fedcore.privacy.audit import canary_audit
     from fedcore.adapt import create_method
     from fedcore.tensors import to_tensor
@@ -351,7 +351,7 @@ def audit(cfg: DictConfig) -> List[Dict[str, Any]]:
     # (the canary too) contributes exactly C. The guarantee does not depend on C.
     probe = create_method("tent", build(), lr=float(a.lr))
     g = per_sample_grads_functorch(probe.model, dict(probe.params), probe.sample_loss, pool[:256], {})
-    clip = 0.5 * float(torch.cat([v.reshape(256, -1) for v in g.values()], 1).norm(dim=1).min())
+    clip = 0.5 * float(flatten_per_sample(g).norm(dim=1).min())
     settings = [("clip", PrivacySpec(mode="clip", clip_norm=clip))] + [
         (f"dp-eps{e:g}", PrivacySpec(mode="dp", clip_norm=clip,
                                      noise_multiplier=calibrate_sigma(float(e), float(dp["delta"]))))

@@ -19,6 +19,7 @@ from fedcore.privacy.dp import (
     PrivacySpec,
     PrivateGradient,
     check_private_model,
+    flatten_per_sample,
     per_sample_grads_functorch,
     per_sample_grads_opacus,
     privatize,
@@ -26,5 +27,5 @@ from fedcore.privacy.dp import (
 
 __all__ = ["CALIBRATIONS", "GDPAccountant", "calibrate_sigma", "check_clip_norm", "check_delta", "check_epsilon",
            "check_sigma", "gdp_delta", "gdp_epsilon", "mu_from_sigma", "BACKENDS", "MODES", "PrivacySpec",
-           "PrivateGradient", "check_private_model", "per_sample_grads_functorch", "per_sample_grads_opacus",
+           "PrivateGradient", "check_private_model", "flatten_per_sample", "per_sample_grads_functorch", "per_sample_grads_opacus",
            "privatize", "Ledger", "PrivacyConfig"]

@@ -95,6 +95,7 @@ def gdp_epsilon(mu: float, delta: float) -> float:
     return float(brentq(lambda e: gdp_delta(e, mu) - delta, 0.0, hi, xtol=1e-12, rtol=1e-12))
 
 
+@functools.lru_cache(maxsize=256)
 def calibrate_sigma(epsilon: float, delta: float, *, uses: int = 1, method: str = "dp-tta") -> float:
     """Noise multiplier σ so that a sample used ``uses`` times costs at most (ε, δ).
 
@@ -114,7 +115,6 @@ def calibrate_sigma(epsilon: float, delta: float, *, uses: int = 1, method: str 
     raise ValueError(f"unknown calibration {method!r}; valid names are: {', '.join(CALIBRATIONS)}")
 
 
-@functools.lru_cache(maxsize=256)
 def _opacus_prv_sigma(epsilon: float, delta: float, uses: int) -> float:
     from opacus.accountants.utils import get_noise_multiplier
 

@@ -28,7 +28,7 @@ from scipy.stats import beta
 from torch import nn
 
 from fedcore.privacy.accountant import gdp_epsilon, mu_from_sigma
-from fedcore.privacy.dp import PrivacySpec, per_sample_grads_functorch
+from fedcore.privacy.dp import PrivacySpec, flatten_per_sample, per_sample_grads_functorch
 
 
 def stamp_canary(x: torch.Tensor, size: int = 4, value: float = 1.0) -> torch.Tensor:
@@ -77,9 +77,9 @@ def choose_canary(method, pool: torch.Tensor, candidates: int = 16) -> torch.Ten
     h = pool.shape[-1]
     cands = torch.stack([stamp_canary(x, size=h // 2) for x in pool[:candidates]] + [torch.ones_like(pool[0])])
     g = per_sample_grads_functorch(method.model, dict(method.params), method.sample_loss, cands, {})
-    gc = torch.cat([v.reshape(len(cands), -1) for v in g.values()], 1)
+    gc = flatten_per_sample(g)
     ref = per_sample_grads_functorch(method.model, dict(method.params), method.sample_loss, pool[-64:], {})
-    mean = torch.cat([v.reshape(len(pool[-64:]), -1) for v in ref.values()], 1).mean(0)
+    mean = flatten_per_sample(ref).mean(0)
     cos = (gc @ mean) / (gc.norm(dim=1) * mean.norm() + 1e-12)
     return cands[int(cos.argmin())]
 
@@ -103,7 +103,7 @@ def canary_audit(build: Callable[[], nn.Module], pool: torch.Tensor, *, spec: Pr
     canary = choose_canary(m, pool)
     # The canary's clipped gradient at the received model: the attacker's direction.
     g = per_sample_grads_functorch(m.model, dict(m.params), m.sample_loss, canary.unsqueeze(0), {})
-    norm = float(torch.cat([v.reshape(-1) for v in g.values()]).norm())
+    norm = float(flatten_per_sample(g).norm())
     direction = {k: v[0] * min(1.0, spec.clip_norm / (norm + 1e-12)) for k, v in g.items()}
     before = {k: p.detach().clone() for k, p in m.params.items()}
 

@@ -119,6 +119,11 @@ def per_sample_grads_opacus(model: nn.Module, params: Params, sample_loss: Sampl
     return (out, logits.detach()) if with_logits else out
 
 
+def flatten_per_sample(per_sample: Params) -> torch.Tensor:
+    """{name: (B, *shape)} -> (B, D): each sample's gradient over all parameters as one vector."""
+    return torch.cat([g.reshape(g.shape[0], -1) for g in per_sample.values()], dim=1)
+
+
 def privatize(per_sample: Params, *, clip_norm: float, noise_multiplier: float, batch_size: int,
               generator: torch.Generator | None = None) -> tuple[Params, Dict[str, float]]:
     """Clip each sample's joint gradient to ``clip_norm``, sum, add N(0, σ²C²), divide by ``batch_size``.
@@ -128,8 +133,7 @@ def privatize(per_sample: Params, *, clip_norm: float, noise_multiplier: float, 
     The diagnostics are not private; they are for the operator's console only.
     """
     keys = list(per_sample)
-    flat = torch.cat([per_sample[k].reshape(per_sample[k].shape[0], -1) for k in keys], dim=1)
-    norms = flat.norm(dim=1)
+    norms = flatten_per_sample(per_sample).norm(dim=1)
     factor = (clip_norm / (norms + 1e-12)).clamp(max=1.0)
     out: Params = {}
     for k in keys:
