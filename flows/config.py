@@ -136,6 +136,20 @@ def private_grid(cfg: DictConfig) -> DictConfig:
     return out
 
 
+def cifar_experiment(cfg: DictConfig) -> DictConfig:
+    """``cfg`` turned into the CIFAR-10-C experiment's config (the ``cifar`` block applied)."""
+    c = cfg.cifar
+    out = cfg.copy()
+    out.data = _group("data", str(c.data))
+    out.model = OmegaConf.merge(_group("model", str(c.model)), {"norm": cfg.model.norm})
+    out = OmegaConf.merge(out, {"paths": {"prepared": c.prepared, "partitions": c.partitions, "models": c.models,
+                                          "results": c.results},
+                                "pretrain": {"rounds": int(c.rounds)}, "adapt": {"passes": int(c.passes)},
+                                "flow": {"experiment": c.experiment}})
+    validate(out)
+    return out
+
+
 def _group(group: str, name: str) -> DictConfig:
     path = CONF_DIR / group / f"{name}.yaml"
     if not path.is_file():

@@ -8,8 +8,6 @@ driver process, never on a worker.
 from __future__ import annotations
 
 import json
-import logging
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict, List
@@ -17,122 +15,29 @@ from typing import Any, Dict, List
 import mlflow
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
-from prefect import flow, get_run_logger, task
-from prefect.cache_policies import NO_CACHE
+from omegaconf import DictConfig
+from prefect import flow, get_run_logger
 from prefect.futures import as_completed
 
 from fedcore.adapt import GRADIENT_METHODS
-from fedcore.aggregate import weighted_average
 from fedcore.data import Partition
-from fedcore.engine import (
-    AdaptResult,
-    ArrivalsResult,
-    ModelSpec,
-    RunInterrupted,
-    adapt_client,
-    pretrain_client,
-    run_arrivals,
-    run_pretrain,
-)
+from fedcore.engine import ArrivalsResult, ModelSpec, run_arrivals, run_pretrain
 from fedcore.evaluate.plots import plot_arrivals, plot_privacy
-from fedcore.train import LocalResult
 from flows import config as C
 from flows import runtime, tracking
-
-# ------------------------------------------------------------------------------------ tasks
-
-
-def _maybe_fail(fault_marker: str | None) -> None:
-    """Injected fault for tests: fail the first attempt only (a marker file remembers it)."""
-    if fault_marker and not Path(fault_marker).exists():
-        Path(fault_marker).parent.mkdir(parents=True, exist_ok=True)
-        Path(fault_marker).write_text("failed once\n")
-        raise RuntimeError(f"injected fault ({fault_marker}); Prefect should retry this task")
-
-
-@task(name="pretrain-client", cache_policy=NO_CACHE)
-def pretrain_client_task(global_state: Dict[str, torch.Tensor], spec: ModelSpec, x: np.ndarray, y: np.ndarray,
-                         cfg: Any, seed: int, client_id: int) -> LocalResult:
-    return pretrain_client(global_state=global_state, spec=spec, x=x, y=y, cfg=cfg, seed=seed, client_id=client_id)
-
-
-@task(name="fedavg-aggregate", cache_policy=NO_CACHE)
-def aggregate_task(updates: List) -> Dict[str, torch.Tensor]:
-    return weighted_average(updates)
-
-
-@task(name="adapt-client", cache_policy=NO_CACHE)
-def adapt_client_task(global_state: Dict[str, torch.Tensor], spec: ModelSpec, client: Any, cfg: Any, seed: int,
-                      arrival: int, source_x: np.ndarray | None = None, refused: bool = False,
-                      fault_marker: str | None = None, threads: int = 1) -> AdaptResult:
-    _maybe_fail(fault_marker)
-    torch.set_num_threads(threads)  # arrivals are sequential: the one running task may use every CPU
-    return adapt_client(global_state=global_state, spec=spec, client=client, cfg=cfg, seed=seed, arrival=arrival,
-                        source_x=source_x, refused=refused)
-
-
-@task(name="run-cell", cache_policy=NO_CACHE)
-def run_cell_task(cfg_dict: Dict[str, Any], method: str, aggregator: str, seed: int,
-                  form: str | None = None) -> Dict[str, Any]:
-    """One whole sweep cell, in one worker: the plain driver over the fedcore steps."""
-    cfg = OmegaConf.create(cfg_dict)
-    acfg = C.arrival_config(cfg, method=method, aggregator=aggregator, seed=seed, form=form)
-    partition, spec, source = load_inputs(cfg)
-    ckpt = _ckpt_dir(cfg, cell_name(acfg))
-    t0 = time.perf_counter()
-    res = run_arrivals(partition, spec, source, acfg, checkpoint_dir=ckpt, resume=bool(cfg.flow.resume),
-                       stop_after=cfg.flow.stop_after)
-    return {"method": method, "aggregator": aggregator, "seed": seed, "form": acfg.form, "result": res,
-            "seconds": time.perf_counter() - t0}
-
-
-# ------------------------------------------------------------------------------------ helpers
-
-
-def source_model_path(cfg: DictConfig) -> Path:
-    return C.resolve_path(cfg.paths.models) / f"source-{cfg.data.name}-{cfg.model.name}-{cfg.model.norm}.pt"
-
-
-def partition_dir(cfg: DictConfig) -> Path:
-    return C.resolve_path(cfg.paths.partitions) / cfg.data.name
-
-
-def prepared_path(cfg: DictConfig) -> Path:
-    return C.resolve_path(cfg.paths.prepared) / f"{cfg.data.name}.npz"
-
-
-def cell_name(acfg) -> str:
-    """method-aggregator[-form]-s<seed>; the plain form keeps the short name."""
-    form = "" if acfg.form == "plain" else f"-{acfg.form}"
-    return f"{acfg.method}-{acfg.aggregator}{form}-s{acfg.seed}"
-
-
-def _ckpt_dir(cfg: DictConfig, cell: str) -> Path:
-    return C.resolve_path(cfg.paths.checkpoints) / f"{cfg.data.name}-{cfg.model.name}-{cfg.model.norm}" / cell
-
-
-def load_source(path: Path, spec: ModelSpec) -> Dict[str, torch.Tensor]:
-    if not path.is_file():
-        raise FileNotFoundError(f"source model {path} is missing. Build it with `dvc repro pretrain` "
-                                "(or `python -m flows.stages pretrain`).")
-    try:
-        blob = torch.load(path, map_location="cpu", weights_only=False)
-        state = blob["state"]
-    except Exception as exc:
-        raise ValueError(f"source model {path} is corrupt or not a fedcore checkpoint ({exc}); "
-                         "rebuild it with `dvc repro pretrain`") from exc
-    if blob.get("spec") != asdict(spec):
-        raise ValueError(f"source model {path} was trained for {blob.get('spec')}, not {asdict(spec)}; "
-                         "rebuild it with `dvc repro pretrain`")
-    return state
-
-
-def load_inputs(cfg: DictConfig):
-    spec = C.model_spec(cfg)
-    partition = Partition.load(partition_dir(cfg))
-    return partition, spec, load_source(source_model_path(cfg), spec)
-
+from flows.tasks import (  # noqa: F401 - the paths and loaders are part of this module's interface
+    _ckpt_dir,
+    adapt_client_task,
+    aggregate_task,
+    cell_name,
+    load_inputs,
+    load_source,
+    partition_dir,
+    prepared_path,
+    pretrain_client_task,
+    run_cell_task,
+    source_model_path,
+)
 
 def _runner(cfg: DictConfig):
     return runtime.make_task_runner(address=cfg.flow.ray_address, num_cpus=int(cfg.flow.num_cpus), root=C.ROOT)
@@ -149,10 +54,11 @@ def _gpus(cfg: DictConfig) -> float:
 def pretrain(cfg: DictConfig) -> Path:
     """FedAvg source pretraining: a training task per client per round on Ray, an aggregation task per round."""
 
+    partition = Partition.load(partition_dir(cfg))  # before any service starts: a missing input fails fast
+
     @flow(name="source-pretraining", task_runner=_runner(cfg), log_prints=True)
     def source_pretraining() -> str:
         logger = get_run_logger()
-        partition = Partition.load(partition_dir(cfg))
         spec, pcfg = C.model_spec(cfg), C.pretrain_config(cfg)
         tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
 
@@ -170,7 +76,7 @@ def pretrain(cfg: DictConfig) -> Path:
                 tracking.log_round(r, metrics)
 
             state = run_pretrain(partition, spec, pcfg, submit=submit, on_round=on_round,
-                                 aggregate=aggregate_task)
+                                 aggregate=aggregate_task, progress=bool(cfg.flow.progress))
             model = spec.build()
             model.load_state_dict(state)
             from fedcore.evaluate import accuracy
@@ -249,10 +155,11 @@ def _start_experiment_run(cfg: DictConfig, acfg, spec: ModelSpec):
 def arrival(cfg: DictConfig) -> ArrivalsResult:
     """Sequential arrival: an adaptation task per client on Ray; merge, evaluate, checkpoint, log."""
 
+    partition, spec, source = load_inputs(cfg)  # before any service starts
+
     @flow(name="sequential-arrival", task_runner=_runner(cfg), log_prints=True)
     def sequential_arrival() -> ArrivalsResult:
         logger = get_run_logger()
-        partition, spec, source = load_inputs(cfg)
         acfg = C.arrival_config(cfg)
         ckpt = _ckpt_dir(cfg, cell_name(acfg))
         tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
@@ -275,11 +182,18 @@ def arrival(cfg: DictConfig) -> ArrivalsResult:
                                record["eps_client_total"])
             logger.info("arrival %d (%s): online %.3f, hold-out(seen) %.3f, w=%.3f", record["arrival"],
                         record["corruption"], record["online_acc"], record["holdout_avg_seen"], record["weight"])
-            tracking.log_arrival(record)
+            log(record)
 
         with _start_experiment_run(cfg, acfg, spec):
-            res = run_arrivals(partition, spec, source, acfg, submit=submit, checkpoint_dir=ckpt,
-                               resume=bool(cfg.flow.resume), stop_after=cfg.flow.stop_after, on_arrival=on_arrival)
+            log = tracking.BackgroundArrivalLog()  # MLflow writes overlap the next client's adaptation
+            try:
+                res = run_arrivals(partition, spec, source, acfg, submit=submit, checkpoint_dir=ckpt,
+                                   resume=bool(cfg.flow.resume), stop_after=cfg.flow.stop_after,
+                                   on_arrival=on_arrival, progress=bool(cfg.flow.progress))
+            except BaseException:
+                log.close(raise_errors=False)  # the run's own error is the one to report
+                raise
+            log.close()
             _log_experiment(cfg, acfg, res, spec=spec, partition=partition, live=True)
         return res
 
@@ -292,10 +206,11 @@ def arrival(cfg: DictConfig) -> ArrivalsResult:
 def sweep(cfg: DictConfig) -> List[Dict[str, Any]]:
     """The (method x aggregator x seed) grid, cells running concurrently on Ray; logged as each ends."""
 
+    partition, spec, _ = load_inputs(cfg)  # before any service starts
+
     @flow(name="sweep", task_runner=_runner(cfg), log_prints=True)
     def sweep_flow() -> List[Dict[str, Any]]:
         logger = get_run_logger()
-        partition, spec, _ = load_inputs(cfg)
         tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
         forms = list(cfg.sweep.get("privacy", None) or ["plain"])
         # A method without gradients (source, bn) has no private form: it runs once, plain, as a reference.
@@ -309,7 +224,12 @@ def sweep(cfg: DictConfig) -> List[Dict[str, Any]]:
             futures = [run_cell_task.with_options(retries=int(cfg.flow.retries)).submit(
                 cfg_dict=cfg_dict, method=m, aggregator=a, seed=s, form=f) for m, a, f, s in cells]
         results = []
-        for i, fut in enumerate(as_completed(futures), 1):
+        done = as_completed(futures)
+        if cfg.flow.progress:
+            from tqdm.auto import tqdm
+
+            done = tqdm(done, total=len(futures), desc=f"sweep on {cfg.data.name}", unit="cell")
+        for i, fut in enumerate(done, 1):
             res = fut.result()
             acfg = C.arrival_config(cfg, method=res["method"], aggregator=res["aggregator"], seed=res["seed"],
                                     form=res["form"])

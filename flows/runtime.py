@@ -3,6 +3,10 @@
 With no Prefect API URL set, every Ray worker would start its own temporary Prefect server
 (~170 MB and 5-6 s each). We start one temporary server here in the driver, or use the URL the
 user exported, and pass it to the workers through Ray's ``runtime_env``.
+
+Start-up is overlapped: the temporary server boots on a thread while Ray starts, and each
+local Ray worker then imports the task module (torch, Prefect, fedcore) before the first real
+task arrives.
 """
 
 from __future__ import annotations
@@ -10,8 +14,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
+import threading
 from pathlib import Path
-from typing import Any, Dict, Iterator
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 log = logging.getLogger(__name__)
 _SERVER = None
@@ -19,18 +25,50 @@ _SERVER = None
 
 def ensure_prefect_api() -> str:
     """The Prefect API URL to use: ``PREFECT_API_URL`` if set, else one temporary local server."""
-    global _SERVER
     url = os.environ.get("PREFECT_API_URL")
     if url:
         return url
+    url, wait = _start_prefect_server()
+    return wait()
+
+
+def _start_prefect_server() -> Tuple[str, Callable[[], str]]:
+    """Boot a temporary Prefect server on a thread: its URL now, and a wait() for when it is up.
+
+    wait() returns the URL it ended up on (the server moves if its port was taken meanwhile).
+    """
+    global _SERVER
     from prefect.server.api.server import SubprocessASGIServer
 
+    # Prefect's own ephemeral-server singleton (no port key): a Prefect client in this process
+    # that finds no API URL in its settings then reuses this server instead of starting another.
     _SERVER = SubprocessASGIServer()
-    _SERVER.start(timeout=120)
-    url = _SERVER.api_url
-    os.environ["PREFECT_API_URL"] = url
-    log.info("started a temporary Prefect server at %s", url)
-    return url
+    if _SERVER.port is None:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a free loopback port, chosen now
+            s.bind(("127.0.0.1", 0))
+            _SERVER.port = s.getsockname()[1]
+    planned = _SERVER.api_url
+    errors: List[BaseException] = []
+
+    def boot() -> None:
+        try:
+            _SERVER.start(timeout=120)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
+            errors.append(exc)
+
+    thread = threading.Thread(target=boot, name="prefect-server", daemon=True)
+    thread.start()
+
+    def wait() -> str:
+        thread.join()
+        if errors:
+            raise RuntimeError(f"the temporary Prefect server did not start: {errors[0]}; start one with "
+                               "`prefect server start --host 127.0.0.1` and export PREFECT_API_URL") from errors[0]
+        os.environ["PREFECT_API_URL"] = _SERVER.api_url
+        log.info("started a temporary Prefect server at %s", _SERVER.api_url)
+        return _SERVER.api_url
+
+    return planned, wait
 
 
 def stop_prefect_api() -> None:
@@ -58,14 +96,50 @@ def ray_init_kwargs(*, num_cpus: int, prefect_api_url: str, root: Path) -> Dict[
 
 def make_task_runner(*, address: str | None, num_cpus: int, root: Path):
     """prefect-ray's runner: a local Ray with ``num_cpus`` CPUs, or the cluster at ``address``."""
+    import ray
     from prefect_ray import RayTaskRunner
 
-    url = ensure_prefect_api()
-    kwargs = ray_init_kwargs(num_cpus=num_cpus, prefect_api_url=url, root=root)
-    if address:
-        kwargs.pop("num_cpus")
-        kwargs.pop("include_dashboard")
+    url = os.environ.get("PREFECT_API_URL")
+    wait = None
+    if not url:
+        url, wait = _start_prefect_server()
+
+    def init_kwargs(api_url: str) -> Dict[str, Any]:
+        kwargs = ray_init_kwargs(num_cpus=num_cpus, prefect_api_url=api_url, root=root)
+        if address:
+            kwargs.pop("num_cpus")
+            kwargs.pop("include_dashboard")
+        return kwargs
+
+    kwargs = init_kwargs(url)
+    try:
+        if not ray.is_initialized():  # the runner then uses this Ray; the flows shut it down
+            ray.init(address=address, **kwargs)
+            if not address:
+                _prewarm_workers(num_cpus)
+        if wait is not None and wait() != url:  # the server had to move: tell the workers
+            shutdown_ray()
+            kwargs = init_kwargs(os.environ["PREFECT_API_URL"])
+            ray.init(address=address, **kwargs)
+    except BaseException:
+        shutdown_ray()
+        raise
     return RayTaskRunner(address=address, init_kwargs=kwargs)
+
+
+_WARMING: List[Any] = []
+
+
+def _warm() -> None:
+    import flows.tasks  # noqa: F401 - torch, Prefect and fedcore, once per worker process
+
+
+def _prewarm_workers(n: int) -> None:
+    """One import task per local worker, started now: it overlaps the flow's own set-up."""
+    import ray
+
+    remote = ray.remote(num_cpus=1)(_warm)
+    _WARMING[:] = [remote.remote() for _ in range(max(1, n))]
 
 
 @contextlib.contextmanager
@@ -83,5 +157,6 @@ def task_resources(*, num_gpus: float = 0, num_cpus: float = 1) -> Iterator[None
 def shutdown_ray() -> None:
     import ray
 
+    _WARMING.clear()
     if ray.is_initialized():
         ray.shutdown()

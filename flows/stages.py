@@ -5,6 +5,7 @@
     python -m flows.stages sweep 'sweep.methods=[bn,tent]' 'sweep.privacy=[plain,dp-eps5]'
     python -m flows.stages pretrain_private && python -m flows.stages private   # the private-TTA grid
     python -m flows.stages audit          # canary membership audit of the private form
+    python -m flows.stages prepare_cifar   # likewise partition_cifar, pretrain_cifar, adapt_cifar: CIFAR-10-C
 
 With ``--params`` the stage reads the file DVC tracks; without it, conf/ is composed with the
 overrides. ``adapt`` is the sweep over ``sweep.*`` that writes results/ for DVC.
@@ -100,16 +101,38 @@ def _audit(cfg) -> None:
     print("\n".join(lines))
 
 
+def _pointing_at(renames: dict, run):
+    """Run ``run()``; a missing-input error then names this variant's stages (pretrain -> pretrain_cifar)."""
+    try:
+        return run()
+    except (FileNotFoundError, ValueError) as exc:
+        msg = str(exc)
+        for old, new in renames.items():
+            msg = msg.replace(f"dvc repro {old}`", f"dvc repro {new}`").replace(f"flows.stages {old}`",
+                                                                             f"flows.stages {new}`")
+        if msg == str(exc):
+            raise
+        raise type(exc)(msg) from exc
+
+
 def _pretrain_private(cfg) -> None:
     _pretrain(C.private_grid(cfg))
 
 
 def _private(cfg) -> None:
-    _adapt(C.private_grid(cfg))
+    _pointing_at({"pretrain": "pretrain_private"}, lambda: _adapt(C.private_grid(cfg)))
+
+
+def _on_cifar(stage):
+    names = {s: f"{s}_cifar" for s in ("prepare", "partition", "pretrain")}
+    return lambda cfg: _pointing_at(names, lambda: stage(C.cifar_experiment(cfg)))
 
 
 STAGES = {"prepare": _prepare, "partition": _partition, "pretrain": _pretrain, "adapt": _adapt,
-          "sweep": _adapt, "arrival": _arrival, "pretrain_private": _pretrain_private, "private": _private, "audit": _audit}
+          "sweep": _adapt, "arrival": _arrival, "pretrain_private": _pretrain_private, "private": _private,
+          "audit": lambda cfg: _pointing_at({"pretrain": "pretrain_private"}, lambda: _audit(cfg)),
+          **{f"{name}_cifar": _on_cifar(fn) for name, fn in
+             (("prepare", _prepare), ("partition", _partition), ("pretrain", _pretrain), ("adapt", _adapt))}}
 
 
 def main(argv=None) -> int:

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
+import queue
 import subprocess
+import threading
+import time
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping
 
@@ -86,19 +90,65 @@ def lineage_tags(*, seed: int, prepared: Path, partition_dir: Path, extra: Mappi
     return tags
 
 
-def log_arrival(record: Mapping[str, Any]) -> None:
-    """A nested run for one arrival, plus the same numbers on the parent with step = arrival."""
-    step = int(record["arrival"])
-    metrics = {k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and k not in ("arrival",)}
-    mlflow.log_metrics(metrics, step=step)
-    with mlflow.start_run(run_name=f"arrival-{step:03d}-{record['corruption']}", nested=True):
-        tags = {"client_id": str(record["client_id"]), "corruption": record["corruption"],
-                "pass": str(record["pass"]), "arrival": str(step)}
-        if "privacy_refused" in record:
-            tags["privacy"] = ("REFUSED: client budget spent, no update merged" if record["privacy_refused"]
-                               else "private update")
-        mlflow.set_tags(tags)
-        mlflow.log_metrics(metrics, step=step)
+def log_arrival(record: Mapping[str, Any], *, parent: "mlflow.entities.Run | None" = None,
+                client: "mlflow.MlflowClient | None" = None) -> None:
+    """A nested run for one arrival, plus the same numbers on the parent with step = arrival.
+
+    Written with explicit run ids (one batch per run), so it may run on another thread than
+    the one that started ``parent`` (default: the active run).
+    """
+    from mlflow.entities import Metric
+    from mlflow.tracking.context import registry as context
+
+    parent = parent or mlflow.active_run()
+    client = client or mlflow.MlflowClient()
+    step, now = int(record["arrival"]), int(time.time() * 1000)
+    metrics = [Metric(k, float(v), now, step) for k, v in record.items()
+               if isinstance(v, (int, float)) and k != "arrival"]
+    client.log_batch(parent.info.run_id, metrics=metrics)
+    tags = {"client_id": str(record["client_id"]), "corruption": record["corruption"],
+            "pass": str(record["pass"]), "arrival": str(step), "mlflow.parentRunId": parent.info.run_id}
+    if "privacy_refused" in record:
+        tags["privacy"] = ("REFUSED: client budget spent, no update merged" if record["privacy_refused"]
+                           else "private update")
+    child = client.create_run(parent.info.experiment_id, run_name=f"arrival-{step:03d}-{record['corruption']}",
+                              tags=context.resolve_tags(tags))
+    client.log_batch(child.info.run_id, metrics=metrics)
+    client.set_terminated(child.info.run_id)
+
+
+class BackgroundArrivalLog:
+    """Logs arrivals in order on one background thread, so the flow never waits on the tracking store.
+
+    Call it with each record; :meth:`close` waits for the queue to drain and re-raises the first
+    logging error (after the flow's own checkpoint is safe, so nothing computed is lost).
+    """
+
+    def __init__(self) -> None:
+        self._parent, self._client = mlflow.active_run(), mlflow.MlflowClient()
+        self._queue: "queue.Queue[Mapping[str, Any] | None]" = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="mlflow-arrivals", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (record := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    log_arrival(record, parent=self._parent, client=self._client)
+                except BaseException as exc:  # noqa: BLE001 - kept and re-raised by close()
+                    self._error = exc
+
+    def __call__(self, record: Mapping[str, Any]) -> None:
+        self._queue.put(dict(record))
+
+    def close(self, *, raise_errors: bool = True) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None:
+            if raise_errors:
+                raise RuntimeError(f"logging an arrival to MLflow failed: {self._error}") from self._error
+            logging.getLogger(__name__).warning("logging an arrival to MLflow failed: %s", self._error)
 
 
 def log_round(r: int, metrics: Mapping[str, float]) -> None:

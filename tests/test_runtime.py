@@ -30,3 +30,49 @@ def test_file_hash_is_recomputed_when_the_file_changes(tmp_path):
     p.write_bytes(b"abcd")
     os.utime(p, ns=(1, 1))  # a different mtime even on coarse clocks
     assert file_sha256(p) == hashlib.sha256(b"abcd").hexdigest()
+
+
+def test_task_module_is_light_for_ray_workers():
+    """A worker unpickling a task imports flows.tasks: it must not drag in MLflow or matplotlib."""
+    import subprocess
+    import sys
+
+    probe = "import sys, flows.tasks; print(sorted(m for m in ('mlflow', 'matplotlib', 'ray') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=C.ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_background_arrival_log_keeps_order_nesting_and_errors(tmp_path):
+    import mlflow
+    import pytest
+
+    from flows.tracking import BackgroundArrivalLog
+
+    before = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlruns.db")
+    try:
+        mlflow.set_experiment("background-log")
+        with mlflow.start_run() as parent:
+            log = BackgroundArrivalLog()
+            for a in range(5):
+                log({"arrival": a, "client_id": a % 2, "corruption": "fog", "pass": 0, "online_acc": a / 10,
+                     "privacy_refused": a == 4})
+            log.close()
+        client = mlflow.MlflowClient()
+        hist = client.get_metric_history(parent.info.run_id, "online_acc")
+        assert sorted((m.step, m.value) for m in hist) == [(a, a / 10) for a in range(5)]
+        children = client.search_runs([parent.info.experiment_id],
+                                      f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+        assert sorted(c.info.run_name for c in children) == [f"arrival-{a:03d}-fog" for a in range(5)]
+        assert all(c.info.status == "FINISHED" for c in children)
+        refused = [c.info.run_name for c in children if c.data.tags["privacy"].startswith("REFUSED")]
+        assert refused == ["arrival-004-fog"]
+
+        with mlflow.start_run():
+            log = BackgroundArrivalLog()
+            log({"arrival": 0})  # no corruption, client or pass: the thread fails, close() says so
+            with pytest.raises(RuntimeError, match="logging an arrival to MLflow failed"):
+                log.close()
+    finally:
+        mlflow.set_tracking_uri(before)

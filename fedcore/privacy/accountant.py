@@ -25,8 +25,6 @@ import math
 import warnings
 from typing import Any, Dict, List, Tuple
 
-from scipy.optimize import brentq
-from scipy.stats import norm
 
 CALIBRATIONS = ("dp-tta", "exact")
 
@@ -77,9 +75,11 @@ def gdp_delta(epsilon: float, mu: float) -> float:
         return 0.0
     if math.isinf(mu):
         return 1.0
+    from scipy.special import log_ndtr, ndtr  # here, not at import: scipy costs workers ~1 s to load
+
     # e^ε Φ(b) computed in log space: e^ε overflows long before the product does.
     a, b = -epsilon / mu + mu / 2, -epsilon / mu - mu / 2
-    return float(norm.cdf(a) - math.exp(epsilon + norm.logcdf(b)))
+    return float(ndtr(a) - math.exp(epsilon + log_ndtr(b)))
 
 
 def gdp_epsilon(mu: float, delta: float) -> float:
@@ -89,6 +89,8 @@ def gdp_epsilon(mu: float, delta: float) -> float:
         return math.inf
     if mu <= 0 or gdp_delta(0.0, mu) <= delta:
         return 0.0
+    from scipy.optimize import brentq
+
     hi = 1.0
     while gdp_delta(hi, mu) > delta:
         hi *= 2.0
@@ -105,6 +107,8 @@ def calibrate_sigma(epsilon: float, delta: float, *, uses: int = 1, method: str 
     """
     epsilon, delta, uses = check_epsilon(epsilon), check_delta(delta), check_uses(uses)
     if method == "exact":
+        from scipy.optimize import brentq
+
         f = lambda s: gdp_epsilon(mu_from_sigma(s, uses), delta) - epsilon  # noqa: E731 - decreasing in s
         lo, hi = 1e-3, 1.0
         while f(hi) > 0:
