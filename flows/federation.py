@@ -166,11 +166,13 @@ def arrival(cfg: DictConfig) -> ArrivalsResult:
         adapt = adapt_client_task.with_options(retries=int(cfg.flow.retries),
                                                retry_delay_seconds=float(cfg.flow.retry_delay_seconds))
 
+        # Arrivals are sequential: the one running client task may use every CPU of a node.
+        threads = min(int(cfg.flow.num_cpus), runtime.largest_node_cpus())
+
         def submit(fn, **kw):
             fault = None
             if cfg.flow.inject_fault is not None and kw["arrival"] == int(cfg.flow.inject_fault):
                 fault = str(ckpt / f"fault-{kw['arrival']}.marker")
-            threads = int(cfg.flow.num_cpus) if not cfg.flow.ray_address else 1
             with runtime.task_resources(num_gpus=_gpus(cfg), num_cpus=threads):
                 return adapt.submit(fault_marker=fault, threads=threads, **kw)
 

@@ -111,14 +111,16 @@ def make_task_runner(*, address: str | None, num_cpus: int, root: Path):
             kwargs.pop("include_dashboard")
         return kwargs
 
+    global _OWN_RAY
     kwargs = init_kwargs(url)
     try:
-        if not ray.is_initialized():  # the runner then uses this Ray; the flows shut it down
+        if not ray.is_initialized():  # the runner then uses this Ray; shutdown_ray() stops it
             ray.init(address=address, **kwargs)
+            _OWN_RAY = True
             if not address:
                 _prewarm_workers(num_cpus)
         if wait is not None and wait() != url:  # the server had to move: tell the workers
-            shutdown_ray()
+            ray.shutdown()
             kwargs = init_kwargs(os.environ["PREFECT_API_URL"])
             ray.init(address=address, **kwargs)
     except BaseException:
@@ -128,6 +130,7 @@ def make_task_runner(*, address: str | None, num_cpus: int, root: Path):
 
 
 _WARMING: List[Any] = []
+_OWN_RAY = False  # whether make_task_runner started the Ray in this process (else someone else owns it)
 
 
 def _warm() -> None:
@@ -155,8 +158,18 @@ def task_resources(*, num_gpus: float = 0, num_cpus: float = 1) -> Iterator[None
 
 
 def shutdown_ray() -> None:
+    """Stop the Ray this module started; a Ray the caller had already started is left running."""
+    global _OWN_RAY
     import ray
 
     _WARMING.clear()
-    if ray.is_initialized():
+    if _OWN_RAY and ray.is_initialized():
         ray.shutdown()
+    _OWN_RAY = False
+
+
+def largest_node_cpus() -> int:
+    """CPUs of the biggest live Ray node: the most threads one task can be given."""
+    import ray
+
+    return int(max((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]), default=1)) or 1

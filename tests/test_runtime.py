@@ -76,3 +76,18 @@ def test_background_arrival_log_keeps_order_nesting_and_errors(tmp_path):
                 log.close()
     finally:
         mlflow.set_tracking_uri(before)
+
+
+def test_a_ray_the_caller_started_is_left_running():
+    """shutdown_ray() stops only the Ray that make_task_runner started; threads fit the largest node."""
+    import ray
+
+    from flows import runtime
+
+    ray.init(num_cpus=1, include_dashboard=False)
+    try:
+        assert runtime.largest_node_cpus() == 1  # a 2-thread task would never be scheduled here
+        runtime.shutdown_ray()
+        assert ray.is_initialized()
+    finally:
+        ray.shutdown()
