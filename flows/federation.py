@@ -39,6 +39,7 @@ from flows.tasks import (  # noqa: F401 - the paths and loaders are part of this
     source_model_path,
 )
 
+
 def _runner(cfg: DictConfig):
     return runtime.make_task_runner(address=cfg.flow.ray_address, num_cpus=int(cfg.flow.num_cpus), root=C.ROOT)
 
