@@ -25,19 +25,19 @@ _SERVER = None
 
 def ensure_prefect_api() -> str:
     """The Prefect API URL to use: ``PREFECT_API_URL`` if set, else one temporary local server."""
-    url = os.environ.get("PREFECT_API_URL")
-    if url:
-        return url
-    url, wait = _start_prefect_server()
-    return wait()
+    return _prefect_api()[1]()
 
 
-def _start_prefect_server() -> Tuple[str, Callable[[], str]]:
-    """Boot a temporary Prefect server on a thread: its URL now, and a wait() for when it is up.
+def _prefect_api() -> Tuple[str, Callable[[], str]]:
+    """The Prefect API URL now, and a wait() that returns it once the server answers.
 
-    wait() returns the URL it ended up on (the server moves if its port was taken meanwhile).
+    ``PREFECT_API_URL`` if set; else a temporary server booting on a thread. wait() returns the
+    URL it ended up on (the server moves if its port was taken meanwhile).
     """
     global _SERVER
+    url = os.environ.get("PREFECT_API_URL")
+    if url:
+        return url, lambda: url
     from prefect.server.api.server import SubprocessASGIServer
 
     # Prefect's own ephemeral-server singleton (no port key): a Prefect client in this process
@@ -99,10 +99,7 @@ def make_task_runner(*, address: str | None, num_cpus: int, root: Path):
     import ray
     from prefect_ray import RayTaskRunner
 
-    url = os.environ.get("PREFECT_API_URL")
-    wait = None
-    if not url:
-        url, wait = _start_prefect_server()
+    url, wait = _prefect_api()
 
     def init_kwargs(api_url: str) -> Dict[str, Any]:
         kwargs = ray_init_kwargs(num_cpus=num_cpus, prefect_api_url=api_url, root=root)
@@ -119,7 +116,7 @@ def make_task_runner(*, address: str | None, num_cpus: int, root: Path):
             _OWN_RAY = True
             if not address:
                 _prewarm_workers(num_cpus)
-        if wait is not None and wait() != url:  # the server had to move: tell the workers
+        if wait() != url:  # the server had to move: tell the workers
             ray.shutdown()
             kwargs = init_kwargs(os.environ["PREFECT_API_URL"])
             ray.init(address=address, **kwargs)
