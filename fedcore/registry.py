@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Generic, TypeVar
+import inspect
+from typing import Callable, Dict, Generic, List, TypeVar
 
 T = TypeVar("T")
 
@@ -40,7 +41,29 @@ class Registry(Generic[T]):
                 f"unknown {self.kind} {name!r}; valid names are: {', '.join(self.names())}"
             ) from None
 
+    def settings(self, name: str) -> List[str] | None:
+        """The keyword settings ``name`` accepts; ``None`` when its factory takes any (``**kwargs``)."""
+        factory = self.get(name)
+        # A class whose __init__ passes **kwargs up takes its parents' settings too.
+        is_class = inspect.isclass(factory)
+        inits = [c.__dict__["__init__"] for c in factory.__mro__ if "__init__" in c.__dict__ and c is not object] \
+            if is_class else [factory]
+        names: set[str] = set()
+        for fn in inits:
+            params = list(inspect.signature(fn).parameters.values())
+            names.update(p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+                         and p.name != "self")
+            if not any(p.kind is p.VAR_KEYWORD for p in params):
+                return sorted(names)
+        return None if inits else []  # every __init__ passed **kwargs on (or there is none: no settings)
+
     def create(self, name: str, **kwargs) -> T:
+        """Build ``name`` with ``kwargs``; a setting it does not take is an error naming the valid ones."""
+        valid = self.settings(name)
+        unknown = [] if valid is None else sorted(set(kwargs) - set(valid))
+        if unknown:
+            raise ValueError(f"{self.kind} {name!r} has no setting {', '.join(map(repr, unknown))}; valid settings "
+                             f"are: {', '.join(valid) if valid else '(none)'}")
         return self.get(name)(**kwargs)
 
     def __contains__(self, name: str) -> bool:

@@ -14,7 +14,7 @@ from typing import Any, Dict, List
 from omegaconf import DictConfig, OmegaConf
 
 from fedcore.data.corruptions import CORRUPTION_NAMES
-from fedcore.engine import ArrivalConfig, ModelSpec, PretrainConfig
+from fedcore.engine import ArrivalConfig, ModelSpec, RoundConfig
 from fedcore.privacy import PrivacyConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,6 +66,8 @@ def validate(cfg: DictConfig) -> None:
         raise ValueError(f"data.severity must be in 1..5, got {d.severity}")
     pretrain_config(cfg)
     arrival_config(cfg)  # checks method, aggregator, lr, gamma, beta, passes, privacy
+    if "fedpad" in cfg:
+        validate_rounds(cfg, "fedpad")
     forms = list(cfg.sweep.get("privacy", None) or []) if "sweep" in cfg else []
     forms += list(cfg.private.privacy) if "private" in cfg else []
     for form in forms:  # a bad sweep form fails here, before any stage starts work
@@ -77,12 +79,13 @@ def model_spec(cfg: DictConfig) -> ModelSpec:
                      num_classes=int(cfg.data.num_classes), norm=cfg.model.norm)
 
 
-def pretrain_config(cfg: DictConfig) -> PretrainConfig:
+def pretrain_config(cfg: DictConfig) -> RoundConfig:
+    """Source pretraining: the round engine with the ``sgd`` trainer and ``fedavg``."""
     p = cfg.pretrain
-    return PretrainConfig(rounds=int(p.rounds), local_epochs=int(p.local_epochs), lr=float(p.lr),
-                          batch_size=int(p.batch_size), momentum=float(p.momentum),
-                          weight_decay=float(p.weight_decay), augment=bool(p.augment), seed=int(cfg.seed),
-                          device=str(cfg.device))
+    trainer = dict(local_epochs=int(p.local_epochs), lr=float(p.lr), batch_size=int(p.batch_size),
+                   momentum=float(p.momentum), weight_decay=float(p.weight_decay), augment=bool(p.augment))
+    return RoundConfig(rounds=int(p.rounds), trainer="sgd", trainer_params=trainer, strategy="fedavg",
+                       seed=int(cfg.seed), device=str(cfg.device))
 
 
 def privacy_form(cfg: DictConfig, form: str | None) -> Dict[str, Any]:
@@ -148,6 +151,63 @@ def cifar_experiment(cfg: DictConfig) -> DictConfig:
                                 "flow": {"experiment": c.experiment}})
     validate(out)
     return out
+
+
+# ------------------------------------------------------------------------------------ round-based systems
+def grid(cfg: DictConfig, system: str, name: str | None = None) -> DictConfig:
+    """The named grid of a round-based system (``fedpad.grids.<name>``; default: ``<system>.grid``)."""
+    block = cfg[system]
+    name = str(block.grid if name is None else name)
+    if name not in block.grids:
+        raise ValueError(f"unknown {system} grid {name!r}; valid names are: {', '.join(sorted(block.grids))}")
+    return block.grids[name]
+
+
+def round_config(cfg: DictConfig, system: str, *, method: str, seed: int, grid_name: str | None = None
+                 ) -> RoundConfig:
+    """The settings of one cell (method x seed) of a round-based grid."""
+    block, g = cfg[system], grid(cfg, system, grid_name)
+    if method not in block.methods:
+        raise ValueError(f"unknown {system} method {method!r}; valid names are: {', '.join(sorted(block.methods))}")
+    m = OmegaConf.to_container(block.methods[method], resolve=True)
+    trainer = {**OmegaConf.to_container(block.trainer, resolve=True), **(m.get("trainer_params") or {})}
+    return RoundConfig(rounds=int(g.rounds), trainer=str(m["trainer"]), trainer_params=trainer,
+                       strategy=str(m["strategy"]), strategy_params=dict(m.get("strategy_params") or {}),
+                       participation=float(g.participation), seed=int(seed), device=str(cfg.device))
+
+
+def single_round_config(cfg: DictConfig, system: str) -> RoundConfig:
+    """One run from the ``trainer`` and ``strategy`` groups on the system's selected grid."""
+    block, g = cfg[system], grid(cfg, system)
+    trainer = {**OmegaConf.to_container(block.trainer, resolve=True),
+               **OmegaConf.to_container(cfg.trainer.params, resolve=True)}
+    return RoundConfig(rounds=int(g.rounds), trainer=str(cfg.trainer.name), trainer_params=trainer,
+                       strategy=str(cfg.strategy.name),
+                       strategy_params=dict(OmegaConf.to_container(cfg.strategy.params, resolve=True)),
+                       participation=float(g.participation), seed=int(cfg.seed), device=str(cfg.device))
+
+
+def grid_model_spec(cfg: DictConfig, system: str, grid_name: str | None = None, *, num_classes: int) -> ModelSpec:
+    g = grid(cfg, system, grid_name)
+    return ModelSpec(name=str(g.model), in_channels=3, num_classes=int(num_classes), norm=str(cfg.model.norm))
+
+
+def validate_rounds(cfg: DictConfig, system: str) -> None:
+    """Every grid's methods exist and build; participation and client counts are possible."""
+    block = cfg[system]
+    for name in block.stages:
+        grid(cfg, system, str(name))
+    for name, g in block.grids.items():
+        counts = dict(g.clients_per_domain)
+        if any(int(v) < 0 for v in counts.values()) or sum(int(v) for v in counts.values()) < 1:
+            raise ValueError(f"{system} grid {name!r}: clients_per_domain {counts} must be >= 0 with at least "
+                             "one client")
+        for method in g.methods:
+            round_config(cfg, system, method=str(method), seed=0, grid_name=str(name))
+
+
+def domains_dir(cfg: DictConfig, system: str, grid_name: str | None = None) -> Path:
+    return resolve_path(cfg.paths.domains) / system / str(cfg[system].grid if grid_name is None else grid_name)
 
 
 def _group(group: str, name: str) -> DictConfig:

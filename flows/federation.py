@@ -21,22 +21,21 @@ from prefect.futures import as_completed
 
 from fedcore.adapt import GRADIENT_METHODS
 from fedcore.data import Partition
-from fedcore.engine import ArrivalsResult, ModelSpec, run_arrivals, run_pretrain
+from fedcore.engine import ArrivalsResult, ModelSpec, run_arrivals, run_rounds, source_round_data
 from fedcore.evaluate.plots import plot_arrivals, plot_privacy
 from flows import config as C
 from flows import runtime, tracking
 from flows.tasks import (  # noqa: F401 - the paths and loaders are part of this module's interface
     _ckpt_dir,
     adapt_client_task,
-    aggregate_task,
     cell_name,
     load_inputs,
     load_source,
     partition_dir,
     prepared_path,
-    pretrain_client_task,
     run_cell_task,
     source_model_path,
+    train_client_task,
 )
 
 
@@ -53,7 +52,7 @@ def _gpus(cfg: DictConfig) -> float:
 
 
 def pretrain(cfg: DictConfig) -> Path:
-    """FedAvg source pretraining: a training task per client per round on Ray, an aggregation task per round."""
+    """FedAvg source pretraining on the round engine: a training task per client per round on Ray."""
 
     partition = Partition.load(partition_dir(cfg))  # before any service starts: a missing input fails fast
 
@@ -65,19 +64,21 @@ def pretrain(cfg: DictConfig) -> Path:
 
         def submit(fn, **kw):
             with runtime.task_resources(num_gpus=_gpus(cfg)):
-                return pretrain_client_task.submit(**kw)
+                return train_client_task.submit(**kw)
 
         with mlflow.start_run(run_name=f"pretrain-{cfg.data.name}-{cfg.model.name}"):
             mlflow.set_tags({**tracking.lineage_tags(seed=pcfg.seed, prepared=prepared_path(cfg),
                                                      partition_dir=partition_dir(cfg)), "stage": "pretrain"})
             mlflow.log_params(tracking.flatten({k: v for k, v in C.to_dict(cfg).items() if k != "sweep"}))
 
-            def on_round(r, state, metrics):
-                logger.info("round %d/%d train_loss=%.4f", r + 1, pcfg.rounds, metrics["train_loss"])
-                tracking.log_round(r, metrics)
+            def on_round(record, state):
+                logger.info("round %d/%d train_loss=%.4f source_test=%.3f", record["round"] + 1, pcfg.rounds,
+                            record["train_loss"], record["acc.source_test"])
+                tracking.log_round(record["round"], {"train_loss": record["train_loss"],
+                                                     "source_test_acc": record["acc.source_test"]})
 
-            state = run_pretrain(partition, spec, pcfg, submit=submit, on_round=on_round,
-                                 aggregate=aggregate_task, progress=bool(cfg.flow.progress))
+            state = run_rounds(source_round_data(partition), spec, pcfg, submit=submit, on_round=on_round,
+                               progress=bool(cfg.flow.progress), desc="FedAvg rounds").final_state
             model = spec.build()
             model.load_state_dict(state)
             from fedcore.evaluate import accuracy

@@ -6,6 +6,8 @@
     python -m flows.stages pretrain_private && python -m flows.stages private   # the private-TTA grid
     python -m flows.stages audit          # canary membership audit of the private form
     python -m flows.stages prepare_cifar   # likewise partition_cifar, pretrain_cifar, adapt_cifar: CIFAR-10-C
+    python -m flows.stages partition_domains fedpad.grid=digits && python -m flows.stages fedpad fedpad.grid=digits
+    python -m flows.stages rounds trainer=proto strategy=fedpad     # one FedPAD run, a task per client per round
 
 With ``--params`` the stage reads the file DVC tracks; without it, conf/ is composed with the
 overrides. ``adapt`` is the sweep over ``sweep.*`` that writes results/ for DVC.
@@ -115,6 +117,42 @@ def _pointing_at(renames: dict, run):
         raise type(exc)(msg) from exc
 
 
+def _partition_domains(cfg, system: str = "fedpad") -> None:
+    """The grid's domain-silo partition: each client holds one domain (``<system>.grids.<grid>``)."""
+    from fedcore.data.domains import build_domain_partition, load_domains
+
+    name = str(cfg[system].grid)
+    g = C.grid(cfg, system, name)
+    t0 = time.perf_counter()
+    ds = load_domains(str(g.set), C.resolve_path(cfg.paths.data_root), size=int(g.size), seed=int(cfg.seed),
+                      max_per_domain=None if g.max_per_domain is None else int(g.max_per_domain))
+    part = build_domain_partition(ds, clients_per_domain=dict(g.clients_per_domain),
+                                  test_fraction=float(g.test_fraction), size_skew=float(g.size_skew),
+                                  seed=int(cfg.seed))
+    out = part.save(C.domains_dir(cfg, system, name))
+    sizes = ", ".join(f"{d}: {len(part.clients_of(d))} clients x ~{len(part.client_y[part.clients_of(d)[0]])}"
+                      for d in part.domains)
+    print(f"partition {system}@{name} ({g.set}, {g.size}px): {sizes} ({time.perf_counter() - t0:.1f}s) -> {out}")
+
+
+def _fedpad(cfg) -> None:
+    from flows.rounds import grid, results_dir
+
+    t0 = time.perf_counter()
+    grid(cfg, "fedpad")
+    out = results_dir(cfg, "fedpad", str(cfg.fedpad.grid))
+    print(f"\nFedPAD grid {cfg.fedpad.grid} took {time.perf_counter() - t0:.0f}s\n")
+    print((out / "table.md").read_text())
+    if (out / "stats.md").is_file():
+        print((out / "stats.md").read_text())
+
+
+def _rounds(cfg) -> None:
+    from flows.rounds import single
+
+    print(json.dumps(single(cfg, "fedpad").summary, indent=1))
+
+
 def _pretrain_private(cfg) -> None:
     _pretrain(C.private_grid(cfg))
 
@@ -128,7 +166,7 @@ def _on_cifar(stage):
     return lambda cfg: _pointing_at(names, lambda: stage(C.cifar_experiment(cfg)))
 
 
-STAGES = {"prepare": _prepare, "partition": _partition, "pretrain": _pretrain, "adapt": _adapt,
+STAGES = {"partition_domains": _partition_domains, "fedpad": _fedpad, "rounds": _rounds, "prepare": _prepare, "partition": _partition, "pretrain": _pretrain, "adapt": _adapt,
           "sweep": _adapt, "arrival": _arrival, "pretrain_private": _pretrain_private, "private": _private,
           "audit": lambda cfg: _pointing_at({"pretrain": "pretrain_private"}, lambda: _audit(cfg)),
           **{f"{name}_cifar": _on_cifar(fn) for name, fn in

@@ -17,10 +17,9 @@ from omegaconf import DictConfig, OmegaConf
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from fedcore.aggregate import weighted_average
 from fedcore.data import Partition
-from fedcore.engine import AdaptResult, ModelSpec, adapt_client, pretrain_client, run_arrivals
-from fedcore.train import LocalResult
+from fedcore.engine import AdaptResult, ModelSpec, RoundData, adapt_client, run_arrivals, run_rounds, train_step
+from fedcore.train import ClientUpdate
 from flows import config as C
 
 # ------------------------------------------------------------------------------------ tasks
@@ -34,15 +33,16 @@ def _maybe_fail(fault_marker: str | None) -> None:
         raise RuntimeError(f"injected fault ({fault_marker}); Prefect should retry this task")
 
 
-@task(name="pretrain-client", cache_policy=NO_CACHE)
-def pretrain_client_task(global_state: Dict[str, torch.Tensor], spec: ModelSpec, x: np.ndarray, y: np.ndarray,
-                         cfg: Any, seed: int, client_id: int) -> LocalResult:
-    return pretrain_client(global_state=global_state, spec=spec, x=x, y=y, cfg=cfg, seed=seed, client_id=client_id)
-
-
-@task(name="fedavg-aggregate", cache_policy=NO_CACHE)
-def aggregate_task(updates: List) -> Dict[str, torch.Tensor]:
-    return weighted_average(updates)
+@task(name="train-client", cache_policy=NO_CACHE)
+def train_client_task(global_state: Dict[str, torch.Tensor], spec: ModelSpec, x: np.ndarray, y: np.ndarray,
+                      trainer: str, trainer_params: Dict[str, Any], broadcast: Dict[str, Any],
+                      client_state: Dict[str, Any], seed: int, device: str, client_id: int, round_index: int,
+                      fault_marker: str | None = None) -> ClientUpdate:
+    """One client's local round (any trainer), on a Ray worker."""
+    _maybe_fail(fault_marker)
+    return train_step(global_state=global_state, spec=spec, x=x, y=y, trainer=trainer, trainer_params=trainer_params,
+                      broadcast=broadcast, client_state=client_state, seed=seed, device=device, client_id=client_id,
+                      round_index=round_index)
 
 
 @task(name="adapt-client", cache_policy=NO_CACHE)
@@ -70,7 +70,45 @@ def run_cell_task(cfg_dict: Dict[str, Any], method: str, aggregator: str, seed: 
             "seconds": time.perf_counter() - t0}
 
 
+@task(name="round-cell", cache_policy=NO_CACHE)
+def run_round_cell_task(cfg_dict: Dict[str, Any], system: str, grid_name: str, method: str,
+                        seed: int) -> Dict[str, Any]:
+    """One whole (method, seed) cell of a round-based grid, in one worker: the plain round driver."""
+    torch.set_num_threads(1)  # cells run side by side, one per CPU
+    cfg = OmegaConf.create(cfg_dict)
+    rcfg = C.round_config(cfg, system, method=method, seed=seed, grid_name=grid_name)
+    part = load_domain_partition(cfg, system, grid_name)
+    spec = C.grid_model_spec(cfg, system, grid_name, num_classes=part.num_classes)
+    ckpt = C.resolve_path(cfg.paths.checkpoints) / system / grid_name / f"{method}-s{seed}"
+    t0 = time.perf_counter()
+    res = run_rounds(round_data(part), spec, rcfg, checkpoint_dir=ckpt, resume=bool(cfg.flow.resume),
+                     stop_after=cfg.flow.stop_after)
+    return {"method": method, "seed": seed, "result": res, "seconds": time.perf_counter() - t0}
+
+
 # ------------------------------------------------------------------------------------ helpers
+
+
+def load_domain_partition(cfg: DictConfig, system: str, grid_name: str | None = None):
+    """The grid's domain-silo partition; missing -> the DVC stage that builds it."""
+    from fedcore.data.domains import DomainPartition
+
+    name = str(cfg[system].grid if grid_name is None else grid_name)
+    folder = C.domains_dir(cfg, system, name)
+    try:
+        return DomainPartition.load(folder)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no {system} partition for grid {name!r} at {folder}. Build it with "
+                                f"`dvc repro partition_domains@{name}` (or `python -m flows.stages partition_domains "
+                                f"{system}.grid={name}`).") from None
+
+
+def round_data(part) -> RoundData:
+    """A domain partition as the round engine's input: clients grouped by domain, one test set per domain."""
+    return RoundData(client_x=list(part.client_x), client_y=list(part.client_y),
+                     client_group=[part.domains[d] for d in part.client_domain],
+                     eval_sets={d: (x, y) for d, x, y in zip(part.domains, part.test_x, part.test_y)})
+
 
 
 def source_model_path(cfg: DictConfig) -> Path:
@@ -100,7 +138,7 @@ def load_source(path: Path, spec: ModelSpec) -> Dict[str, torch.Tensor]:
         raise FileNotFoundError(f"source model {path} is missing. Build it with `dvc repro pretrain` "
                                 "(or `python -m flows.stages pretrain`).")
     try:
-        blob = torch.load(path, map_location="cpu", weights_only=False)
+        blob = torch.load(path, map_location="cpu", weights_only=True)
         state = blob["state"]
     except Exception as exc:
         raise ValueError(f"source model {path} is corrupt or not a fedcore checkpoint ({exc}); "

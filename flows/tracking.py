@@ -77,9 +77,10 @@ def dvc_lock_hashes() -> Dict[str, str]:
     return out
 
 
-def lineage_tags(*, seed: int, prepared: Path, partition_dir: Path, extra: Mapping[str, str] = ()) -> Dict[str, str]:
+def lineage_tags(*, seed: int, prepared: Path | None, partition_dir: Path, extra: Mapping[str, str] = ()
+                 ) -> Dict[str, str]:
     tags = {"git_commit": git_commit(), "seed": str(seed)}
-    if prepared.is_file():
+    if prepared is not None and prepared.is_file():
         tags["data_sha256"] = file_sha256(prepared)
     manifest = partition_dir / "manifest.json"
     if manifest.is_file():
@@ -156,6 +157,29 @@ def log_round(r: int, metrics: Mapping[str, float]) -> None:
     with mlflow.start_run(run_name=f"round-{r:03d}", nested=True):
         mlflow.set_tag("round", str(r))
         mlflow.log_metrics(dict(metrics), step=r)
+
+
+def round_metrics(record: Mapping[str, Any]) -> Dict[str, float]:
+    """The numeric fields of a round record, as MLflow metrics (lists such as ``clients`` are left out)."""
+    return {k: float(v) for k, v in record.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "round"}
+
+
+def log_rounds(records: Iterable[Mapping[str, Any]], *, nested: bool = False) -> None:
+    """Every round's metrics on the active run with step = round, in batches; nested runs per round if asked."""
+    from mlflow.entities import Metric
+
+    run, client = mlflow.active_run(), mlflow.MlflowClient()
+    now = int(time.time() * 1000)
+    batch = [Metric(k, v, now, int(rec["round"])) for rec in records for k, v in round_metrics(rec).items()]
+    for i in range(0, len(batch), 900):  # MLflow takes at most 1000 metrics per batch
+        client.log_batch(run.info.run_id, metrics=batch[i:i + 900])
+    if nested:
+        for rec in records:
+            with mlflow.start_run(run_name=f"round-{int(rec['round']):03d}", nested=True):
+                mlflow.set_tags({"round": str(rec["round"]), "clients": json.dumps(rec["clients"]),
+                                 "refused_clients": json.dumps(rec.get("refused", []))})
+                mlflow.log_metrics(round_metrics(rec), step=int(rec["round"]))
 
 
 def log_model(model: torch.nn.Module, *, registered_name: str | None, example: np.ndarray) -> None:

@@ -33,7 +33,7 @@ def tiny(tmp_path_factory):
     from dataclasses import asdict
 
     from fedcore.data import Partition
-    from fedcore.engine import run_pretrain
+    from fedcore.engine import run_rounds, source_round_data
     from flows import config as C
     from flows import federation as F
     from flows.stages import _partition, _prepare
@@ -45,7 +45,7 @@ def tiny(tmp_path_factory):
     part = Partition.load(F.partition_dir(cfg))
     spec = C.model_spec(cfg)
     torch.set_num_threads(2)
-    state = run_pretrain(part, spec, C.pretrain_config(cfg))
+    state = run_rounds(source_round_data(part), spec, C.pretrain_config(cfg)).final_state
     path = F.source_model_path(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"state": state, "spec": asdict(spec)}, path)
@@ -71,9 +71,11 @@ def tiny_gn(tiny):
     """The same digits federation with a GroupNorm source model, for the private forms."""
     from dataclasses import replace
 
-    from fedcore.engine import run_pretrain
+    from fedcore.engine import run_rounds, source_round_data
     from flows import config as C
 
     spec = replace(tiny["spec"], norm="group")
-    state = run_pretrain(tiny["partition"], spec, replace(C.pretrain_config(tiny["cfg"]), local_epochs=3))
+    pcfg = C.pretrain_config(tiny["cfg"])
+    pcfg = replace(pcfg, trainer_params={**pcfg.trainer_params, "local_epochs": 3})
+    state = run_rounds(source_round_data(tiny["partition"]), spec, pcfg).final_state
     return {**tiny, "spec": spec, "source": state}

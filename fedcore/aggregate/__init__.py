@@ -73,10 +73,9 @@ class UGSAMerge:
 
 
 AGGREGATORS: Registry = Registry("aggregator")
-AGGREGATORS.register("none")(lambda **_: NoMerge())
-AGGREGATORS.register("fedavg")(lambda **_: FedAvgMerge())
-AGGREGATORS.register("ugsa")(lambda gamma=0.5, beta=0.2, normalizer="history", **_: UGSAMerge(
-    gamma=gamma, beta=beta, normalizer=normalizer))
+AGGREGATORS.register("none")(NoMerge)
+AGGREGATORS.register("fedavg")(FedAvgMerge)
+AGGREGATORS.register("ugsa")(UGSAMerge)  # its defaults are written once, on the dataclass
 
 
 def create_aggregator(name: str, **hparams):

@@ -101,3 +101,40 @@ def l2_distance(a: State, b: State, keys: List[str] | None = None) -> float:
     keys = keys if keys is not None else [k for k, v in a.items() if _is_mergeable(v)]
     sq = sum(float(((a[k].double() - b[k].double()) ** 2).sum()) for k in keys)
     return math.sqrt(sq)
+
+
+def param_delta(new: State, old: State, keys: Sequence[str]) -> State:
+    """new − old over ``keys`` (float64 would be overkill: the states are float32)."""
+    return {k: new[k] - old[k] for k in keys}
+
+
+def fedadam_step(global_state: State, average: State, *, m: State, v: State, keys: Sequence[str], lr: float,
+                 beta1: float, beta2: float, tau: float) -> Tuple[State, State, State]:
+    """FedAdam (Reddi et al. 2021, Algorithm 2) on the pseudo-gradient Δ = average − global.
+
+    m ← β₁m + (1−β₁)Δ; v ← β₂v + (1−β₂)Δ²; x ← x + η · m / (√v + τ). No bias correction,
+    as in the paper. Entries outside ``keys`` (norm-layer buffers) take the average.
+
+    Returns
+    -------
+    (new global state, new m, new v)
+    """
+    out: State = {k: t.clone() for k, t in average.items()}
+    new_m, new_v = {}, {}
+    for k in keys:
+        delta = average[k] - global_state[k]
+        new_m[k] = beta1 * m[k] + (1 - beta1) * delta
+        new_v[k] = beta2 * v[k] + (1 - beta2) * delta * delta
+        out[k] = global_state[k] + lr * new_m[k] / (new_v[k].sqrt() + tau)
+    return out, new_m, new_v
+
+
+def softmax(scores: Sequence[float], *, scale: float = 1.0) -> List[float]:
+    """softmax(scale · scores), computed stably in float64."""
+    if not scores:
+        return []
+    z = [scale * float(s) for s in scores]
+    top = max(z)
+    e = [math.exp(v - top) for v in z]
+    total = sum(e)
+    return [v / total for v in e]

@@ -99,3 +99,65 @@ def plot_privacy(records: List[Dict], folder: str | Path) -> Path:
     ax.set_title("privacy ledger")
     ax.legend(fontsize=6, ncol=2, loc="upper left")
     return save(fig, folder / "privacy_ledger.png")
+
+
+def plot_rounds(records: List[Dict], domains: Sequence[str], folder: str | Path, *, title: str = "") -> Path:
+    """Per round: accuracy per domain (worst in bold), the model weights α per client, the weight drift
+    ‖α^t − α^{t−1}‖₁ and deviation change ‖d^t − d^{t−1}‖_∞, the global model norm and each domain's
+    prototype distance to the global prototypes (the FedPAD paper's Figs. 6–8)."""
+    plt = _plt()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    r = [rec["round"] + 1 for rec in records]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    ax = axes[0, 0]
+    for d in domains:
+        ax.plot(r, [rec.get(f"acc.{d}", np.nan) for rec in records], label=d)
+    ax.plot(r, [rec.get("worst_acc", np.nan) for rec in records], "k-", lw=2.5, label="worst")
+    ax.set(xlabel="round", ylabel="test accuracy", title="accuracy per domain")
+    ax.legend(fontsize=7)
+    ax = axes[0, 1]
+    alpha_keys = sorted({k for rec in records for k in rec if k.startswith("alpha.c")}, key=lambda k: int(k[7:]))
+    for k in alpha_keys:
+        ax.plot(r, [rec.get(k, np.nan) for rec in records], lw=1, label=k[6:])
+    ax.set(xlabel="round", ylabel="α (model weight)", title="model weights α per client" if alpha_keys
+           else "no per-client weights (uniform or example-weighted)")
+    if alpha_keys:
+        ax.legend(fontsize=6, ncol=2)
+    ax = axes[1, 0]
+    for key, style in (("weight_drift", "o-"), ("deviation_change", "s--")):
+        vals = [rec.get(key, np.nan) for rec in records]
+        if np.isfinite(vals).any():
+            ax.semilogy(r, vals, style, ms=3, label=key)
+    ax.set(xlabel="round", title="‖α^t−α^{t−1}‖₁ and ‖d^t−d^{t−1}‖_∞")
+    if ax.lines:
+        ax.legend(fontsize=7)
+    ax = axes[1, 1]
+    ax.plot(r, [rec["model_norm"] for rec in records], "k-", label="‖w‖ (global model)")
+    ax.set(xlabel="round", ylabel="model norm", title="model norm and prototype distance per domain")
+    twin = ax.twinx()
+    for d in domains:
+        vals = [rec.get(f"proto_dist.{d}", np.nan) for rec in records]
+        if np.isfinite(vals).any():
+            twin.plot(r, vals, "--", label=f"proto dist: {d}")
+    if twin.lines:
+        twin.legend(fontsize=7)
+    fig.suptitle(title)
+    return save(fig, folder / "rounds.png")
+
+
+def plot_methods(rows: List[Dict], path: str | Path, *, title: str = "") -> Path:
+    """Average and worst-domain accuracy per method, mean ± std over seeds, as grouped bars."""
+    plt = _plt()
+    names = [row["method"] for row in rows]
+    x = np.arange(len(names))
+    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(names) + 2), 3.8))
+    for off, key, label in ((-0.2, "avg", "average"), (0.2, "worst", "worst domain")):
+        ax.bar(x + off, [row[f"{key}_mean"] for row in rows], 0.4, yerr=[row[f"{key}_std"] for row in rows],
+               capsize=3, label=label)
+    ax.set_xticks(x, names, rotation=35, ha="right", fontsize=8)
+    lo = min(row["worst_mean"] - row["worst_std"] for row in rows)
+    ax.set_ylim(max(0.0, lo - 0.05), 1.0)
+    ax.set(ylabel="test accuracy", title=title)
+    ax.legend(fontsize=8)
+    return save(fig, Path(path))

@@ -20,4 +20,22 @@ def create_model(name: str, *, in_channels: int, num_classes: int, norm: str = "
     return MODELS.create(name, in_channels=in_channels, num_classes=num_classes, norm=norm)
 
 
-__all__ = ["create_model", "MODELS", "NORMS", "make_norm", "SmallCNN", "ResNet20", "resnet18_32"]
+def embed_and_classify(model: nn.Module, x):
+    """(features, logits) of a model with a feature layer: ``embed(x)`` then its ``fc`` head.
+
+    Prototype methods (FedProto, FedPAD) need the penultimate features; a model without
+    them is refused with the names of the models that have them.
+    """
+    check_feature_layer(model)
+    feats = model.embed(x)
+    return feats, model.fc(feats)
+
+
+def check_feature_layer(model: nn.Module) -> None:
+    """Raise a ValueError naming the usable models when ``model`` has no ``embed`` + ``fc`` pair."""
+    if not (callable(getattr(model, "embed", None)) and isinstance(getattr(model, "fc", None), nn.Module)):
+        raise ValueError(f"{type(model).__name__} exposes no feature layer (an embed(x) method and an fc head); "
+                         f"prototype methods need one: use one of the models {', '.join(MODELS.names())}")
+
+
+__all__ = ["embed_and_classify", "check_feature_layer", "create_model", "MODELS", "NORMS", "make_norm", "SmallCNN", "ResNet20", "resnet18_32"]

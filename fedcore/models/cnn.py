@@ -27,5 +27,9 @@ class SmallCNN(nn.Module):
         )
         self.fc = nn.Linear(2 * width, num_classes)
 
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """Penultimate features (N, 2·width): what prototype methods average per class."""
+        return torch.flatten(self.features(x), 1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.flatten(self.features(x), 1))
+        return self.fc(self.embed(x))

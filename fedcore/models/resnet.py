@@ -44,16 +44,31 @@ class ResNet20(nn.Module):
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(64, num_classes)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """Penultimate features (N, 64)."""
         x = self.layers(self.relu(self.bn1(self.conv1(x))))
-        return self.fc(torch.flatten(self.pool(x), 1))
+        return torch.flatten(self.pool(x), 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.embed(x))
 
 
 def resnet18_32(*, in_channels: int = 3, num_classes: int = 10, norm: str = "batch") -> nn.Module:
     """torchvision's resnet18 with a 3x3 stem and no max-pool, the usual 32x32 adaptation."""
-    from torchvision.models import resnet18
+    from torchvision.models import ResNet
+    from torchvision.models.resnet import BasicBlock as TVBlock
 
-    model = resnet18(weights=None, num_classes=num_classes, norm_layer=lambda c: make_norm(norm, c))
+    class ResNet18(ResNet):
+        def embed(self, x: torch.Tensor) -> torch.Tensor:
+            """Penultimate features (N, 512)."""
+            x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+            x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+            return torch.flatten(self.avgpool(x), 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.embed(x))
+
+    model = ResNet18(TVBlock, [2, 2, 2, 2], num_classes=num_classes, norm_layer=lambda c: make_norm(norm, c))
     model.conv1 = nn.Conv2d(in_channels, 64, 3, stride=1, padding=1, bias=False)
     model.maxpool = nn.Identity()
     return model

@@ -1,5 +1,10 @@
-"""Client-side supervised local training (the labelled source clients)."""
+"""Client-side supervised local training, chosen by name: sgd, prox, scaffold, feddyn, proto.
 
-from fedcore.train.sgd import LocalResult, train_client
+Importing this package registers every trainer in :data:`TRAINERS`.
+"""
 
-__all__ = ["LocalResult", "train_client"]
+from fedcore.train import feddyn, prox, proto, scaffold, sgd  # noqa: F401 - registers the trainers
+from fedcore.train.base import TRAINERS, ClientUpdate, LocalTrainer, augment_batch, create_trainer
+from fedcore.train.proto import class_prototypes
+
+__all__ = ["TRAINERS", "ClientUpdate", "LocalTrainer", "create_trainer", "augment_batch", "class_prototypes"]

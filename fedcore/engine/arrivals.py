@@ -1,10 +1,8 @@
-"""The federation loop, written once.
+"""Sequential arrival: unlabelled clients arrive one after another and are merged into θ_G.
 
-Step functions (:func:`pretrain_client`, :func:`adapt_client`, :func:`evaluate_global`) do the
-work; the drivers :func:`run_pretrain` and :func:`run_arrivals` call them in order. A driver
-takes a ``submit`` callable: the plain driver runs each step at once, the Prefect flow submits
-each as a task on Ray. A bug fixed in a step is fixed for both, and ``benchmarks/`` can time
-both on the same config.
+The step functions (:func:`adapt_client`, :func:`evaluate_global`) do the work; the driver
+:func:`run_arrivals` calls them in order through a ``submit`` callable (see
+:mod:`fedcore.engine.submit`), so the plain loop and the Prefect flow run the same code.
 """
 
 from __future__ import annotations
@@ -22,48 +20,14 @@ import torch
 from torch import nn
 
 from fedcore.adapt import GRADIENT_METHODS, METHODS, NEEDS_SOURCE, USES_BATCH_STATS, create_method, softmax_entropy
-from fedcore.aggregate import MergeHistory, State, advance, create_aggregator, l2_distance, weighted_average
-from fedcore.data.partition import Partition, TargetClient, sha256_file
+from fedcore.aggregate import MergeHistory, State, advance, create_aggregator, l2_distance
+from fedcore.data.partition import Partition, TargetClient
+from fedcore.engine.checkpoint import CheckpointError, RunInterrupted, load_state, save_state
+from fedcore.engine.spec import ModelSpec
+from fedcore.engine.submit import Submit, run_now
 from fedcore.evaluate import accuracy, forgetting
-from fedcore.models import create_model
 from fedcore.privacy import Ledger, PrivacyConfig
 from fedcore.tensors import batches, resolve_device, state_to_cpu, to_tensor
-from fedcore.train import LocalResult, train_client
-
-CHECKPOINT_VERSION = 1
-
-
-# ------------------------------------------------------------------------------------ configs
-@dataclass(frozen=True)
-class ModelSpec:
-    """Enough to rebuild the network on any worker."""
-
-    name: str
-    in_channels: int
-    num_classes: int
-    norm: str = "batch"
-
-    def build(self) -> nn.Module:
-        return create_model(self.name, in_channels=self.in_channels, num_classes=self.num_classes, norm=self.norm)
-
-
-@dataclass(frozen=True)
-class PretrainConfig:
-    rounds: int = 10
-    local_epochs: int = 1
-    lr: float = 0.05
-    batch_size: int = 64
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    augment: bool = False
-    seed: int = 0
-    device: str = "cpu"
-
-    def __post_init__(self) -> None:
-        if self.rounds < 1 or self.local_epochs < 1:
-            raise ValueError(f"pretrain rounds and local_epochs must be >= 1, got {self.rounds}, {self.local_epochs}")
-        if self.lr <= 0:
-            raise ValueError(f"pretrain lr must be > 0, got {self.lr}")
 
 
 @dataclass(frozen=True)
@@ -126,37 +90,7 @@ class ArrivalConfig:
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-# ------------------------------------------------------------------------------------ submit
-class Done:
-    """A result that is already there: the plain driver's stand-in for a future."""
-
-    def __init__(self, value: Any) -> None:
-        self._value = value
-
-    def result(self) -> Any:
-        return self._value
-
-
-def run_now(fn: Callable, **kwargs) -> Done:
-    return Done(fn(**kwargs))
-
-
-Submit = Callable[..., Any]
-
-
 # ------------------------------------------------------------------------------------ steps
-def pretrain_client(*, global_state: State, spec: ModelSpec, x: np.ndarray, y: np.ndarray, cfg: PretrainConfig,
-                    seed: int, client_id: int = -1) -> LocalResult:
-    """One source client's local training from the current global model."""
-    torch.manual_seed(seed)
-    device = resolve_device(cfg.device)
-    model = spec.build()
-    model.load_state_dict(global_state)
-    return train_client(model, x, y, epochs=cfg.local_epochs, lr=cfg.lr, batch_size=cfg.batch_size,
-                        momentum=cfg.momentum, weight_decay=cfg.weight_decay, seed=seed, device=device,
-                        augment=cfg.augment)
-
-
 @dataclass
 class AdaptResult:
     """What a target client sends back after adapting on its whole stream."""
@@ -232,49 +166,6 @@ def evaluate_global(*, state: State, spec: ModelSpec, partition: Partition, clie
             "holdout": hold}
 
 
-# ------------------------------------------------------------------------------------ pretrain
-def init_state(spec: ModelSpec, seed: int) -> State:
-    torch.manual_seed(seed)
-    return state_to_cpu(spec.build().state_dict())
-
-
-def run_pretrain(partition: Partition, spec: ModelSpec, cfg: PretrainConfig, *, submit: Submit = run_now,
-                 on_round: Callable[[int, State, Dict[str, float]], None] | None = None,
-                 aggregate: Callable[[List], State] = weighted_average, progress: bool = False) -> State:
-    """FedAvg over the labelled source clients: ``cfg.rounds`` rounds of local SGD, example-weighted.
-
-    ``aggregate`` defaults to :func:`~fedcore.aggregate.weighted_average`; the flow passes the
-    same function wrapped as a task.
-    """
-    state = init_state(spec, cfg.seed)
-    rounds = range(cfg.rounds)
-    if progress:
-        from tqdm.auto import tqdm
-
-        rounds = tqdm(rounds, desc="FedAvg rounds", unit="round")
-    for r in rounds:
-        futures = [
-            submit(pretrain_client, global_state=state, spec=spec, x=x, y=y, cfg=cfg,
-                   seed=cfg.seed * 100_003 + r * 1009 + i, client_id=i)
-            for i, (x, y) in enumerate(zip(partition.source_x, partition.source_y))
-        ]
-        results: List[LocalResult] = [f.result() for f in futures]
-        state = aggregate([(res.state, res.num_examples) for res in results])
-        if on_round is not None:
-            loss = sum(res.loss * res.num_examples for res in results) / sum(res.num_examples for res in results)
-            on_round(r, state, {"train_loss": loss})
-    return state
-
-
-# ------------------------------------------------------------------------------------ arrivals
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be trusted. It is left on disk untouched."""
-
-
-class RunInterrupted(RuntimeError):
-    """Raised by ``stop_after``: the run stopped on purpose after a checkpoint."""
-
-
 @dataclass
 class ServerState:
     """Everything needed to continue after arrival ``done``: the flow's durable state."""
@@ -288,43 +179,17 @@ class ServerState:
     acc_rows: List[List[float]]
     ledgers: Dict[int, Dict[str, Any]] = field(default_factory=dict)  # privacy ledger per client (dp mode)
 
+    def to_payload(self) -> Dict[str, Any]:
+        d = asdict(self)
+        d.pop("fingerprint")
+        d["history"] = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.history).items()}
+        return d
 
-def save_checkpoint(folder: Path, st: ServerState) -> Path:
-    """Atomically write ``server_state.pt`` and its sha256 (tmp file, then rename)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "server_state.pt"
-    existing = folder / "server_state.sha256"
-    if path.exists() and existing.exists() and sha256_file(path) != existing.read_text().strip():
-        raise CheckpointError(f"refusing to overwrite {path}: it does not match its sha256 (corrupt); move it away")
-    tmp = folder / "server_state.pt.tmp"
-    payload = {"version": CHECKPOINT_VERSION, **asdict(st)}
-    payload["history"] = asdict(st.history)
-    torch.save(payload, tmp)
-    digest = sha256_file(tmp)
-    tmp.replace(path)
-    (folder / "server_state.sha256").write_text(digest + "\n")
-    return path
-
-
-def load_checkpoint(folder: Path) -> ServerState | None:
-    """The last completed arrival's state, ``None`` when there is none; corrupt -> CheckpointError."""
-    path, digest = folder / "server_state.pt", folder / "server_state.sha256"
-    if not path.exists():
-        return None
-    if not digest.exists() or sha256_file(path) != digest.read_text().strip():
-        raise CheckpointError(
-            f"checkpoint {path} does not match its sha256 file (truncated or corrupt). It has been left untouched; "
-            "move it away to start fresh, or restore it from the MLflow run's artifacts."
-        )
-    try:
-        raw = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # pragma: no cover - only reachable if sha matches a bad file
-        raise CheckpointError(f"checkpoint {path} cannot be read: {exc}") from exc
-    if raw.get("version") != CHECKPOINT_VERSION:
-        raise CheckpointError(f"checkpoint {path} has version {raw.get('version')}, expected {CHECKPOINT_VERSION}")
-    raw.pop("version")
-    raw["history"] = MergeHistory(**{k: tuple(v) if k != "merged" else v for k, v in raw["history"].items()})
-    return ServerState(**raw)
+    @classmethod
+    def from_payload(cls, payload: Dict[str, Any], fingerprint: str) -> "ServerState":
+        d = dict(payload)
+        d["history"] = MergeHistory(**{k: tuple(v) if k != "merged" else v for k, v in d["history"].items()})
+        return cls(fingerprint=fingerprint, **d)
 
 
 @dataclass
@@ -389,12 +254,12 @@ def run_arrivals(partition: Partition, spec: ModelSpec, source_state: State, cfg
     fp = cfg.fingerprint()
     st = None
     if folder is not None:
-        found = load_checkpoint(folder)  # a corrupt one raises here, before anything is written
+        found = load_state(folder)  # a corrupt one raises here, before anything is written
         if resume and found is not None:
             if found.fingerprint != fp:
                 raise CheckpointError(f"checkpoint in {folder} was written by another config ({found.fingerprint} "
                                       f"!= {fp}); resume with the same config or use a fresh checkpoint folder")
-            st = found
+            st = ServerState.from_payload(found.payload, found.fingerprint)
     if st is None:
         st = ServerState(done=0, fingerprint=fp, global_state=source_state, theta0=source_state,
                          history=MergeHistory(), records=[], acc_rows=[])
@@ -451,7 +316,7 @@ def run_arrivals(partition: Partition, spec: ModelSpec, source_state: State, cfg
                          history=st.history if refused else advance(st.history, sigma=res.sigma, weight=weight),
                          records=st.records + [record], acc_rows=st.acc_rows + [row], ledgers=ledger_state)
         if folder is not None:
-            save_checkpoint(folder, st)
+            save_state(folder, st.to_payload(), fingerprint=fp)
         if on_arrival is not None:
             on_arrival(record, st, res)
         if stop_after is not None and st.done >= stop_after and st.done < len(schedule):

@@ -1,0 +1,305 @@
+"""Synchronous rounds: select clients, train them (as tasks), aggregate, evaluate, checkpoint.
+
+:func:`run_rounds` is the one round loop. The plain driver runs each client step at once; the
+Prefect flow passes its own ``submit`` that runs the same :func:`train_step` as a task on Ray.
+Source pretraining is this loop with the ``sgd`` trainer and ``fedavg``.
+
+The server keeps everything that must outlive a round (the strategy's state, each client's
+``client_state``, the records) and writes it atomically after every round, so a killed run
+resumes where it stopped with identical results.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from fedcore.aggregate.functions import State
+from fedcore.aggregate.strategies import STRATEGIES, Strategy, create_strategy
+from fedcore.engine.checkpoint import RunInterrupted, load_state, save_state
+from fedcore.engine.spec import ModelSpec, init_state
+from fedcore.engine.submit import Submit, run_now
+from fedcore.evaluate import accuracy
+from fedcore.models import check_feature_layer
+from fedcore.tensors import resolve_device
+from fedcore.train import TRAINERS, ClientUpdate, create_trainer
+
+
+@dataclass(frozen=True)
+class RoundConfig:
+    """Settings of one round-based experiment; every name and setting is checked on creation.
+
+    ``participation`` is the fraction of clients selected each round (seeded, reproducible).
+    """
+
+    rounds: int = 10
+    trainer: str = "sgd"
+    trainer_params: Dict[str, Any] = field(default_factory=dict)
+    strategy: str = "fedavg"
+    strategy_params: Dict[str, Any] = field(default_factory=dict)
+    participation: float = 1.0
+    seed: int = 0
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {self.rounds}")
+        if not 0 < self.participation <= 1:
+            raise ValueError(f"participation must be in (0, 1], got {self.participation}; "
+                             "1.0 selects every client, 0.2 a fifth of them each round")
+        trainer, strategy = self.make_trainer(), self.make_strategy()
+        if self.trainer not in strategy.trainer:
+            raise ValueError(f"strategy {self.strategy!r} is written for the trainer(s) "
+                             f"{', '.join(strategy.trainer)}, not {self.trainer!r}; set trainer to one of them")
+        shared = {"alpha"} & set(vars(trainer)) & set(vars(strategy))
+        for key in sorted(shared):  # FedDyn's alpha is one number used on both sides
+            if getattr(trainer, key) != getattr(strategy, key):
+                raise ValueError(f"trainer and strategy disagree on {key} ({getattr(trainer, key)} vs "
+                                 f"{getattr(strategy, key)}); set both to the same value")
+
+    def make_trainer(self):
+        return create_trainer(self.trainer, **self.trainer_params)
+
+    def make_strategy(self) -> Strategy:
+        return create_strategy(self.strategy, **self.strategy_params)
+
+    def select(self, round_index: int, num_clients: int) -> List[int]:
+        """The clients of round ``round_index``: all, or a seeded sample of ⌈participation·N⌉ (at least 1)."""
+        if self.participation >= 1:
+            return list(range(num_clients))
+        k = max(1, int(math.ceil(self.participation * num_clients - 1e-9)))
+        rng = np.random.default_rng([self.seed, round_index, 0x5E1EC7])
+        return sorted(int(i) for i in rng.choice(num_clients, size=k, replace=False))
+
+    def client_seed(self, round_index: int, client_id: int) -> int:
+        return self.seed * 100_003 + round_index * 1009 + client_id
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@dataclass
+class RoundData:
+    """Who holds what: each client's labelled data, its group (domain), and the evaluation sets."""
+
+    client_x: List[np.ndarray]
+    client_y: List[np.ndarray]
+    client_group: List[str]
+    eval_sets: Dict[str, Tuple[np.ndarray, np.ndarray]]
+
+    def __post_init__(self) -> None:
+        if not self.client_x:
+            raise ValueError("a round-based run needs at least one client")
+        if not len(self.client_x) == len(self.client_y) == len(self.client_group):
+            raise ValueError("client_x, client_y and client_group must have one entry per client")
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.client_x)
+
+
+def train_step(*, global_state: State, spec: ModelSpec, x: np.ndarray, y: np.ndarray, trainer: str,
+               trainer_params: Dict[str, Any], broadcast: Dict[str, Any], client_state: Dict[str, Any],
+               seed: int, device: str = "cpu", client_id: int = -1, round_index: int = -1) -> ClientUpdate:
+    """One client's round: load the global weights, train locally, return the update.
+
+    ``client_id`` and ``round_index`` only name the step (task names, logs); the result depends on ``seed``.
+    """
+    torch.manual_seed(seed)
+    model = spec.build()
+    model.load_state_dict(global_state)
+    return create_trainer(trainer, **trainer_params).train(
+        model, x, y, global_state=global_state, seed=seed, broadcast=broadcast, client_state=client_state,
+        device=resolve_device(device))
+
+
+def evaluate_sets(state: State, spec: ModelSpec, sets: Mapping[str, Tuple[np.ndarray, np.ndarray]], *,
+                  device: str = "cpu") -> Dict[str, float]:
+    """Accuracy (eval mode) on every named set, plus their mean ``avg_acc`` and minimum ``worst_acc``."""
+    dev = resolve_device(device)
+    model = spec.build().to(dev)
+    model.load_state_dict(state)
+    out = {f"acc.{name}": accuracy(model, x, y, device=dev) for name, (x, y) in sets.items()}
+    if out:
+        out["avg_acc"] = float(np.mean(list(out.values())))
+        out["worst_acc"] = float(min(v for k, v in out.items() if k.startswith("acc.")))
+    return out
+
+
+def state_bytes(state: Mapping[str, Any]) -> int:
+    """Bytes of the tensors in a (possibly nested) state or payload."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, Mapping):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(v) for v in state)
+    return 0
+
+
+def is_finite_update(update: ClientUpdate) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in update.state.values() if t.is_floating_point())
+
+
+@dataclass
+class RoundsResult:
+    records: List[Dict[str, Any]]  # one per round
+    final_state: State
+    summary: Dict[str, float]
+
+
+RoundHook = Callable[[Dict[str, Any], State], None]
+
+
+def run_rounds(data: RoundData, spec: ModelSpec, cfg: RoundConfig, *, init: State | None = None,
+               submit: Submit = run_now, evaluate: Callable[[State], Dict[str, float]] | None = None,
+               checkpoint_dir: str | Path | None = None, resume: bool = False, stop_after: int | None = None,
+               on_round: RoundHook | None = None, progress: bool = False, desc: str | None = None) -> RoundsResult:
+    """Synchronous federated training for ``cfg.rounds`` rounds.
+
+    Parameters
+    ----------
+    init:
+        Starting weights; default: the network initialised under ``cfg.seed``.
+    evaluate:
+        ``state -> metrics`` after every round; default: accuracy on ``data.eval_sets``.
+    checkpoint_dir, resume, stop_after:
+        The server state is saved atomically after every round; ``resume`` continues after the
+        last saved round; ``stop_after`` raises :class:`RunInterrupted` once that many rounds are saved.
+    on_round:
+        Called with each round's record and the new global state, after the checkpoint.
+    """
+    strategy = cfg.make_strategy()
+    if cfg.make_trainer().needs_features:
+        check_feature_layer(spec.build())  # a model without a feature layer fails before any work
+    evaluate = evaluate or (lambda s: evaluate_sets(s, spec, data.eval_sets, device=cfg.device))
+    param_keys = [k for k, _ in spec.build().named_parameters()]
+    folder = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    fp = cfg.fingerprint()
+    state = init_state(spec, cfg.seed) if init is None else {k: v.clone() for k, v in init.items()}
+    strategy.setup(state, num_clients=data.num_clients, param_keys=param_keys)
+    client_states: Dict[int, Dict[str, Any]] = {}
+    records: List[Dict[str, Any]] = []
+    done = 0
+    if folder is not None:
+        found = load_state(folder, fingerprint=fp if resume else None)  # corrupt -> CheckpointError, untouched
+        if resume and found is not None:
+            p = found.payload
+            done, state, records = int(p["done"]), p["global_state"], list(p["records"])
+            client_states = {int(k): v for k, v in p["client_states"].items()}
+            strategy.load_state_dict(p["strategy"])
+    model_bytes = state_bytes(state)
+    steps = range(done, cfg.rounds)
+    if progress:
+        from tqdm.auto import tqdm
+
+        steps = tqdm(steps, desc=desc or f"{cfg.trainer}+{cfg.strategy} rounds", unit="round", initial=done,
+                     total=cfg.rounds)
+    for r in steps:
+        selected = cfg.select(r, data.num_clients)
+        broadcast = strategy.broadcast()
+        futures = [(i, submit(train_step, global_state=state, spec=spec, x=data.client_x[i], y=data.client_y[i],
+                              trainer=cfg.trainer, trainer_params=dict(cfg.trainer_params), broadcast=broadcast,
+                              client_state=client_states.get(i, {}), seed=cfg.client_seed(r, i), device=cfg.device,
+                              client_id=i, round_index=r))
+                   for i in selected]
+        updates: List[Tuple[int, ClientUpdate]] = []
+        refused: List[int] = []
+        for i, fut in futures:
+            upd: ClientUpdate = fut.result()
+            if is_finite_update(upd):
+                updates.append((i, upd))
+            else:
+                refused.append(i)
+                warnings.warn(f"round {r}: client {i} ({data.client_group[i]}) sent weights with NaN or inf; "
+                              "its update is not merged (lower its learning rate if this repeats)", RuntimeWarning,
+                              stacklevel=2)
+        t0 = time.perf_counter()
+        if updates:
+            agg = strategy.aggregate(state, updates, num_clients=data.num_clients)
+            new_state = agg.state
+        else:
+            from fedcore.aggregate.strategies import Aggregated
+
+            agg, new_state = Aggregated(state), state
+        agg_seconds = time.perf_counter() - t0
+        for i, upd in updates:
+            if upd.client_state:
+                client_states[i] = upd.client_state
+        record = _round_record(r, data, updates, refused, agg, agg_seconds, new_state, param_keys,
+                               bytes_down=len(selected) * (model_bytes + state_bytes(broadcast)),
+                               bytes_up=sum(state_bytes(u.state) + state_bytes(u.payload) for _, u in updates))
+        record.update(evaluate(new_state))
+        records.append(record)
+        state, done = new_state, r + 1
+        if folder is not None:
+            save_state(folder, {"done": done, "global_state": state, "strategy": strategy.state_dict(),
+                                "client_states": client_states, "records": records}, fingerprint=fp)
+        if on_round is not None:
+            on_round(record, state)
+        if stop_after is not None and done >= stop_after and done < cfg.rounds:
+            raise RunInterrupted(f"stopped after round {done} as asked; resume to continue")
+    return RoundsResult(records=records, final_state=state, summary=summarise_rounds(records))
+
+
+def _round_record(r: int, data: RoundData, updates, refused, agg, agg_seconds: float, state: State,
+                  param_keys: Sequence[str], *, bytes_down: int, bytes_up: int) -> Dict[str, Any]:
+    n = sum(u.num_examples for _, u in updates)
+    rec: Dict[str, Any] = {
+        "round": r,
+        "clients": [i for i, _ in updates],
+        "refused": list(refused),
+        "train_loss": sum(u.metrics["train_loss"] * u.num_examples for _, u in updates) / n if n else float("nan"),
+        "agg_seconds": agg_seconds,
+        "bytes_up": int(bytes_up),
+        "bytes_down": int(bytes_down),
+        "model_norm": math.sqrt(sum(float((state[k].double() ** 2).sum()) for k in param_keys)),
+        **{k: float(v) for k, v in agg.metrics.items()},
+    }
+    groups: Dict[str, Dict[str, List[float]]] = {}
+    for cid, values in sorted(agg.per_client.items()):
+        for key, v in values.items():
+            rec[f"{key}.c{cid}"] = float(v)
+            groups.setdefault(key, {}).setdefault(data.client_group[cid], []).append(float(v))
+    for key, by_group in groups.items():  # e.g. proto_dist.<domain>: the paper's Fig. 8 per domain
+        for g, vals in by_group.items():
+            finite = [v for v in vals if math.isfinite(v)]
+            rec[f"{key}.{g}"] = float(np.mean(finite)) if finite else float("nan")
+    return rec
+
+
+def summarise_rounds(records: Sequence[Mapping[str, Any]]) -> Dict[str, float]:
+    """The last round's evaluation (``final_*``), plus mean aggregation time and bytes per round."""
+    if not records:
+        return {}
+    last = records[-1]
+    out = {f"final_{k}": float(v) for k, v in last.items() if k == "avg_acc" or k == "worst_acc"
+           or k.startswith("acc.")}
+    out["agg_seconds_mean"] = float(np.mean([r["agg_seconds"] for r in records]))
+    out["bytes_per_round"] = float(np.mean([r["bytes_up"] + r["bytes_down"] for r in records]))
+    out["final_train_loss"] = float(last["train_loss"])
+    return out
+
+
+def trainer_names() -> List[str]:
+    return TRAINERS.names()
+
+
+def strategy_names() -> List[str]:
+    return STRATEGIES.names()
+
+
+def source_round_data(partition) -> RoundData:
+    """The labelled source clients of a test-time partition, scored on its clean source test set."""
+    return RoundData(client_x=list(partition.source_x), client_y=list(partition.source_y),
+                     client_group=["source"] * len(partition.source_x),
+                     eval_sets={"source_test": (partition.source_test_x, partition.source_test_y)})

@@ -1,0 +1,27 @@
+"""The seam between the plain driver and the flow.
+
+A driver takes a ``submit(fn, **kwargs)`` callable that returns something with ``.result()``.
+The plain driver runs the step at once (:func:`run_now`); the Prefect flow submits it as a
+task on Ray. Both drivers therefore run the same step functions in the same order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+
+class Done:
+    """A result that is already there: the plain driver's stand-in for a future."""
+
+    def __init__(self, value: Any) -> None:
+        self._value = value
+
+    def result(self) -> Any:
+        return self._value
+
+
+def run_now(fn: Callable, **kwargs) -> Done:
+    return Done(fn(**kwargs))
+
+
+Submit = Callable[..., Any]

@@ -1,0 +1,151 @@
+"""Local training on a labelled client: the loop, written once, and the trainer registry.
+
+A trainer is a small object holding its settings (keyword-only, defaults written once). Its
+:meth:`LocalTrainer.train` runs local SGD from the global model and returns a
+:class:`ClientUpdate`. Subclasses change the loop through three hooks, never by copying it:
+
+* :meth:`~LocalTrainer.begin`: read what the server broadcast and this client's saved state;
+* :meth:`~LocalTrainer.loss`: the batch loss (default: cross-entropy);
+* :meth:`~LocalTrainer.after_backward`: correct the gradients before the optimizer step;
+* :meth:`~LocalTrainer.finish`: what goes back to the server besides the weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedcore.registry import Registry
+from fedcore.tensors import batches, state_to_cpu, to_tensor
+
+State = Dict[str, torch.Tensor]
+
+
+@dataclass
+class ClientUpdate:
+    """What a client sends back after a round.
+
+    Attributes
+    ----------
+    state:
+        The client's weights (a CPU ``state_dict``).
+    num_examples:
+        How many labelled samples it trained on.
+    metrics:
+        Scalars for the record (``train_loss``, ...).
+    client_state:
+        What the server keeps for this client until its next round (SCAFFOLD's c_i, FedDyn's
+        gradient memory): checkpointed with the server, never kept on a worker.
+    payload:
+        Typed extras for the strategy: prototypes with class counts now; masks, BN statistics
+        or accuracy vectors later.
+    """
+
+    state: State
+    num_examples: int
+    metrics: Dict[str, float] = field(default_factory=dict)
+    client_state: Dict[str, Any] = field(default_factory=dict)
+    payload: Dict[str, Any] = field(default_factory=dict)
+
+
+class LocalTrainer:
+    """Plain local SGD with momentum and weight decay over ``local_epochs`` of the client's data.
+
+    Parameters
+    ----------
+    lr, momentum, weight_decay:
+        SGD settings (the FedPAD paper: momentum 0.9, weight decay 5e-4).
+    local_epochs:
+        Passes over the client's data per round (E).
+    batch_size:
+        Mini-batch size.
+    augment:
+        Random 2-pixel crops (and horizontal flips on colour images).
+    """
+
+    def __init__(self, *, lr: float = 0.05, local_epochs: int = 1, batch_size: int = 64, momentum: float = 0.9,
+                 weight_decay: float = 5e-4, augment: bool = False) -> None:
+        if lr <= 0:
+            raise ValueError(f"trainer lr must be > 0, got {lr}")
+        if local_epochs < 1 or batch_size < 1:
+            raise ValueError(f"trainer local_epochs and batch_size must be >= 1, got {local_epochs}, {batch_size}")
+        if not 0 <= momentum < 1 or weight_decay < 0:
+            raise ValueError(f"need 0 <= momentum < 1 and weight_decay >= 0, got {momentum}, {weight_decay}")
+        self.lr, self.local_epochs, self.batch_size = float(lr), int(local_epochs), int(batch_size)
+        self.momentum, self.weight_decay, self.augment = float(momentum), float(weight_decay), bool(augment)
+
+    needs_features = False  # True when the trainer reads the penultimate features (embed_and_classify)
+
+    # ------------------------------------------------------------------ hooks
+    def begin(self, model: nn.Module, *, global_state: State, broadcast: Dict[str, Any],
+              client_state: Dict[str, Any]) -> None:
+        """Called once before training, with the model already holding the global weights."""
+
+    def loss(self, model: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(model(xb), yb)
+
+    def after_backward(self, model: nn.Module) -> None:
+        """Called after each backward pass, before the optimizer step."""
+
+    def finish(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: int
+               ) -> tuple[Dict[str, Any], Dict[str, Any]]:
+        """``(client_state, payload)`` to send back; ``steps`` is the number of SGD steps taken."""
+        return {}, {}
+
+    # ------------------------------------------------------------------ the loop
+    def train(self, model: nn.Module, x: np.ndarray, y: np.ndarray, *, global_state: State, seed: int,
+              broadcast: Dict[str, Any] | None = None, client_state: Dict[str, Any] | None = None,
+              device: torch.device | str = "cpu") -> ClientUpdate:
+        """Train ``model`` (already holding ``global_state``) in place; return the client's update."""
+        g = torch.Generator().manual_seed(seed)
+        model.to(device).train()
+        self.begin(model, global_state=global_state, broadcast=broadcast or {}, client_state=client_state or {})
+        opt = torch.optim.SGD(model.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+        xt, yt = to_tensor(x, device=device), torch.as_tensor(np.array(y), device=device)
+        total, count, steps = 0.0, 0, 0
+        for _ in range(self.local_epochs):
+            perm = torch.randperm(len(xt), generator=g).to(device)
+            for sl in batches(len(xt), self.batch_size):
+                idx = perm[sl]
+                xb, yb = xt[idx], yt[idx]
+                if self.augment:
+                    xb = augment_batch(xb, g)
+                loss = self.loss(model, xb, yb)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                self.after_backward(model)
+                opt.step()
+                total += float(loss.detach()) * len(idx)
+                count += len(idx)
+                steps += 1
+        client_state, payload = self.finish(model, xt, yt, steps=steps)
+        return ClientUpdate(state=state_to_cpu(model.state_dict()), num_examples=len(xt),
+                            metrics={"train_loss": total / max(count, 1)}, client_state=client_state,
+                            payload=payload)
+
+
+def augment_batch(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """One random 2-pixel crop (reflect-padded) for the batch, and a coin-flip horizontal flip for colour."""
+    n, c, h, w = x.shape
+    padded = nn.functional.pad(x, (2, 2, 2, 2), mode="reflect")
+    dy, dx = torch.randint(0, 5, (2,), generator=g).tolist()
+    x = padded[:, :, dy:dy + h, dx:dx + w]
+    if c == 3 and bool(torch.rand(1, generator=g) < 0.5):
+        x = x.flip(3)
+    return x
+
+
+def params_of(model: nn.Module) -> Dict[str, nn.Parameter]:
+    return dict(model.named_parameters())
+
+
+TRAINERS: Registry[LocalTrainer] = Registry("trainer")
+
+
+def create_trainer(name: str, **settings) -> LocalTrainer:
+    """A trainer by name, e.g. ``create_trainer("prox", mu=0.01, lr=0.01)``; bad names and settings list the valid ones."""
+    return TRAINERS.create(name, **settings)

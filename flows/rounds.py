@@ -1,0 +1,219 @@
+"""Prefect flows for the round-based systems (FedPAD first): one run, and a grid of runs.
+
+* :func:`grid` runs every (method, seed) cell of a grid concurrently on Ray (a task per cell,
+  each the plain round driver), logs each cell to MLflow as it ends, and writes the table,
+  the statistics and the plots that DVC tracks.
+* :func:`single` runs one experiment with a Prefect task per client per round on Ray: the
+  same :func:`fedcore.engine.run_rounds` loop, driven through the flow's ``submit``.
+
+Inputs are checked before any service starts, so a missing partition fails in a second.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import mlflow
+import numpy as np
+from omegaconf import DictConfig
+from prefect import flow, get_run_logger
+from prefect.futures import as_completed
+
+from fedcore.engine import RoundConfig, RoundsResult, run_rounds
+from fedcore.evaluate.plots import plot_methods, plot_rounds
+from fedcore.evaluate.stats import friedman_p, friedman_ranks, wilcoxon_against
+from flows import config as C
+from flows import runtime, tracking
+from flows.tasks import load_domain_partition, round_data, run_round_cell_task, train_client_task
+
+
+def _runner(cfg: DictConfig):
+    return runtime.make_task_runner(address=cfg.flow.ray_address, num_cpus=int(cfg.flow.num_cpus), root=C.ROOT)
+
+
+def results_dir(cfg: DictConfig, system: str, grid_name: str) -> Path:
+    return C.resolve_path(cfg.paths.results) / system / grid_name
+
+
+def _start_cell_run(cfg: DictConfig, system: str, grid_name: str, method: str, rcfg: RoundConfig, part):
+    run = mlflow.start_run(run_name=f"{method}-s{rcfg.seed}")
+    g = C.to_dict(cfg)[system]["grids"][grid_name]
+    mlflow.log_params(tracking.flatten({"system": system, "grid": grid_name, "method": method,
+                                        "trainer": {"name": rcfg.trainer, **rcfg.trainer_params},
+                                        "strategy": {"name": rcfg.strategy, **rcfg.strategy_params},
+                                        "rounds": rcfg.rounds, "participation": rcfg.participation,
+                                        "seed": rcfg.seed, "data": {k: v for k, v in g.items()
+                                                                    if k not in ("methods", "seeds")}}))
+    mlflow.set_tags({**tracking.lineage_tags(seed=rcfg.seed, prepared=None,
+                                             partition_dir=C.domains_dir(cfg, system, grid_name),
+                                             extra={"system": system, "grid": grid_name, "method": method,
+                                                    "trainer": rcfg.trainer, "strategy": rcfg.strategy,
+                                                    "config_fingerprint": rcfg.fingerprint()}),
+                     "stage": f"{system}@{grid_name}"})
+    return run
+
+
+def _cell_outputs(res: RoundsResult, part, out: Path, title: str) -> List[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "rounds.json").write_text(json.dumps(res.records, indent=0, allow_nan=True) + "\n")
+    return [plot_rounds(res.records, list(part.domains), out, title=title), out / "rounds.json"]
+
+
+def grid(cfg: DictConfig, system: str = "fedpad", grid_name: str | None = None) -> List[Dict[str, Any]]:
+    """Every (method, seed) cell of the grid, concurrently on Ray; results/<system>/<grid>/ for DVC."""
+    name = str(cfg[system].grid if grid_name is None else grid_name)
+    g = C.grid(cfg, system, name)
+    part = load_domain_partition(cfg, system, name)  # before any service starts
+    cells = [(str(m), int(s)) for s in g.seeds for m in g.methods]
+    configs = {(m, s): C.round_config(cfg, system, method=m, seed=s, grid_name=name) for m, s in cells}
+
+    @flow(name=f"{system}-grid", task_runner=_runner(cfg), log_prints=True)
+    def grid_flow() -> List[Dict[str, Any]]:
+        logger = get_run_logger()
+        tracking.setup(C.tracking_uri(cfg), f"fedcore-{system}")
+        cfg_dict = C.to_dict(cfg)
+        futures = [run_round_cell_task.with_options(retries=int(cfg.flow.retries), task_run_name=f"{name}-{m}-s{s}")
+                   .submit(cfg_dict=cfg_dict, system=system, grid_name=name, method=m, seed=s) for m, s in cells]
+        done = as_completed(futures)
+        if cfg.flow.progress:
+            from tqdm.auto import tqdm
+
+            done = tqdm(done, total=len(futures), desc=f"{system} grid {name}", unit="cell")
+        rows = []
+        for i, fut in enumerate(done, 1):
+            cell = fut.result()
+            m, s, res = cell["method"], cell["seed"], cell["result"]
+            with _start_cell_run(cfg, system, name, m, configs[(m, s)], part):
+                tracking.log_rounds(res.records)
+                mlflow.log_metrics(res.summary)
+                mlflow.log_metric("run_seconds", cell["seconds"])
+                paths = _cell_outputs(res, part, results_dir(cfg, system, name) / "cells" / f"{m}-s{s}",
+                                      title=f"{system} {name}: {m} (seed {s})")
+                tracking.log_files(paths, artifact_path="plots")
+            sm = res.summary
+            logger.info("[%d/%d] %s seed %d: avg %.3f, worst %.3f (%.0fs)", i, len(cells), m, s,
+                        sm["final_avg_acc"], sm["final_worst_acc"], cell["seconds"])
+            rows.append({"method": m, "seed": s, "summary": sm, "seconds": cell["seconds"]})
+        order = {c: i for i, c in enumerate(cells)}
+        return sorted(rows, key=lambda r: order[(r["method"], r["seed"])])
+
+    try:
+        rows = grid_flow()
+    finally:
+        runtime.shutdown_ray()
+    write_grid_report(rows, domains=list(part.domains), out=results_dir(cfg, system, name),
+                      title=f"{system} {name}", target=system if system in g.methods else None)
+    return rows
+
+
+def write_grid_report(rows: List[Dict[str, Any]], *, domains: List[str], out: Path, title: str,
+                      target: str | None) -> str:
+    """table.md (mean ± std over seeds), summary.json (DVC metrics), stats.md and methods.png."""
+    out.mkdir(parents=True, exist_ok=True)
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    by = {m: [r for r in rows if r["method"] == m] for m in methods}
+    agg = []
+    for m in methods:
+        rs = by[m]
+        avg = np.array([r["summary"]["final_avg_acc"] for r in rs])
+        worst = np.array([r["summary"]["final_worst_acc"] for r in rs])
+        agg.append({"method": m, "n": len(rs), "avg_mean": float(avg.mean()), "avg_std": float(avg.std(ddof=0)),
+                    "worst_mean": float(worst.mean()), "worst_std": float(worst.std(ddof=0)),
+                    "domains": {d: float(np.mean([r["summary"][f"final_acc.{d}"] for r in rs])) for d in domains},
+                    "agg_ms": 1000 * float(np.mean([r["summary"]["agg_seconds_mean"] for r in rs])),
+                    "mib_per_round": float(np.mean([r["summary"]["bytes_per_round"] for r in rs])) / 2 ** 20,
+                    "seconds": float(np.mean([r["seconds"] for r in rs]))})
+    seeds = max(a["n"] for a in agg)
+    head = (f"| method | avg acc | worst acc | {' | '.join(domains)} | server agg ms | MiB/round | run s |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for a in agg:
+        lines.append(f"| {a['method']} | {a['avg_mean']:.3f} ± {a['avg_std']:.3f} | {a['worst_mean']:.3f} ± "
+                     f"{a['worst_std']:.3f} | " + " | ".join(f"{a['domains'][d]:.3f}" for d in domains)
+                     + f" | {a['agg_ms']:.1f} | {a['mib_per_round']:.2f} | {a['seconds']:.0f} |")
+    table = "\n".join(lines)
+    (out / "table.md").write_text(f"{title}: final-round test accuracy, mean ± std over {seeds} seed(s)\n\n"
+                                  + table + "\n")
+    summary = {a["method"]: {"avg_acc": a["avg_mean"], "avg_acc_std": a["avg_std"], "worst_acc": a["worst_mean"],
+                             "worst_acc_std": a["worst_std"], **{f"acc.{d}": v for d, v in a["domains"].items()},
+                             "agg_ms": a["agg_ms"], "run_seconds": a["seconds"]} for a in agg}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
+    scores = {m: [r["summary"]["final_worst_acc"] for r in sorted(by[m], key=lambda r: r["seed"])] for m in methods}
+    (out / "scores.json").write_text(json.dumps({"worst_acc_by_seed": scores}, indent=1) + "\n")
+    plot_methods(agg, out / "methods.png", title=f"{title}: average and worst-domain accuracy")
+    if target is not None and len(methods) > 1 and len({len(v) for v in scores.values()}) == 1:
+        (out / "stats.md").write_text(stats_report(scores, target) + "\n")
+    return table
+
+
+def stats_report(scores: Dict[str, List[float]], target: str) -> str:
+    """Wilcoxon (target vs each other method, paired by block) and Friedman average ranks on worst-domain accuracy."""
+    n = len(scores[target])
+    lines = [f"Worst-domain accuracy, {target} against each method, paired over {n} blocks (seed × setting). "
+             f"Two-sided Wilcoxon signed-rank; with n = {n} the smallest possible p is {2 / 2 ** n:.3g}.", "",
+             f"| vs | mean gap ({target} − other) | {target} wins | p |", "|---|---|---|---|"]
+    for t in wilcoxon_against(scores, target):
+        lines.append(f"| {t.other} | {t.mean_gap:+.3f} | {t.wins}/{t.n} | {t.p_value:.3f} |")
+    ranks = friedman_ranks(scores)
+    lines += ["", f"Friedman average rank (1 = best; p = {friedman_p(scores):.3g} that all rank alike):", "",
+              "| method | average rank |", "|---|---|"]
+    lines += [f"| {m} | {r:.2f} |" for m, r in sorted(ranks.items(), key=lambda kv: kv[1])]
+    return "\n".join(lines)
+
+
+def single(cfg: DictConfig, system: str = "fedpad") -> RoundsResult:
+    """One experiment (``trainer`` x ``strategy`` groups) with a Prefect task per client per round on Ray."""
+    name = str(cfg[system].grid)
+    part = load_domain_partition(cfg, system, name)  # before any service starts
+    rcfg = C.single_round_config(cfg, system)
+    spec = C.grid_model_spec(cfg, system, name, num_classes=part.num_classes)
+    data = round_data(part)
+    label = f"{rcfg.trainer}+{rcfg.strategy}"
+    ckpt = C.resolve_path(cfg.paths.checkpoints) / system / name / f"single-{label}-s{rcfg.seed}"
+
+    @flow(name=f"{system}-rounds", task_runner=_runner(cfg), log_prints=True)
+    def rounds_flow() -> RoundsResult:
+        logger = get_run_logger()
+        tracking.setup(C.tracking_uri(cfg), f"fedcore-{system}")
+        task = train_client_task.with_options(retries=int(cfg.flow.retries),
+                                              retry_delay_seconds=float(cfg.flow.retry_delay_seconds))
+
+        def submit(fn, **kw):
+            i, r = kw["client_id"], kw["round_index"]
+            fault = None
+            if cfg.flow.inject_fault is not None and r == int(cfg.flow.inject_fault) and i == 0:
+                fault = str(ckpt / f"fault-round{r}.marker")
+            named = task.with_options(task_run_name=f"round-{r:03d}-client-{i:02d}-{data.client_group[i]}")
+            with runtime.task_resources(num_gpus=_gpus(cfg)):
+                return named.submit(fault_marker=fault, **kw)
+
+        def on_round(record, state):
+            logger.info("round %d/%d: avg %.3f, worst %.3f, clients %s", record["round"] + 1, rcfg.rounds,
+                        record["avg_acc"], record["worst_acc"], record["clients"])
+            tracking.log_rounds([record], nested=True)
+
+        with _start_cell_run(cfg, system, name, label, rcfg, part):
+            t0 = time.perf_counter()
+            res = run_rounds(data, spec, rcfg, submit=submit, checkpoint_dir=ckpt, resume=bool(cfg.flow.resume),
+                             stop_after=cfg.flow.stop_after, on_round=on_round, progress=bool(cfg.flow.progress),
+                             desc=f"{label} rounds")
+            mlflow.log_metrics(res.summary)
+            mlflow.log_metric("run_seconds", time.perf_counter() - t0)
+            paths = _cell_outputs(res, part, results_dir(cfg, system, name) / "single" / f"{label}-s{rcfg.seed}",
+                                  title=f"{system} {name}: {label}")
+            tracking.log_files(paths + [ckpt / "server_state.pt", ckpt / "server_state.sha256"],
+                               artifact_path="outputs")
+        return res
+
+    try:
+        return rounds_flow()
+    finally:
+        runtime.shutdown_ray()
+
+
+def _gpus(cfg: DictConfig) -> float:
+    from flows.federation import _gpus as gpus
+
+    return gpus(cfg)
