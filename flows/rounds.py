@@ -145,6 +145,9 @@ def write_grid_report(rows: List[Dict[str, Any]], *, domains: List[str], out: Pa
     plot_methods(agg, out / "methods.png", title=f"{title}: average and worst-domain accuracy")
     if target is not None and len(methods) > 1 and len({len(v) for v in scores.values()}) == 1:
         (out / "stats.md").write_text(stats_report(scores, target) + "\n")
+    else:
+        (out / "stats.md").write_text(f"No paired test: this grid has no {target or 'target'} method beside others "
+                                      "with the same seeds.\n")
     return table
 
 

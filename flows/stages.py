@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     ap.add_argument("stage", choices=sorted(STAGES))
     ap.add_argument("--params", default=None, help="read this params file (DVC) instead of composing conf/")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. method=tent adapt.passes=1")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # overrides may follow --params (as the DVC stages write them)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "mlflow.store.db.utils", "alembic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

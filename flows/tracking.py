@@ -73,7 +73,7 @@ def dvc_lock_hashes() -> Dict[str, str]:
     out = {}
     for stage, body in (yaml.safe_load(lock.read_text()) or {}).get("stages", {}).items():
         for o in body.get("outs", []) or []:
-            out[f"dvc.{stage}.{Path(o['path']).name}"] = o.get("md5", "")
+            out[f"dvc.{stage.replace('@', ':')}.{Path(o['path']).name}"] = o.get("md5", "")
     return out
 
 

@@ -229,7 +229,7 @@ class FedPAD(_PrototypeServer):
         ``theta`` (the paper) or ``uniform`` (the "no θ-weighting" ablation).
     """
 
-    def __init__(self, *, gamma: float = 0.05, tau: float = 0.1, alpha_mode: str = "fedpad",
+    def __init__(self, *, gamma: float = 0.01, tau: float = 0.1, alpha_mode: str = "fedpad",
                  proto_weighting: str = "theta") -> None:
         if gamma < 0:
             raise ValueError(f"FedPAD gamma must be >= 0, got {gamma}")

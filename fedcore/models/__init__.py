@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from torch import nn
 
-from fedcore.models.cnn import SmallCNN
+from fedcore.models.cnn import LeNet, SmallCNN
 from fedcore.models.norm import NORMS, make_norm
 from fedcore.models.resnet import ResNet20, resnet18_32
 from fedcore.registry import Registry
 
 MODELS: Registry[nn.Module] = Registry("model")
 MODELS.register("cnn")(SmallCNN)
+MODELS.register("lenet")(LeNet)
 MODELS.register("resnet20")(ResNet20)
 MODELS.register("resnet18")(resnet18_32)
 
@@ -38,4 +39,4 @@ def check_feature_layer(model: nn.Module) -> None:
                          f"prototype methods need one: use one of the models {', '.join(MODELS.names())}")
 
 
-__all__ = ["embed_and_classify", "check_feature_layer", "create_model", "MODELS", "NORMS", "make_norm", "SmallCNN", "ResNet20", "resnet18_32"]
+__all__ = ["embed_and_classify", "check_feature_layer", "create_model", "MODELS", "NORMS", "make_norm", "SmallCNN", "LeNet", "ResNet20", "resnet18_32"]
