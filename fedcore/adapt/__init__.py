@@ -129,11 +129,21 @@ GRADIENT_METHODS = frozenset({"tent", "bpa", "eata", "sar", "deyo", "come"})
 NEEDS_SOURCE = frozenset({"eata"})
 
 
+METHOD_CLASSES = {"source": Source, "bn": BatchNormAdapt, "tent": Tent, "bpa": BPA, "eata": EATA, "sar": SAR,
+                  "deyo": DeYO, "come": COME}
+
+
+def method_class(name: str) -> type:
+    """The class behind a method name: what the engine asks for traits (``uses_per_sample``, ``source_samples``)."""
+    METHODS.get(name)  # unknown names fail here, listing the valid ones
+    return METHOD_CLASSES[name]
+
+
 def create_method(name: str, model: nn.Module, **hparams) -> TTAMethod:
     """Wrap ``model`` (modified in place) with the named method and its hyper-parameters."""
     return METHODS.create(name, model=model, **hparams)
 
 
-__all__ = ["METHODS", "create_method", "TTAMethod", "GradientMethod", "Tent", "BPA", "EATA", "SAR", "DeYO", "COME",
+__all__ = ["METHODS", "METHOD_CLASSES", "method_class", "create_method", "TTAMethod", "GradientMethod", "Tent", "BPA", "EATA", "SAR", "DeYO", "COME",
            "GRADIENT_METHODS", "NEEDS_SOURCE", "opinion_entropy", "shuffle_patches", "fisher_information", "Source", "BatchNormAdapt", "softmax_entropy",
            "prior_precision", "USES_BATCH_STATS", "PRECISION_MODES", "configure_norm_adaptation", "collect_norm_params"]

@@ -89,6 +89,21 @@ class TTAMethod(nn.Module):
     def forward_and_adapt(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    # -- traits the engine asks the method for, instead of reading its settings by key
+    @classmethod
+    def uses_per_sample(cls, params: Mapping[str, Any]) -> int:
+        """How many gradient steps each stream sample enters (what a privacy ledger charges)."""
+        return int(params.get("steps", 1))
+
+    @classmethod
+    def source_samples(cls, params: Mapping[str, Any]) -> int:
+        """How many labelled-source images (labels dropped) the method needs; 0 for none."""
+        return 0
+
+    def diagnostics(self) -> Dict[str, float]:
+        """Scalars worth recording after a client's adaptation (prior precision, resets, clipping)."""
+        return {}
+
     def reset(self) -> None:
         self.model.load_state_dict(self._model_state, strict=True)
         if self.optimizer is not None and self._opt_state is not None:
@@ -201,6 +216,11 @@ class GradientMethod(TTAMethod):
             grads, _ = self.private(self.sample_loss, x, aux)
         self.apply_gradient(grads)
         return logits
+
+    def diagnostics(self) -> Dict[str, float]:
+        if self.private is None:
+            return {}
+        return {f"dp_{k}": float(v) for k, v in self.private.stats.items()}
 
     def apply_gradient(self, grads: Mapping[str, torch.Tensor]) -> None:
         """Set ``p.grad`` to the given gradient plus the penalty's, then take an optimizer step."""

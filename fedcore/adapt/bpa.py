@@ -90,6 +90,9 @@ class BPA(GradientMethod):
     def penalty(self, params):
         return None if self.private is not None else 0.5 * self.last_precision * self._prior(params)
 
+    def diagnostics(self):
+        return {**super().diagnostics(), "prior_precision": float(self.last_precision)}
+
     def reset(self) -> None:
         super().reset()
         self._entropy_sum, self._entropy_n = 0.0, 0

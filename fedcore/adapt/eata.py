@@ -58,6 +58,11 @@ def fisher_information(model: nn.Module, params: Dict[str, nn.Parameter], x: tor
 class EATA(GradientMethod):
     aux_in_loss = True  # the private form's aux is the weight from the sample's own entropy
 
+    @classmethod
+    def source_samples(cls, params):
+        """The Fisher regulariser's source samples (none when ``fisher_alpha`` is 0)."""
+        return int(params.get("fisher_size", 2000)) if float(params.get("fisher_alpha", 2000.0)) > 0 else 0
+
     def __init__(self, model, optimizer, params, *, num_classes: int, e_margin_coeff: float = 0.4,
                  d_margin: float = 0.05, fisher_alpha: float = 2000.0, fisher: Dict[str, torch.Tensor] | None = None,
                  steps: int = 1, private=None):

@@ -108,3 +108,6 @@ class SAR(GradientMethod):
         super().reset()
         self.ema = None
         self._prev = None
+
+    def diagnostics(self):
+        return {**super().diagnostics(), "sar_resets": float(self.resets)}

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedcore.adapt import GRADIENT_METHODS, METHODS, NEEDS_SOURCE, USES_BATCH_STATS, create_method, softmax_entropy
+from fedcore.adapt import GRADIENT_METHODS, METHODS, USES_BATCH_STATS, create_method, method_class, softmax_entropy
 from fedcore.aggregate import MergeHistory, State, advance, create_aggregator, l2_distance
 from fedcore.data.partition import Partition, TargetClient
 from fedcore.engine.checkpoint import CheckpointError, RunInterrupted, load_state, save_state
@@ -72,7 +72,7 @@ class ArrivalConfig:
     @property
     def uses_per_arrival(self) -> int:
         """How many private gradients each stream sample enters in one arrival."""
-        return int(self.method_params.get("steps", 1))
+        return method_class(self.method).uses_per_sample(self.method_params)
 
     @property
     def form(self) -> str:
@@ -125,7 +125,7 @@ def adapt_client(*, global_state: State, spec: ModelSpec, client: TargetClient, 
         pcfg = cfg.privacy_config()
         if pcfg.mode != "off":
             params["privacy"] = pcfg.spec(cfg.uses_per_arrival)
-        if cfg.method in NEEDS_SOURCE and source_x is not None:
+        if source_x is not None:
             params["source_x"] = to_tensor(source_x, device=device)
         method = create_method(cfg.method, model, **params)
     x = to_tensor(client.stream_x, device=device)
@@ -133,13 +133,7 @@ def adapt_client(*, global_state: State, spec: ModelSpec, client: TargetClient, 
     for sl in batches(len(x), cfg.batch_size):
         logits = method(x[sl])
         correct += int((logits.argmax(1).cpu().numpy() == client.stream_y[sl]).sum())
-    extras = {}
-    if hasattr(method, "last_precision"):
-        extras["prior_precision"] = float(method.last_precision)
-    if getattr(method, "private", None) is not None:
-        extras.update({f"dp_{k}": float(v) for k, v in method.private.stats.items()})
-    if hasattr(method, "resets"):
-        extras["sar_resets"] = float(method.resets)
+    extras = method.diagnostics()
     model.eval()
     with torch.no_grad():
         ent = [softmax_entropy(model(x[sl])) for sl in batches(len(x), 512)]
@@ -272,8 +266,8 @@ def run_arrivals(partition: Partition, spec: ModelSpec, source_state: State, cfg
                      initial=st.done, total=len(schedule))
     ledger = Ledger(cfg.privacy_config(), uses=cfg.uses_per_arrival)
     ledger.load_state_dict(st.ledgers)
-    source_x = source_pool(partition, int(cfg.method_params.get("fisher_size", 2000)), cfg.seed) \
-        if cfg.method in NEEDS_SOURCE else None
+    n_source = method_class(cfg.method).source_samples(cfg.method_params)
+    source_x = source_pool(partition, n_source, cfg.seed) if n_source else None
 
     def submit_arrival(a: int, global_state: State):
         # The ledger is charged when the client is sent off, so the next client's decision
