@@ -1,6 +1,9 @@
-"""The nightly job: rebuild data and partitions, pretrain, then run the sweep grid.
+"""The nightly jobs, deployed with cron schedules by ``infra/prefect.yaml``.
 
-Deployed with a cron schedule by ``infra/prefect.yaml``; ``overrides`` are Hydra overrides.
+* ``nightly``: rebuild data and partitions, pretrain, then run the test-time sweep grid;
+* ``nightly_rounds``: a round-based system's grid (FedPAD by default): partition, then every cell.
+
+``overrides`` are Hydra overrides.
 """
 
 from __future__ import annotations
@@ -27,3 +30,18 @@ def nightly(overrides: Optional[List[str]] = None) -> dict:
     logger.info("nightly sweep done: best %s+%s hold-out %.3f", best["method"], best["aggregator"],
                 best["summary"]["final_avg_holdout_acc"])
     return {f"{r['method']}+{r['aggregator']}+s{r['seed']}": r["summary"] for r in results}
+
+
+@flow(name="nightly-rounds")
+def nightly_rounds(system: str = "fedpad", grid: str = "quick", overrides: Optional[List[str]] = None) -> dict:
+    from flows.rounds import grid as run_grid
+    from flows.stages import _partition_domains
+
+    logger = get_run_logger()
+    cfg = C.compose([f"{system}.grid={grid}", *(overrides or [])])
+    _partition_domains(cfg, system)
+    rows = run_grid(cfg, system)
+    best = max(rows, key=lambda r: r["summary"]["final_worst_acc"])
+    logger.info("nightly %s grid %s done: best worst-domain accuracy %.3f (%s, seed %d)", system, grid,
+                best["summary"]["final_worst_acc"], best["method"], best["seed"])
+    return {f"{r['method']}+s{r['seed']}": r["summary"] for r in rows}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import mlflow
 import numpy as np
@@ -27,7 +27,7 @@ from fedcore.evaluate.plots import plot_methods, plot_rounds
 from fedcore.evaluate.stats import friedman_p, friedman_ranks, wilcoxon_against
 from flows import config as C
 from flows import runtime, tracking
-from flows.tasks import load_domain_partition, round_data, run_round_cell_task, train_client_task
+from flows.tasks import load_domain_partition, round_data, run_round_cell_task, train_client_ray_task
 
 
 def _runner(cfg: DictConfig):
@@ -176,21 +176,16 @@ def single(cfg: DictConfig, system: str = "fedpad") -> RoundsResult:
     label = f"{rcfg.trainer}+{rcfg.strategy}"
     ckpt = C.resolve_path(cfg.paths.checkpoints) / system / name / f"single-{label}-s{rcfg.seed}"
 
-    @flow(name=f"{system}-rounds", task_runner=_runner(cfg), log_prints=True)
+    runner = runtime.make_driver_runner(address=cfg.flow.ray_address, num_cpus=int(cfg.flow.num_cpus), root=C.ROOT)
+
+    @flow(name=f"{system}-rounds", task_runner=runner, log_prints=True)
     def rounds_flow() -> RoundsResult:
         logger = get_run_logger()
         tracking.setup(C.tracking_uri(cfg), f"fedcore-{system}")
-        task = train_client_task.with_options(retries=int(cfg.flow.retries),
-                                              retry_delay_seconds=float(cfg.flow.retry_delay_seconds))
-
-        def submit(fn, **kw):
-            i, r = kw["client_id"], kw["round_index"]
-            fault = None
-            if cfg.flow.inject_fault is not None and r == int(cfg.flow.inject_fault) and i == 0:
-                fault = str(ckpt / f"fault-round{r}.marker")
-            named = task.with_options(task_run_name=f"round-{r:03d}-client-{i:02d}-{data.client_group[i]}")
-            with runtime.task_resources(num_gpus=_gpus(cfg)):
-                return named.submit(fault_marker=fault, **kw)
+        fault = None if cfg.flow.inject_fault is None else (int(cfg.flow.inject_fault), ckpt)
+        submit = client_submit(data, retries=int(cfg.flow.retries),
+                               retry_delay_seconds=float(cfg.flow.retry_delay_seconds), num_gpus=_gpus(cfg),
+                               fault=fault)
 
         def on_round(record, state):
             logger.info("round %d/%d: avg %.3f, worst %.3f, clients %s", record["round"] + 1, rcfg.rounds,
@@ -214,6 +209,35 @@ def single(cfg: DictConfig, system: str = "fedpad") -> RoundsResult:
         return rounds_flow()
     finally:
         runtime.shutdown_ray()
+
+
+def client_submit(data, *, retries: int = 0, retry_delay_seconds: float = 0.0, num_gpus: float = 0.0,
+                  fault: Tuple[int, Path] | None = None):
+    """The round engine's ``submit`` inside a flow: one named Prefect task per client per round, run on Ray.
+
+    Data moves once: each client's arrays go to Ray's object store when this is built, the
+    global state once per round; tasks receive references, not arrays. ``fault=(round, folder)``
+    makes client 0's task fail once in that round (tests of retries).
+    """
+    task = train_client_ray_task.with_options(retries=retries, retry_delay_seconds=retry_delay_seconds)
+    refs = {i: (runtime.put(x), runtime.put(y)) for i, (x, y) in enumerate(zip(data.client_x, data.client_y))}
+    shared: Dict[int, Any] = {}
+
+    def ref_of(obj):
+        if id(obj) not in shared:
+            shared.clear()
+            shared[id(obj)] = (obj, runtime.put(obj))  # keeps obj alive, so its id stays unique
+        return shared[id(obj)][1]
+
+    def submit(fn, **kw):
+        i, r = kw["client_id"], kw["round_index"]
+        marker = str(fault[1] / f"fault-round{r}.marker") if fault and r == fault[0] and i == 0 else None
+        kw["x"], kw["y"] = refs[i]
+        kw["global_state"] = ref_of(kw["global_state"])
+        named = task.with_options(task_run_name=f"round-{r:03d}-client-{i:02d}-{data.client_group[i]}")
+        return named.submit(fault_marker=marker, num_gpus=num_gpus, **kw)
+
+    return submit
 
 
 def _gpus(cfg: DictConfig) -> float:

@@ -96,8 +96,50 @@ def ray_init_kwargs(*, num_cpus: int, prefect_api_url: str, root: Path) -> Dict[
 
 def make_task_runner(*, address: str | None, num_cpus: int, root: Path):
     """prefect-ray's runner: a local Ray with ``num_cpus`` CPUs, or the cluster at ``address``."""
-    import ray
     from prefect_ray import RayTaskRunner
+
+    return RayTaskRunner(address=address, init_kwargs=start_ray(address=address, num_cpus=num_cpus, root=root))
+
+
+def make_driver_runner(*, address: str | None, num_cpus: int, root: Path, max_workers: int = 16):
+    """Prefect tasks in driver threads whose bodies call Ray (see :func:`ray_call`); Ray started as above.
+
+    A Prefect task on ``RayTaskRunner`` costs about 230 ms of fixed overhead here (settings
+    serialised per task, rebuilt on the worker); a driver-side task that calls Ray costs
+    22-42 ms (../shared/design/prefect-on-ray.md). Task states, retries and the UI stay.
+    """
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    start_ray(address=address, num_cpus=num_cpus, root=root)
+    return ThreadPoolTaskRunner(max_workers=max_workers)
+
+
+_REMOTES: Dict[Tuple[Callable, float, float], Any] = {}
+
+
+def ray_call(fn: Callable, /, *, num_cpus: float = 1, num_gpus: float = 0, **kwargs) -> Any:
+    """Run ``fn(**kwargs)`` as a Ray task and wait for it (ObjectRef arguments are resolved by Ray).
+
+    The remote function is built once per (fn, resources), not per call.
+    """
+    import ray
+
+    key = (fn, float(num_cpus), float(num_gpus))
+    if key not in _REMOTES:
+        _REMOTES[key] = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=3)(fn)
+    return ray.get(_REMOTES[key].remote(**kwargs))
+
+
+def put(value: Any) -> Any:
+    """``ray.put``: an object moved to the store once, then passed to many tasks by reference."""
+    import ray
+
+    return ray.put(value)
+
+
+def start_ray(*, address: str | None, num_cpus: int, root: Path) -> Dict[str, Any]:
+    """Start (or join) Ray with the Prefect API URL in every worker's environment; returns the init kwargs."""
+    import ray
 
     url, wait = _prefect_api()
 
@@ -123,7 +165,7 @@ def make_task_runner(*, address: str | None, num_cpus: int, root: Path):
     except BaseException:
         shutdown_ray()
         raise
-    return RayTaskRunner(address=address, init_kwargs=kwargs)
+    return kwargs
 
 
 _WARMING: List[Any] = []
@@ -160,6 +202,7 @@ def shutdown_ray() -> None:
     import ray
 
     _WARMING.clear()
+    _REMOTES.clear()
     if _OWN_RAY and ray.is_initialized():
         ray.shutdown()
     _OWN_RAY = False

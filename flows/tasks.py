@@ -70,6 +70,23 @@ def run_cell_task(cfg_dict: Dict[str, Any], method: str, aggregator: str, seed: 
             "seconds": time.perf_counter() - t0}
 
 
+def _train_step_or_fail(*, fault_marker: str | None = None, **kw) -> ClientUpdate:
+    """What the Ray worker runs for a driver-side client task (the injected fault fires in the worker)."""
+    _maybe_fail(fault_marker)
+    return train_step(**kw)
+
+
+@task(name="train-client", cache_policy=NO_CACHE)
+def train_client_ray_task(*, fault_marker: str | None = None, num_gpus: float = 0.0, **kw) -> ClientUpdate:
+    """One client's local round: a Prefect task in the driver whose body runs the step on a Ray worker.
+
+    Array and state arguments may be Ray ObjectRefs (put once, resolved by Ray on the worker).
+    """
+    from flows import runtime
+
+    return runtime.ray_call(_train_step_or_fail, num_gpus=num_gpus, fault_marker=fault_marker, **kw)
+
+
 @task(name="round-cell", cache_policy=NO_CACHE)
 def run_round_cell_task(cfg_dict: Dict[str, Any], system: str, grid_name: str, method: str,
                         seed: int) -> Dict[str, Any]:

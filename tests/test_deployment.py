@@ -55,6 +55,8 @@ def test_nightly_deployment_has_cron_and_runs_through_a_worker(prefect_server, t
     prefect("deploy", "--all", "--prefect-file", "infra/prefect.yaml", env=env)
     inspect = prefect("deployment", "inspect", "nightly-federation/nightly-sweep", env=env).stdout
     assert "0 2 * * *" in inspect
+    rounds = prefect("deployment", "inspect", "nightly-rounds/nightly-fedpad", env=env).stdout
+    assert "30 2 * * *" in rounds and "fedpad" in rounds
 
     overrides = tiny_overrides(tmp_path) + ["pretrain.rounds=2", "adapt.passes=1", "sweep.methods=[bn]",
                                             "sweep.aggregators=[ugsa]", "flow.experiment=nightly-test"]

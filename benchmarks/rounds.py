@@ -1,0 +1,137 @@
+"""Round overhead: FedAvg, 10 clients x 5 rounds x 1 local epoch, plain loop vs Prefect + Ray + MLflow.
+
+    python benchmarks/rounds.py            # the issue's workload: LeNet (118k parameters), 4,000 MNIST digits
+    python benchmarks/rounds.py --repeat 2
+
+Every variant runs the same ``fedcore.engine.run_rounds`` loop in this process and must give
+bit-identical weights, or the benchmark fails. Printed per variant: total wall (start-up
+included), the start-up alone, the mean time of rounds 2-5, and both as ratios to the plain loop.
+
+* ``plain``: the plain driver (``run_now``), torch with every CPU.
+* ``flow, Prefect task on Ray``: a Prefect task per client on prefect-ray's RayTaskRunner (arrays
+  and state shipped with every task): the naive design.
+* ``flow, driver task -> Ray``: what ``flows.rounds.single`` uses: a Prefect task per client in a
+  driver thread whose body runs the step on Ray, with client data put in Ray's store once and
+  the global state once per round.
+Both flows log every round to MLflow (a nested run and the round's metrics), as the real flow does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fedcore.engine import ModelSpec, RoundConfig, RoundData, run_rounds  # noqa: E402
+
+
+def workload() -> tuple[RoundData, ModelSpec, RoundConfig]:
+    from fedcore.data.sources import load_mnist5k
+
+    d = load_mnist5k()
+    idx = np.random.default_rng(0).permutation(len(d.y))
+    train, test = idx[:4000], idx[4000:]
+    parts = np.array_split(train, 10)
+    data = RoundData(client_x=[d.x[p] for p in parts], client_y=[d.y[p] for p in parts],
+                     client_group=["mnist"] * 10, eval_sets={"test": (d.x[test], d.y[test])})
+    cfg = RoundConfig(rounds=5, trainer="sgd", trainer_params={"lr": 0.05, "local_epochs": 1, "batch_size": 32},
+                      strategy="fedavg", seed=0)
+    return data, ModelSpec(name="lenet", in_channels=1, num_classes=10), cfg
+
+
+def timed_run(data, spec, cfg, **kw):
+    marks = []
+    t0 = time.perf_counter()
+    res = run_rounds(data, spec, cfg, on_round=lambda rec, st: marks.append(time.perf_counter()), **kw)
+    per_round = float(np.mean(np.diff(marks))) if len(marks) > 1 else float("nan")  # rounds 2..R
+    return res, time.perf_counter() - t0, per_round
+
+
+def run_flow(kind: str, data, spec, cfg, tracking_uri: str):
+    import mlflow
+    from prefect import flow
+
+    from flows import runtime, tracking
+    from flows.config import ROOT
+    from flows.rounds import client_submit
+    from flows.tasks import train_client_task
+
+    t0 = time.perf_counter()
+    if kind == "naive":
+        runner = runtime.make_task_runner(address=None, num_cpus=2, root=ROOT)
+    else:
+        runner = runtime.make_driver_runner(address=None, num_cpus=2, root=ROOT)
+
+    @flow(name=f"bench-rounds-{kind}", task_runner=runner)
+    def bench():
+        tracking.setup(tracking_uri, "bench-rounds")
+        if kind == "naive":
+            def submit(fn, **kw):
+                return train_client_task.submit(**kw)
+        else:
+            submit = client_submit(data)
+        with mlflow.start_run(run_name=kind):
+            startup = time.perf_counter() - t0
+            res, _, per_round = _run_logged(data, spec, cfg, submit)
+        return res, startup, per_round
+
+    try:
+        res, startup, per_round = bench()
+    finally:
+        runtime.shutdown_ray()
+    return res, time.perf_counter() - t0, startup, per_round
+
+
+def _run_logged(data, spec, cfg, submit):
+    from flows import tracking
+
+    marks = []
+
+    def on_round(rec, st):
+        tracking.log_rounds([rec], nested=True)
+        marks.append(time.perf_counter())
+
+    res = run_rounds(data, spec, cfg, submit=submit, on_round=on_round)
+    return res, None, float(np.mean(np.diff(marks)))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeat", type=int, default=1)
+    args = ap.parse_args()
+    data, spec, cfg = workload()
+    print(f"workload: FedAvg, {len(data.client_x)} clients x {cfg.rounds} rounds x 1 epoch, "
+          f"{sum(p.numel() for p in spec.build().parameters()):,} parameters, {sum(map(len, data.client_y))} images")
+    tmp = Path(tempfile.mkdtemp(prefix="bench-rounds-"))
+    uri = f"sqlite:///{tmp}/mlruns.db"
+    rows = []
+    for rep in range(args.repeat):
+        torch.set_num_threads(2)
+        base, wall, per_round = timed_run(data, spec, cfg)
+        rows.append(("plain loop", rep, wall, 0.0, per_round))
+        for kind, label in (("naive", "flow, Prefect task on Ray"), ("lean", "flow, driver task -> Ray")):
+            res, wall_f, startup, per_round_f = run_flow(kind, data, spec, cfg, uri)
+            for k in base.final_state:
+                if not torch.equal(base.final_state[k], res.final_state[k]):
+                    print(f"FAIL: {label} gave different weights ({k})")
+                    return 1
+            rows.append((label, rep, wall_f, startup, per_round_f))
+    print("\n| run | repeat | total s | start-up s | per round s (2-5) | total ratio | per-round ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for label, rep, wall, startup, per_round in rows:
+        b = next(r for r in rows if r[0] == "plain loop" and r[1] == rep)
+        print(f"| {label} | {rep} | {wall:.1f} | {startup:.1f} | {per_round:.2f} | {wall / b[2]:.2f} | "
+              f"{per_round / b[4]:.2f} |")
+    print("\nAll flow runs gave bit-identical weights to the plain loop.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

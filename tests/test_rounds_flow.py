@@ -1,0 +1,108 @@
+"""The round engine through Prefect + Ray + MLflow on a tiny FedPAD grid (slow), and its stage errors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from flows import config as C
+
+
+def rounds_overrides(tmp, *extra):
+    return [f"paths.domains={tmp}/domains", f"paths.results={tmp}/results", f"paths.checkpoints={tmp}/ckpt",
+            f"flow.tracking_uri=sqlite:///{tmp}/mlruns.db", "flow.progress=false", "flow.retries=2",
+            "flow.retry_delay_seconds=0", "fedpad.grid=quick", "fedpad.grids.quick.max_per_domain=120",
+            "fedpad.grids.quick.rounds=2", "fedpad.grids.quick.methods=[fedavg,fedpad]", "trainer=proto",
+            "strategy=fedpad", *extra]
+
+
+def strip(records):
+    return [{k: ("nan" if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items() if k != "agg_seconds"}
+            for r in records]
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    from flows.stages import _partition_domains
+
+    tmp = tmp_path_factory.mktemp("rounds")
+    cfg = C.compose(rounds_overrides(tmp))
+    _partition_domains(cfg)
+    return {"tmp": tmp, "cfg": cfg}
+
+
+def test_missing_partition_names_the_stage_that_builds_it(tmp_path, capsys):
+    from flows.stages import main
+
+    assert main(["fedpad", f"paths.domains={tmp_path}/none", "fedpad.grid=digits"]) == 2
+    err = capsys.readouterr().err
+    assert "dvc repro partition_domains@digits" in err
+
+
+def test_unknown_grid_and_method_are_refused_with_the_valid_names():
+    with pytest.raises(ValueError, match="unknown fedpad grid 'digit'; valid names are:.*digits"):
+        C.grid(C.compose([]), "fedpad", "digit")
+    with pytest.raises(ValueError, match="unknown fedpad method 'fedpadd'; valid names are:.*fedpad"):
+        C.compose(["fedpad.grids.quick.methods=[fedpadd]"])
+    with pytest.raises(ValueError, match="no setting 'gama'"):
+        C.compose(["+fedpad.methods.fedpad.strategy_params.gama=1"])
+
+
+@pytest.mark.slow
+def test_round_flow_equals_the_plain_driver_and_logs_every_round(quick):
+    """The same run_rounds loop, driven by a Prefect task per client per round on Ray: identical metrics."""
+    from fedcore.engine import run_rounds
+    from flows.rounds import single
+    from flows.tasks import load_domain_partition, round_data
+
+    cfg = quick["cfg"]
+    part = load_domain_partition(cfg, "fedpad")
+    plain = run_rounds(round_data(part), C.grid_model_spec(cfg, "fedpad", num_classes=part.num_classes),
+                       C.single_round_config(cfg, "fedpad"))
+    flowed = single(cfg, "fedpad")
+    assert strip(flowed.records) == strip(plain.records)
+    for k in plain.final_state:
+        assert torch.equal(flowed.final_state[k], plain.final_state[k]), k
+    client = MlflowClient(C.tracking_uri(cfg))
+    exp = client.get_experiment_by_name("fedcore-fedpad")
+    run = [r for r in client.search_runs([exp.experiment_id]) if r.info.run_name == "proto+fedpad-s0"][0]
+    assert run.data.tags["partition_manifest_sha256"] and run.data.tags["strategy"] == "fedpad"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "worst_acc")] == [0, 1]
+    assert len(client.get_metric_history(run.info.run_id, "alpha.c0")) == 2
+    children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
+    assert sorted(c.info.run_name for c in children) == ["round-000", "round-001"]
+    quick["plain"] = plain
+
+
+@pytest.mark.slow
+def test_a_failed_client_task_is_retried_with_unchanged_results(quick):
+    from flows.rounds import single
+
+    cfg = C.compose(rounds_overrides(quick["tmp"], "flow.inject_fault=1", f"paths.checkpoints={quick['tmp']}/ckpt2"))
+    res = single(cfg, "fedpad")
+    assert list((quick["tmp"] / "ckpt2").rglob("fault-round1.marker")), "the injected fault never fired"
+    assert strip(res.records) == strip(quick["plain"].records)
+
+
+@pytest.mark.slow
+def test_grid_flow_writes_the_table_statistics_plots_and_one_run_per_cell(quick):
+    from flows.rounds import grid, results_dir
+
+    cfg = quick["cfg"]
+    rows = grid(cfg, "fedpad")
+    assert [(r["method"], r["seed"]) for r in rows] == [("fedavg", 0), ("fedpad", 0)]
+    out = results_dir(cfg, "fedpad", "quick")
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) == {"fedavg", "fedpad"}
+    assert 0 <= summary["fedpad"]["worst_acc"] <= summary["fedpad"]["avg_acc"] <= 1
+    for f in ("table.md", "stats.md", "methods.png", "cells/fedpad-s0/rounds.png", "cells/fedavg-s0/rounds.json"):
+        assert (out / f).is_file(), f
+    assert "| fedpad |" in (out / "table.md").read_text()
+    client = MlflowClient(C.tracking_uri(cfg))
+    exp = client.get_experiment_by_name("fedcore-fedpad")
+    runs = {r.info.run_name for r in client.search_runs([exp.experiment_id], "tags.stage = 'fedpad@quick'")}
+    assert {"fedavg-s0", "fedpad-s0"} <= runs
