@@ -17,10 +17,8 @@ from fedcore.data.domains import (
     abs_diff_blend,
     build_domain_partition,
     fonts_used,
-    load_domain_set,
     load_domains,
     mnist_halves,
-    save_domain_set,
     shard_sizes,
 )
 from fedcore.data.partition import sha256_arrays
@@ -260,20 +258,6 @@ def test_bad_load_arguments(kwargs, match):
     name = args.pop("name")
     with pytest.raises(ValueError, match=match):
         load_domains(name, None, **args)
-
-
-def test_domain_set_round_trip(tmp_path, local16):
-    path = tmp_path / "prepared" / "digits_local.npz"
-    assert save_domain_set(local16, path) == local16.sha256()
-    back = load_domain_set(path)
-    for a in ("x", "y", "d", "source_index"):
-        got, want = getattr(back, a), getattr(local16, a)
-        assert np.array_equal(got, want) and got.dtype == want.dtype
-    assert (back.domains, back.classes, back.name) == (local16.domains, local16.classes, "digits_local")
-    assert not list(path.parent.glob("*.tmp*"))
-    with pytest.raises(FileNotFoundError, match=r"Build it with `dvc repro prepare_domains` "
-                                                r"\(or `python -m flows.stages prepare_domains`\)"):
-        load_domain_set(tmp_path / "nope.npz")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -58,7 +58,7 @@ from typing import Callable, Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
 
-from fedcore.data.partition import sha256_arrays
+from fedcore.data.partition import read_arrays, sha256_arrays, write_arrays
 from fedcore.data.sources import CIFAR10_CLASSES
 
 DIGIT_CLASSES: Tuple[str, ...] = tuple(str(k) for k in range(10))
@@ -673,35 +673,6 @@ def _load_pacs(root: Path | None, *, size: int, seed: int, cap: int | None,
 # --------------------------------------------------------------------------------------------
 
 
-def save_domain_set(ds: DomainSet, path: str | Path) -> str:
-    """Write ``ds`` as one npz (tmp file, then rename); returns ``ds.sha256()``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez(tmp, x=ds.x, y=ds.y, d=ds.d, source_index=ds.source_index, domains=np.asarray(ds.domains, dtype=str),
-             classes=np.asarray(ds.classes, dtype=str), name=np.asarray(ds.name, dtype=str))
-    tmp.replace(path)
-    return ds.sha256()
-
-
-def load_domain_set(path: str | Path) -> DomainSet:
-    """Read a :class:`DomainSet` written by :func:`save_domain_set`."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"domain set {path} is missing. Build it with `dvc repro prepare_domains` "
-            "(or `python -m flows.stages prepare_domains`)."
-        )
-    with np.load(path, allow_pickle=False) as z:
-        return DomainSet(x=z["x"], y=z["y"], d=z["d"], domains=tuple(z["domains"].tolist()),
-                         classes=tuple(z["classes"].tolist()), name=str(z["name"]), source_index=z["source_index"])
-
-
-# --------------------------------------------------------------------------------------------
-# Partition: each client holds one domain
-# --------------------------------------------------------------------------------------------
-
-
 def shard_sizes(n: int, k: int, size_skew: float = 0.0) -> np.ndarray:
     """Sizes of ``k`` shards of ``n`` rows, proportional to ``(1/(j+1))**size_skew``.
 
@@ -787,59 +758,41 @@ class DomainPartition:
 
     def save(self, folder: str | Path) -> Path:
         """Write ``partition.npz`` and ``manifest.json`` (each via a tmp file and rename); returns the folder."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
         arrays: Dict[str, np.ndarray] = {}
         for i, (idx, x, y) in enumerate(zip(self.client_indices, self.client_x, self.client_y)):
             arrays.update({f"c{i}_idx": idx, f"c{i}_x": x, f"c{i}_y": y})
         for k, (idx, x, y) in enumerate(zip(self.test_indices, self.test_x, self.test_y)):
             arrays.update({f"t{k}_idx": idx, f"t{k}_x": x, f"t{k}_y": y})
-        tmp = folder / "partition.tmp.npz"
-        np.savez(tmp, **arrays)
-        tmp.replace(folder / "partition.npz")
-        tmp_m = folder / "manifest.json.tmp"
-        tmp_m.write_text(json.dumps(self.manifest(), indent=1))
-        tmp_m.replace(folder / "manifest.json")
-        return folder
+        return write_arrays(folder, arrays, self.manifest())
 
     @classmethod
     def load(cls, folder: str | Path) -> "DomainPartition":
         """Read a partition written by :meth:`save`, checking every array against the manifest sha256."""
-        folder = Path(folder)
-        npz, man = folder / "partition.npz", folder / "manifest.json"
-        if not npz.is_file() or not man.is_file():
-            raise FileNotFoundError(
-                f"no domain partition at {folder} (expected partition.npz and manifest.json). "
-                "Build it with `dvc repro partition_domains` (or `python -m flows.stages partition_domains`)."
-            )
-        m = json.loads(man.read_text())
+        a, m = read_arrays(folder, what="domain partition", stage="partition_domains")
+        npz = Path(folder) / "partition.npz"
         fix = "the file is corrupt: rebuild it with `dvc repro partition_domains`"
-        with np.load(npz, allow_pickle=False) as z:
-            a = {k: z[k] for k in z.files}
 
-        def get(key: str, who: str) -> np.ndarray:
-            if key not in a:
-                raise ValueError(f"{who} has no array {key!r} in {npz}; {fix}")
-            return a[key]
+        def checked(prefix: str, rec: Dict, who: str) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+            missing = [k for k in (f"{prefix}_x", f"{prefix}_y", f"{prefix}_idx") if k not in a]
+            if missing:
+                raise ValueError(f"{who} has no array {missing[0]!r} in {npz}; {fix}")
+            x, y, idx = a[f"{prefix}_x"], a[f"{prefix}_y"], a[f"{prefix}_idx"]
+            if sha256_arrays(x, y) != rec["sha256"] or idx.tolist() != rec["indices"]:
+                raise ValueError(f"{who} in {npz} does not match its manifest sha256/indices; {fix}")
+            return x, y, idx
 
         domains = tuple(m["domains"])
         cx, cy, ci, cd = [], [], [], []
         for rec in m["clients"]:
             i = int(rec["client_id"])
-            who = f"client {i} (domain {rec['domain']!r})"
-            x, y, idx = get(f"c{i}_x", who), get(f"c{i}_y", who), get(f"c{i}_idx", who)
-            if sha256_arrays(x, y) != rec["sha256"] or idx.tolist() != rec["indices"]:
-                raise ValueError(f"{who} in {npz} does not match its manifest sha256/indices; {fix}")
+            x, y, idx = checked(f"c{i}", rec, f"client {i} (domain {rec['domain']!r})")
             cx.append(x)
             cy.append(y)
             ci.append(idx)
             cd.append(domains.index(rec["domain"]))
         tx, ty, ti = [], [], []
         for k, rec in enumerate(m["test"]):
-            who = f"the test set of domain {rec['domain']!r}"
-            x, y, idx = get(f"t{k}_x", who), get(f"t{k}_y", who), get(f"t{k}_idx", who)
-            if sha256_arrays(x, y) != rec["sha256"] or idx.tolist() != rec["indices"]:
-                raise ValueError(f"{who} in {npz} does not match its manifest sha256/indices; {fix}")
+            x, y, idx = checked(f"t{k}", rec, f"the test set of domain {rec['domain']!r}")
             tx.append(x)
             ty.append(y)
             ti.append(idx)
@@ -972,7 +925,7 @@ def build_domain_partition(
 
 __all__ = [
     "DOMAIN_SETS", "DIGIT_CLASSES", "PACS_DOMAINS", "FONT_FILES", "DomainSet", "DomainPartition",
-    "load_domains", "save_domain_set", "load_domain_set", "build_domain_partition", "shard_sizes",
+    "load_domains", "build_domain_partition", "shard_sizes",
     "stratified_subsample", "mnist_halves", "abs_diff_blend", "to_rgb", "cifar_backgrounds", "fonts_used",
     "font_dir",
 ]

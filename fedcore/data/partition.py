@@ -38,6 +38,30 @@ def sha256_arrays(*arrays: np.ndarray) -> str:
     return h.hexdigest()
 
 
+def write_arrays(folder: str | Path, arrays: Dict[str, np.ndarray], manifest: Dict) -> Path:
+    """Write ``partition.npz`` and ``manifest.json`` into ``folder``, each atomically (tmp, then rename)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / "partition.tmp.npz"
+    np.savez(tmp, **arrays)
+    tmp.replace(folder / "partition.npz")
+    tmp_m = folder / "manifest.json.tmp"
+    tmp_m.write_text(json.dumps(manifest, indent=1))
+    tmp_m.replace(folder / "manifest.json")
+    return folder
+
+
+def read_arrays(folder: str | Path, *, what: str, stage: str) -> tuple[Dict[str, np.ndarray], Dict]:
+    """``(arrays, manifest)`` written by :func:`write_arrays`; missing -> the stage that builds them."""
+    folder = Path(folder)
+    npz, man = folder / "partition.npz", folder / "manifest.json"
+    if not npz.is_file() or not man.is_file():
+        raise FileNotFoundError(f"no {what} at {folder} (expected partition.npz and manifest.json). "
+                                f"Build it with `dvc repro {stage}` (or `python -m flows.stages {stage}`).")
+    with np.load(npz, allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}, json.loads(man.read_text())
+
+
 @dataclass(frozen=True)
 class Split:
     """Disjoint index sets into the loaded dataset."""
@@ -240,8 +264,6 @@ class Partition:
 
     def save(self, folder: str | Path) -> Path:
         """Write ``partition.npz`` and ``manifest.json``; returns the folder."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
         arrays = {"source_test_x": self.source_test_x, "source_test_y": self.source_test_y}
         for i, (idx, x, y) in enumerate(zip(self.source_clients, self.source_x, self.source_y)):
             arrays.update({f"src{i}_idx": idx, f"src{i}_x": x, f"src{i}_y": y})
@@ -250,25 +272,12 @@ class Partition:
             arrays.update({f"tgt{k}_sidx": t.stream_indices, f"tgt{k}_hidx": t.holdout_indices,
                            f"tgt{k}_sx": t.stream_x, f"tgt{k}_sy": t.stream_y,
                            f"tgt{k}_hx": t.holdout_x, f"tgt{k}_hy": t.holdout_y})
-        tmp = folder / "partition.tmp.npz"
-        np.savez(tmp, **arrays)
-        tmp.replace(folder / "partition.npz")
-        manifest = self.manifest()
-        (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
-        return folder
+        return write_arrays(folder, arrays, self.manifest())
 
     @classmethod
     def load(cls, folder: str | Path) -> "Partition":
-        folder = Path(folder)
-        npz, man = folder / "partition.npz", folder / "manifest.json"
-        if not npz.is_file() or not man.is_file():
-            raise FileNotFoundError(
-                f"no partition at {folder} (expected partition.npz and manifest.json). "
-                "Build it with `dvc repro partition` (or `python -m flows.stages partition`)."
-            )
-        m = json.loads(man.read_text())
-        with np.load(npz) as z:
-            a = {k: z[k] for k in z.files}
+        a, m = read_arrays(folder, what="partition", stage="partition")
+        npz = Path(folder) / "partition.npz"
         src = range(len(m["source_clients"]))
         targets = [
             TargetClient(
