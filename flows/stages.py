@@ -147,6 +147,26 @@ def _fedpad(cfg) -> None:
         print((out / "stats.md").read_text())
 
 
+def _fedpad_report(cfg) -> None:
+    """Wilcoxon and Friedman on worst-domain accuracy, pooled over the grids in ``fedpad.report`` (blocks: grid × seed)."""
+    from flows.rounds import results_dir, stats_report
+
+    grids = [str(g) for g in cfg.fedpad.report]
+    per_grid = {}
+    for g in grids:
+        path = results_dir(cfg, "fedpad", g) / "scores.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing. Build it with `dvc repro fedpad@{g}`.")
+        per_grid[g] = json.loads(path.read_text())["worst_acc_by_seed"]
+    common = [m for m in per_grid[grids[0]] if all(m in per_grid[g] for g in grids)]
+    pooled = {m: [v for g in grids for v in per_grid[g][m]] for m in common}
+    text = (f"# FedPAD against every method both grids ran: {', '.join(grids)}\n\n"
+            + stats_report(pooled, "fedpad") + "\n")
+    out = C.resolve_path(cfg.paths.results) / "fedpad" / "report.md"
+    out.write_text(text)
+    print(text)
+
+
 def _rounds(cfg) -> None:
     from flows.rounds import single
 
@@ -166,7 +186,7 @@ def _on_cifar(stage):
     return lambda cfg: _pointing_at(names, lambda: stage(C.cifar_experiment(cfg)))
 
 
-STAGES = {"partition_domains": _partition_domains, "fedpad": _fedpad, "rounds": _rounds, "prepare": _prepare, "partition": _partition, "pretrain": _pretrain, "adapt": _adapt,
+STAGES = {"partition_domains": _partition_domains, "fedpad": _fedpad, "fedpad_report": _fedpad_report, "rounds": _rounds, "prepare": _prepare, "partition": _partition, "pretrain": _pretrain, "adapt": _adapt,
           "sweep": _adapt, "arrival": _arrival, "pretrain_private": _pretrain_private, "private": _private,
           "audit": lambda cfg: _pointing_at({"pretrain": "pretrain_private"}, lambda: _audit(cfg)),
           **{f"{name}_cifar": _on_cifar(fn) for name, fn in

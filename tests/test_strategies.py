@@ -156,3 +156,18 @@ def test_wilcoxon_and_friedman_on_a_known_case():
     tests = {t.other: t for t in wilcoxon_against(scores, "a")}
     assert tests["b"].wins == 6 and tests["b"].p_value == pytest.approx(2 / 2 ** 6)
     assert friedman_ranks(scores) == {"a": 1.0, "b": 3.0, "c": 2.0}
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.5, 0.9])
+def test_scaffold_option_two_recovers_a_constant_gradient_under_momentum(momentum):
+    """(x − y)/(K_eff·η) equals the gradient when it is constant, whatever torch SGD's momentum."""
+    from fedcore.train.scaffold import effective_steps
+
+    g, lr, steps = torch.tensor([0.3, -1.2]), 0.05, 17
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=lr, momentum=momentum)
+    for _ in range(steps):
+        p.grad = g.clone()
+        opt.step()
+    estimate = (torch.zeros(2) - p.detach()) / (effective_steps(steps, momentum) * lr)
+    assert torch.allclose(estimate, g, atol=1e-5)

@@ -21,7 +21,7 @@ from fedcore.aggregate.functions import softmax
 Protos = Dict[str, torch.Tensor]
 
 ALPHA_MODES = ("fedpad", "uniform", "direct", "normalized")
-PROTO_WEIGHTINGS = ("theta", "uniform", "counts")
+PROTO_WEIGHTINGS = ("theta", "uniform")
 
 
 def empty_protos() -> Protos:

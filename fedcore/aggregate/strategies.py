@@ -237,8 +237,9 @@ class FedPAD(_PrototypeServer):
             raise ValueError(f"FedPAD tau must be > 0, got {tau}")
         if alpha_mode not in P.ALPHA_MODES:
             raise ValueError(f"unknown FedPAD alpha_mode {alpha_mode!r}; valid names are: {', '.join(P.ALPHA_MODES)}")
-        if proto_weighting not in ("theta", "uniform"):
-            raise ValueError(f"unknown FedPAD proto_weighting {proto_weighting!r}; valid names are: theta, uniform")
+        if proto_weighting not in P.PROTO_WEIGHTINGS:
+            raise ValueError(f"unknown FedPAD proto_weighting {proto_weighting!r}; valid names are: "
+                             f"{', '.join(P.PROTO_WEIGHTINGS)}")
         self.gamma, self.tau, self.alpha_mode, self.proto_weighting = float(gamma), float(tau), alpha_mode, \
             proto_weighting
 
