@@ -61,8 +61,13 @@ def test_round_flow_equals_the_plain_driver_and_logs_every_round(quick):
 
     cfg = quick["cfg"]
     part = load_domain_partition(cfg, "fedpad")
-    plain = run_rounds(round_data(part), C.grid_model_spec(cfg, "fedpad", num_classes=part.num_classes),
-                       C.single_round_config(cfg, "fedpad"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # each client task runs on one Ray CPU; bit-identity needs the same thread count
+    try:
+        plain = run_rounds(round_data(part), C.grid_model_spec(cfg, "fedpad", num_classes=part.num_classes),
+                           C.single_round_config(cfg, "fedpad"))
+    finally:
+        torch.set_num_threads(threads)
     flowed = single(cfg, "fedpad")
     assert strip(flowed.records) == strip(plain.records)
     for k in plain.final_state:
