@@ -117,7 +117,10 @@ def plot_rounds(records: List[Dict], domains: Sequence[str], folder: str | Path,
     ax.set(xlabel="round", ylabel="test accuracy", title="accuracy per domain")
     ax.legend(fontsize=7)
     ax = axes[0, 1]
-    alpha_keys = sorted({k for rec in records for k in rec if k.startswith("alpha.c")}, key=lambda k: int(k[7:]))
+    import re
+
+    per_client = re.compile(r"^alpha\.c(\d+)$")  # alpha.c3; a domain's mean is alpha.<domain> (e.g. alpha.cartoon)
+    alpha_keys = sorted({k for rec in records for k in rec if per_client.match(k)}, key=lambda k: int(k[7:]))
     for k in alpha_keys:
         ax.plot(r, [rec.get(k, np.nan) for rec in records], lw=1, label=k[6:])
     ax.set(xlabel="round", ylabel="α (model weight)", title="model weights α per client" if alpha_keys
