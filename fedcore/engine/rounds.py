@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from fedcore.aggregate.functions import State
-from fedcore.aggregate.strategies import STRATEGIES, Strategy, create_strategy
+from fedcore.aggregate.strategies import STRATEGIES, Aggregated, Strategy, create_strategy
 from fedcore.engine.checkpoint import RunInterrupted, load_state, save_state
 from fedcore.engine.spec import ModelSpec, init_state
 from fedcore.engine.submit import Submit, run_now
@@ -224,13 +224,8 @@ def run_rounds(data: RoundData, spec: ModelSpec, cfg: RoundConfig, *, init: Stat
                               "its update is not merged (lower its learning rate if this repeats)", RuntimeWarning,
                               stacklevel=2)
         t0 = time.perf_counter()
-        if updates:
-            agg = strategy.aggregate(state, updates, num_clients=data.num_clients)
-            new_state = agg.state
-        else:
-            from fedcore.aggregate.strategies import Aggregated
-
-            agg, new_state = Aggregated(state), state
+        agg = strategy.aggregate(state, updates, num_clients=data.num_clients) if updates else Aggregated(state)
+        new_state = agg.state
         agg_seconds = time.perf_counter() - t0
         for i, upd in updates:
             if upd.client_state:
