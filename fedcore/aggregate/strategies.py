@@ -38,7 +38,8 @@ class Aggregated:
 class Strategy:
     """FedAvg: the example-weighted average of the client models (McMahan et al. 2017)."""
 
-    trainer: Tuple[str, ...] = ("sgd", "prox")  # local objectives this server rule is written for
+    trainer: Tuple[str, ...] = ("sgd", "prox", "proser")  # local objectives this server rule is written for
+    needs_model = False  # True: the engine calls bind_model(network) before setup (alignment needs the layers)
 
     def setup(self, global_state: State, *, num_clients: int, param_keys: Sequence[str]) -> None:
         """Fresh server state; ``param_keys`` are the trainable entries (the rest are buffers)."""
@@ -272,3 +273,7 @@ class FedPAD(_PrototypeServer):
         self.protos = dict(state["protos"])
         self.last_alpha = {int(k): float(v) for k, v in state["last_alpha"].items()}
         self.last_d = {int(k): float(v) for k, v in state["last_d"].items()}
+
+
+# FedPD++ lives in its own module (it brings the open-set alignment); importing it registers "fedpd".
+from fedcore.aggregate import fedpd as _fedpd  # noqa: E402,F401

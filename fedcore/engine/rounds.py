@@ -183,6 +183,8 @@ def run_rounds(data: RoundData, spec: ModelSpec, cfg: RoundConfig, *, init: Stat
         check_feature_layer(spec.build())  # a model without a feature layer fails before any work
     evaluate = evaluate or (lambda s: evaluate_sets(s, spec, data.eval_sets, device=cfg.device))
     param_keys = [k for k, _ in spec.build().named_parameters()]
+    if strategy.needs_model:
+        strategy.bind_model(spec.build())  # a network the strategy cannot handle fails before any work
     folder = Path(checkpoint_dir) if checkpoint_dir is not None else None
     fp = cfg.fingerprint()
     state = init_state(spec, cfg.seed) if init is None else {k: v.clone() for k, v in init.items()}

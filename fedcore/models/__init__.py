@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from fedcore.models.cnn import LeNet, SmallCNN
@@ -39,4 +40,23 @@ def check_feature_layer(model: nn.Module) -> None:
                          f"prototype methods need one: use one of the models {', '.join(MODELS.names())}")
 
 
-__all__ = ["embed_and_classify", "check_feature_layer", "create_model", "MODELS", "NORMS", "make_norm", "SmallCNN", "LeNet", "ResNet20", "resnet18_32"]
+__all__ = ["embed_and_classify", "mix_split", "check_feature_layer", "create_model", "MODELS", "NORMS", "make_norm", "SmallCNN", "LeNet", "ResNet20", "resnet18_32"]
+
+
+def mix_split(model: nn.Module):
+    """``(pre, post)``: the layers before and after the model's mixing point, for PROSER's manifold mixup.
+
+    ``post(pre(x))`` equals ``model(x)``. A model declares its mixing point with ``mix_at``, an index
+    into its ``features``; a model without one is refused with the names of those that have one.
+    """
+    at = getattr(model, "mix_at", None)
+    if at is None or not isinstance(getattr(model, "features", None), nn.Sequential):
+        usable = [n for n in MODELS.names() if getattr(MODELS.get(n), "mix_at", None) is not None]
+        raise ValueError(f"{type(model).__name__} has no layer to mix at: PROSER mixes features at a middle layer "
+                         f"(a `mix_at` index into `features`); use one of the models {', '.join(usable)}")
+    head, tail = model.features[:at], model.features[at:]
+
+    def post(h):
+        return model.fc(torch.flatten(tail(h), 1))
+
+    return head, post

@@ -27,6 +27,11 @@ class SmallCNN(nn.Module):
         )
         self.fc = nn.Linear(2 * width, num_classes)
 
+    # PROSER mixes features after the second conv block; the layers run in registration order
+    # with no skips, so optimal-transport alignment can follow them (fedcore.openset.align).
+    mix_at = 8
+    sequential = True
+
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         """Penultimate features (N, 2·width): what prototype methods average per class."""
         return torch.flatten(self.features(x), 1)
@@ -51,6 +56,9 @@ class LeNet(nn.Module):
             nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(64 * 16, feature_dim), nn.ReLU(inplace=True),
         )
         self.fc = nn.Linear(feature_dim, num_classes)
+
+    mix_at = 8  # after the second conv block (before pooling to 4x4): where PROSER mixes
+    sequential = True
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         """Penultimate features (N, feature_dim)."""

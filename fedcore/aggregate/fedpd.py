@@ -1,0 +1,149 @@
+"""FedPD++'s server (GDCA + SBA, §4.3) and FedPD's (whole-model OT fusion), as a round strategy.
+
+Settings, each switchable for the paper's ablations:
+
+* ``parts``: ``three`` (close / open / shared, FedPD++), ``two`` (the two overlapping
+  subnetworks), ``none`` (the whole model: FedPD's OT fusion, no masks);
+* ``align``: ``sinkhorn`` (entropic OT), ``hungarian`` (exact assignment), ``none``;
+* ``sba``: refine each BatchNorm layer's alignment by the clients' BatchNorm-statistics history;
+* ``reference``: the client every other is aligned to: ``largest`` (most examples, then the
+  lowest id) or ``first`` (the lowest selected id). The paper allows any;
+* ``client_weights``: ``examples`` (as FedAvg here) or ``uniform`` (the paper's 1/K, Eq. 22).
+
+The SBA bank keeps, per client, the last ``sba_window`` rounds of every BatchNorm layer's running
+means: memory is bounded by ``clients x window x channels``, whatever the number of rounds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Sequence
+
+import torch
+
+from fedcore.aggregate.functions import State
+from fedcore.aggregate.strategies import STRATEGIES, Aggregated, Strategy, Updates
+from fedcore.openset.align import ALIGN_METHODS, layer_plan
+from fedcore.openset.gdca import fuse
+from fedcore.openset.masks import PART_MODES, split_parts
+
+REFERENCES = ("largest", "first")
+CLIENT_WEIGHTS = ("examples", "uniform")
+
+
+@STRATEGIES.register("fedpd")
+class FedPD(Strategy):
+    trainer = ("proser",)
+    needs_model = True
+
+    def __init__(self, *, parts: str = "three", align: str = "sinkhorn", sba: bool = True, reg: float = 0.05,
+                 max_iter: int = 200, sba_window: int = 10, reference: str = "largest",
+                 client_weights: str = "examples", quality: bool = True) -> None:
+        if parts not in PART_MODES:
+            raise ValueError(f"unknown parts {parts!r}; use one of {', '.join(PART_MODES)}")
+        if align not in ALIGN_METHODS:
+            raise ValueError(f"unknown align {align!r}; use one of {', '.join(ALIGN_METHODS)}")
+        if reference not in REFERENCES or client_weights not in CLIENT_WEIGHTS:
+            raise ValueError(f"reference must be one of {', '.join(REFERENCES)} and client_weights one of "
+                             f"{', '.join(CLIENT_WEIGHTS)}; got {reference!r}, {client_weights!r}")
+        if reg <= 0 or max_iter < 1 or sba_window < 1:
+            raise ValueError(f"need reg > 0, max_iter >= 1 and sba_window >= 1; got {reg}, {max_iter}, {sba_window}")
+        self.parts, self.align, self.sba, self.reg, self.max_iter = parts, align, bool(sba), float(reg), int(max_iter)
+        self.sba_window, self.reference, self.client_weights = int(sba_window), reference, client_weights
+        self.quality = bool(quality)
+
+    def bind_model(self, model: torch.nn.Module) -> None:
+        """The network's layer plan; a model alignment cannot follow is refused here, before any round."""
+        self.plan = layer_plan(model) if self.align != "none" or self.sba else layer_plan_or_empty(model)
+        self.bn_layers = {layer.name: layer.bn[2] for layer in self.plan if len(layer.bn) > 2}
+
+    def setup(self, global_state: State, *, num_clients: int, param_keys: Sequence[str]) -> None:
+        super().setup(global_state, num_clients=num_clients, param_keys=param_keys)
+        self.round = 0
+        self.bank: Dict[int, Dict[str, torch.Tensor]] = {}
+
+    def broadcast(self) -> Dict[str, Any]:
+        return {"round": self.round}
+
+    def aggregate(self, global_state: State, updates: Updates, *, num_clients: int) -> Aggregated:
+        ids = [i for i, _ in updates]
+        ups = [u for _, u in updates]
+        parts = [self._parts_of(i, u) for i, u in updates]
+        if self.sba:
+            self._remember_bn(updates)
+        ref = self._reference(updates)
+        weights = [float(u.num_examples) if self.client_weights == "examples" else 1.0 for u in ups]
+        fused = fuse([u.state for u in ups], weights, plan=self.plan, parts=parts, ref=ref, method=self.align,
+                     reg=self.reg, max_iter=self.max_iter,
+                     banks=[self.bank.get(i) for i in ids] if self.sba and self.align != "none" else None,
+                     quality=self.quality and self.align == "sinkhorn", names=ids)
+        metrics = {**fused.metrics, **self._mask_sizes(parts), **self._bn_drift(ups, ref),
+                   "reference_client": float(ids[ref]), "sba_bank_bytes": float(self.bank_bytes())}
+        self.round += 1
+        return Aggregated(fused.state, metrics=metrics, per_client=fused.per_client)
+
+    # ------------------------------------------------------------------ pieces
+    def _parts_of(self, client: int, update) -> Dict[str, Dict[str, torch.Tensor]]:
+        if self.parts == "none":
+            return split_parts({k: update.state[k] for k in self.param_keys}, {}, mode="none")
+        p = update.payload
+        if "mask_close" not in p or "mask_open" not in p:
+            raise ValueError(f"client {client} sent no masks, but parts={self.parts} needs them: train with the proser "
+                             "trainer and importance dpi or gradient (or set parts=none)")
+        close = {k: p["mask_close"][k].float() for k in self.param_keys}
+        open_ = {k: p["mask_open"][k].float() for k in self.param_keys}
+        return split_parts(close, open_, mode=self.parts)
+
+    def _reference(self, updates: Updates) -> int:
+        if self.reference == "first":
+            return min(range(len(updates)), key=lambda j: updates[j][0])
+        return max(range(len(updates)), key=lambda j: (updates[j][1].num_examples, -updates[j][0]))
+
+    def _remember_bn(self, updates: Updates) -> None:
+        for i, u in updates:
+            entry = self.bank.get(i, {"rounds": torch.zeros(0, dtype=torch.long)})
+            rounds = torch.cat([entry["rounds"], torch.tensor([self.round])])[-self.sba_window:]
+            new = {"rounds": rounds}
+            for name, key in self.bn_layers.items():
+                row = u.state[key].detach().float()[None]
+                old = entry.get(name, torch.zeros(0, row.shape[1]))
+                new[name] = torch.cat([old, row])[-self.sba_window:]
+            self.bank[i] = new
+
+    def bank_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for b in self.bank.values() for t in b.values())
+
+    @staticmethod
+    def _mask_sizes(parts: List[Dict[str, Dict[str, torch.Tensor]]]) -> Dict[str, float]:
+        """Mean mask mass of each part: the share of the parameters it holds, averaged over clients."""
+        out: Dict[str, List[float]] = {}
+        for cut in parts:
+            for name, masks in cut.items():
+                mass = sum(float(m.sum()) for m in masks.values())
+                size = sum(m.numel() for m in masks.values())
+                out.setdefault(name, []).append(mass / max(size, 1))
+        return {f"mask.{name}": sum(v) / len(v) for name, v in out.items()}
+
+    def _bn_drift(self, ups, ref: int) -> Dict[str, float]:
+        """RMS distance of each client's BatchNorm running means from the reference's, averaged over layers."""
+        if not self.bn_layers or len(ups) < 2:
+            return {}
+        vals = []
+        for name, key in self.bn_layers.items():
+            r = ups[ref].state[key].float()
+            vals += [float((u.state[key].float() - r).pow(2).mean().sqrt()) for j, u in enumerate(ups) if j != ref]
+        return {"bn_drift": sum(vals) / len(vals)}
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"round": self.round, "bank": {str(i): dict(b) for i, b in self.bank.items()}}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.round = int(state["round"])
+        self.bank = {int(i): dict(b) for i, b in state["bank"].items()}
+
+
+def layer_plan_or_empty(model: torch.nn.Module):
+    """Without alignment or SBA no plan is needed; any model may be averaged part by part."""
+    try:
+        return layer_plan(model)
+    except ValueError:
+        return []

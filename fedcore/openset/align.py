@@ -1,0 +1,290 @@
+"""Layer-wise optimal-transport alignment of feed-forward networks: FedPD++'s GDCA and SBA (§4.3).
+
+Hidden units are interchangeable: two clients may learn the same filter at different indices,
+and averaging them index by index mixes unrelated units. Alignment matches client A's units to
+a reference client B's, layer by layer, and reorders A before averaging:
+
+1. the previous layer's transport reorders this layer's *inputs* (Eq. 17);
+2. the transport between A's and B's output units is found on their (input-aligned) weights:
+   the ground cost is the Euclidean distance between unit weight vectors, the marginals are
+   uniform, and the coupling comes from entropic OT (POT's Sinkhorn, log domain) or from an
+   exact assignment (scipy's Hungarian ``linear_sum_assignment``);
+3. A's units are reordered with it (Eq. 18), together with their bias and BatchNorm vectors.
+
+A transport ``P`` is ``n x n`` with rows for A's units and columns for B's, scaled so that a
+perfect match is a permutation matrix (Sinkhorn's is doubly stochastic, a soft permutation).
+Reordered weights are ``P^T W``; the next layer's inputs become ``W P``. The classifier's
+outputs are classes and are never reordered.
+
+Only networks whose forward pass runs their layers in registration order, without skips, can be
+aligned this way (a residual connection ties two layers to one order). Such models say so with
+``sequential = True``; :func:`layer_plan` refuses any other, naming the fix.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import nn
+
+State = Dict[str, torch.Tensor]
+Masks = Mapping[str, torch.Tensor]
+
+ALIGN_METHODS = ("sinkhorn", "hungarian", "none")
+_PASS_THROUGH = (nn.ReLU, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.Flatten, nn.Dropout, nn.Identity)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One alignable layer: its state keys, its width and how its inputs follow the previous layer.
+
+    ``spatial`` is the number of input positions per previous unit (a linear layer after a
+    flattened ``C x 4 x 4`` map has ``spatial = 16``); ``last`` marks the classifier.
+    """
+
+    name: str
+    weight: str
+    bias: Optional[str]
+    bn: Tuple[str, ...]  # BatchNorm vectors that follow this layer's units (weight, bias, running stats)
+    out: int
+    spatial: int
+    last: bool
+
+    @property
+    def keys(self) -> Tuple[str, ...]:
+        return (self.weight,) + ((self.bias,) if self.bias else ()) + self.bn
+
+
+def layer_plan(model: nn.Module) -> List[Layer]:
+    """The alignable layers of ``model`` in forward order; refuses models alignment cannot follow."""
+    if not getattr(model, "sequential", False):
+        raise ValueError(f"{type(model).__name__} cannot be aligned: optimal-transport alignment reorders each layer's "
+                         "units and the next layer's inputs, which needs a network whose layers run in order with no "
+                         "skip connections (a residual block ties two layers to one order). Use a plain CNN "
+                         "(lenet or cnn) or set align=none")
+    raw: List[dict] = []
+    for name, mod in model.named_modules():
+        if list(mod.children()):
+            if not isinstance(mod, nn.Sequential) and mod is not model:
+                raise ValueError(f"{type(model).__name__}.{name} ({type(mod).__name__}) is a compound block that "
+                                 "alignment cannot follow; use align=none")
+            continue
+        if isinstance(mod, (nn.Conv2d, nn.Linear)):
+            if isinstance(mod, nn.Conv2d) and mod.groups != 1:
+                raise ValueError(f"{name}: grouped convolutions cannot be aligned unit by unit; use align=none")
+            raw.append({"name": name, "mod": mod, "bn": ()})
+        elif isinstance(mod, (nn.BatchNorm1d, nn.BatchNorm2d)):
+            if not raw:
+                raise ValueError(f"{name}: a BatchNorm before any layer cannot be aligned; use align=none")
+            raw[-1]["bn"] = tuple(f"{name}.{k}" for k in ("weight", "bias", "running_mean", "running_var")
+                                  if getattr(mod, k, None) is not None)
+        elif not isinstance(mod, _PASS_THROUGH):
+            raise ValueError(f"{name} ({type(mod).__name__}) is a layer alignment cannot reorder; use align=none")
+    plan: List[Layer] = []
+    prev_out = None
+    for j, r in enumerate(raw):
+        mod = r["mod"]
+        width_in = mod.in_channels if isinstance(mod, nn.Conv2d) else mod.in_features
+        width_out = mod.out_channels if isinstance(mod, nn.Conv2d) else mod.out_features
+        spatial = 1
+        if prev_out is not None:
+            if isinstance(mod, nn.Linear) and width_in % prev_out == 0:
+                spatial = width_in // prev_out
+            elif width_in != prev_out:
+                raise ValueError(f"{r['name']} takes {width_in} inputs but the previous layer gives {prev_out} units: "
+                                 "the transport of one cannot reorder the other; use align=none")
+        plan.append(Layer(name=r["name"], weight=f"{r['name']}.weight",
+                          bias=f"{r['name']}.bias" if mod.bias is not None else None, bn=r["bn"], out=width_out,
+                          spatial=spatial, last=j == len(raw) - 1))
+        prev_out = width_out
+    return plan
+
+
+# ------------------------------------------------------------------------------------------ transports
+@dataclass
+class Transport:
+    """One layer's coupling and what it cost: ``P`` (rows: A's units, columns: B's)."""
+
+    P: torch.Tensor
+    cost: float        # mean ground distance moved per unit, Σ P·C / n
+    entropy: float     # mean row entropy of P over log n: 0 for a permutation, 1 for uniform
+    converged: bool = True
+
+
+def unit_matrix(state: Mapping[str, torch.Tensor], layer: Layer, prev: Optional[torch.Tensor],
+                mask: Optional[Masks] = None) -> torch.Tensor:
+    """(out, features) rows describing each unit: its input-aligned weights, bias and BN affine."""
+    cols = [align_inputs(_masked(state, layer.weight, mask), prev, layer).reshape(layer.out, -1)]
+    for key in ((layer.bias,) if layer.bias else ()) + tuple(k for k in layer.bn if k.endswith(("weight", "bias"))):
+        cols.append(_masked(state, key, mask).reshape(layer.out, 1))
+    return torch.cat(cols, 1).double()
+
+
+def _masked(state, key, mask):
+    t = state[key]
+    return t if mask is None else t * mask[key].to(t.dtype)
+
+
+def align_inputs(w: torch.Tensor, prev: Optional[torch.Tensor], layer: Layer) -> torch.Tensor:
+    """Reorder a weight's input axis by the previous layer's transport ``prev`` (Eq. 17)."""
+    if prev is None:
+        return w
+    P = prev.to(w.dtype)
+    if w.dim() == 4:  # conv (out, in, k, k)
+        return torch.einsum("oikl,ij->ojkl", w, P)
+    out, width = w.shape
+    grouped = w.reshape(out, width // layer.spatial, layer.spatial)  # flatten order: channel-major
+    return torch.einsum("ois,ij->ojs", grouped, P).reshape(out, width)
+
+
+def transport(a: torch.Tensor, b: torch.Tensor, *, method: str = "sinkhorn", reg: float = 0.05,
+              max_iter: int = 200, where: str = "") -> Transport:
+    """The coupling of A's units (rows of ``a``) to B's (rows of ``b``).
+
+    The ground cost is divided by its mean, so ``reg`` is relative to a typical distance between
+    two units and means the same on every layer (a maximum would let one outlying unit set it). Sinkhorn runs in the log domain; if it returns non-finite values the layer keeps
+    its order (identity) with a warning, never silent NaNs.
+    """
+    if method not in ALIGN_METHODS or method == "none":
+        raise ValueError(f"unknown alignment {method!r}; use one of sinkhorn, hungarian (or none to skip alignment)")
+    n = a.shape[0]
+    if b.shape[0] != n:
+        raise ValueError(f"{where}: {n} units against {b.shape[0]}: alignment needs the same architecture everywhere")
+    C = torch.cdist(a.double(), b.double())
+    scale = float(C.mean())
+    Cn = C / scale if scale > 0 else C
+    if method == "hungarian":
+        from scipy.optimize import linear_sum_assignment
+
+        rows, cols = linear_sum_assignment(Cn.numpy())
+        P = torch.zeros(n, n, dtype=torch.float64)
+        P[rows, cols] = 1.0
+        converged = True
+    else:
+        import ot
+
+        if reg <= 0:
+            raise ValueError(f"Sinkhorn needs reg > 0, got {reg}; try 0.05 (the cost is scaled to mean 1)")
+        u = np.full(n, 1.0 / n)
+        T, log = ot.sinkhorn(u, u, Cn.numpy(), reg, method="sinkhorn_log", numItermax=max_iter, stopThr=1e-6,
+                             log=True, warn=False)
+        err = float(log["err"][-1]) if log.get("err") else float("nan")
+        P = torch.as_tensor(T * n)
+        if not bool(torch.isfinite(P).all()):
+            warnings.warn(f"{where}: Sinkhorn returned non-finite values; this layer keeps its order. Increase reg "
+                          f"(now {reg}) or use align=hungarian", RuntimeWarning, stacklevel=3)
+            P, converged = torch.eye(n, dtype=torch.float64), False
+        else:
+            converged = err <= 1e-3
+            if not converged:
+                warnings.warn(f"{where}: Sinkhorn did not converge in {max_iter} iterations (marginal error {err:.2g}); "
+                              f"increase max_iter or reg (now {reg}), or use align=hungarian", RuntimeWarning,
+                              stacklevel=3)
+    return Transport(P=P, cost=float((P * C).sum()) / n, entropy=row_entropy(P), converged=converged)
+
+
+def row_entropy(P: torch.Tensor) -> float:
+    """Mean entropy of the rows of P (normalised to sum 1), divided by log n: 0 = permutation, 1 = uniform."""
+    n = P.shape[0]
+    if n < 2:
+        return 0.0
+    rows = P / P.sum(1, keepdim=True).clamp_min(1e-300)
+    h = -(rows * torch.log(rows.clamp_min(1e-300))).sum(1)
+    return float(h.mean()) / math.log(n)
+
+
+# ------------------------------------------------------------------------------------------ chains
+@dataclass
+class Chain:
+    """The transports of every layer of one client against the reference (None: the layer keeps its order)."""
+
+    P: List[Optional[torch.Tensor]]
+    costs: List[float] = field(default_factory=list)
+    entropies: List[float] = field(default_factory=list)
+    quality: List[float] = field(default_factory=list)  # Hungarian's cost / this cost, per layer
+
+
+def align_chain(state: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor], plan: Sequence[Layer], *,
+                method: str = "sinkhorn", reg: float = 0.05, max_iter: int = 200, mask: Optional[Masks] = None,
+                ref_mask: Optional[Masks] = None, pre: Optional[Mapping[str, torch.Tensor]] = None,
+                quality: bool = False, where: str = "") -> Chain:
+    """Transports aligning ``state`` to ``ref`` layer by layer, each carried into the next layer's inputs.
+
+    ``mask``/``ref_mask`` restrict the cost to a part of each model (FedPD++'s close/open/share
+    parts). ``pre`` maps a layer name to a transport applied first (SBA's BatchNorm-bank
+    transport, :func:`bank_transport`): the weights are refined by it and the layer's transport
+    is its product with the one found on the refined weights.
+    """
+    chain = Chain(P=[])
+    prev: Optional[torch.Tensor] = None
+    for layer in plan:
+        if layer.last:
+            chain.P.append(None)
+            break
+        a = unit_matrix(state, layer, prev, mask)
+        b = unit_matrix(ref, layer, None, ref_mask)
+        first = pre.get(layer.name) if pre else None
+        if first is not None:
+            a = first.t() @ a
+        t = transport(a, b, method=method, reg=reg, max_iter=max_iter, where=f"{where} {layer.name}".strip())
+        P = t.P if first is None else first @ t.P
+        if quality:
+            chain.quality.append(alignment_quality(a, b, t.cost))
+        chain.P.append(P)
+        chain.costs.append(t.cost)
+        chain.entropies.append(t.entropy if first is None else row_entropy(P))
+        prev = P
+    return chain
+
+
+def alignment_quality(a: torch.Tensor, b: torch.Tensor, cost: float) -> float:
+    """The exact assignment's cost over this transport's (<= 1; 1 = as good as Hungarian).
+
+    The paper's "Sinkhorn reaches 98% of Hungarian's quality" is read as this ratio of costs.
+    """
+    exact = transport(a, b, method="hungarian").cost
+    return 1.0 if cost <= 0 else min(exact / cost, 1.0)
+
+
+def apply_chain(tensors: Mapping[str, torch.Tensor], plan: Sequence[Layer], chain: Chain) -> State:
+    """``tensors`` (weights, or masks: anything keyed like the state) reordered by ``chain``.
+
+    Keys outside the plan (``num_batches_tracked``) pass through unchanged.
+    """
+    out = dict(tensors)
+    prev: Optional[torch.Tensor] = None
+    for layer, P in zip(plan, chain.P):
+        if layer.weight not in tensors:
+            prev = P
+            continue
+        w = align_inputs(tensors[layer.weight], prev, layer)
+        if P is not None:
+            Pt = P.to(w.dtype).t()
+            w = (Pt @ w.reshape(layer.out, -1)).reshape(w.shape)
+            for key in ((layer.bias,) if layer.bias else ()) + layer.bn:
+                if key in tensors:
+                    out[key] = Pt @ tensors[key]
+        out[layer.weight] = w
+        prev = P
+    return out
+
+
+def identity_chain(plan: Sequence[Layer]) -> Chain:
+    return Chain(P=[None] * len(plan))
+
+
+# ------------------------------------------------------------------------------------------ SBA
+def bank_transport(bank: torch.Tensor, ref_bank: torch.Tensor, *, where: str = "") -> torch.Tensor:
+    """SBA's first step: match channels by their BatchNorm statistics over the rounds both clients kept.
+
+    ``bank`` and ``ref_bank`` are ``(rounds, C)`` running means; each channel is described by its
+    history (a column). The match is an exact assignment, a permutation, whatever the weights'
+    method: the weights' transport is found *after* it (on the reordered layer), and a blurred
+    first step could not be undone there, while a wrong permutation can.
+    """
+    return transport(bank.double().t(), ref_bank.double().t(), method="hungarian", where=f"{where} (BN bank)".strip()).P

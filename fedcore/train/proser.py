@@ -1,0 +1,130 @@
+"""PROSER open-set training (Zhou et al. 2021), with FedPD++'s importance scores and masks (§4.1–4.2).
+
+The model has one more output than there are known classes: the last logit is the dummy
+("unknown") class. Each batch is split in halves, as in the PROSER authors' code:
+
+* the second half trains the known classes, ``L_close = CE(f(x), y)``, and the classifier
+  placeholder, ``β · CE(f(x) \\ y, K+1)``: with the true class masked out, the dummy must be
+  the runner-up;
+* the first half trains the data placeholder: features at the model's middle layer are mixed,
+  ``λ φ_pre(x_i) + (1 − λ) φ_pre(x_j)`` with λ ~ Beta(α, α), over pairs of *different* classes
+  (the FedPD++ paper's condition; same-class pairs are dropped), and the mixture is labelled
+  as the dummy class, weighted ``γ``.
+
+``L_open`` = β · placeholder + γ · mixture. Defaults are the PROSER authors' (β = 1, γ = 0.01,
+α = 1); the FedPD++ paper's two learning rates (10⁻² closed, 10⁻⁴ open) would be γ = β = 0.01.
+
+When ``importance`` is not ``none`` the trainer scores every parameter for each loss
+(:mod:`fedcore.openset.masks`): DPI sums ``|∇L · ω| · Δt`` over every local step (Δt = the
+learning rate), ``gradient`` keeps the last step only. The closed- and open-set gradients come
+from two backward passes, summed before the optimizer step, so the update is the same as one
+backward pass of the total loss. The masks go back to the server in the update's payload.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+from torch import nn
+
+from fedcore.models import mix_split
+from fedcore.openset.masks import MASK_MODES, SCORE_NORMS, delta_soft, masks_from_scores
+from fedcore.train.base import TRAINERS, LocalTrainer, State
+
+IMPORTANCE = ("dpi", "gradient", "none")
+
+
+@TRAINERS.register("proser")
+class ProserTrainer(LocalTrainer):
+    """Parameters: ``beta``, ``gamma``, ``mix_alpha`` (PROSER); ``importance``, ``mask``, ``score_norm``,
+    ``delta0``, ``delta_end``, ``mask_rounds`` (FedPD++'s masks; ``mask_rounds`` is T of δ's schedule)."""
+
+    def __init__(self, *, beta: float = 1.0, gamma: float = 0.01, mix_alpha: float = 1.0, importance: str = "none",
+                 mask: str = "soft", score_norm: str = "rank", delta0: float = 0.5, delta_end: float = 0.8,
+                 mask_rounds: int = 1, **kw) -> None:
+        super().__init__(**kw)
+        if beta < 0 or gamma < 0:
+            raise ValueError(f"PROSER loss weights must be >= 0, got beta={beta}, gamma={gamma}")
+        if mix_alpha <= 0:
+            raise ValueError(f"mix_alpha (the Beta distribution's parameter) must be > 0, got {mix_alpha}")
+        if importance not in IMPORTANCE:
+            raise ValueError(f"unknown importance {importance!r}; use one of {', '.join(IMPORTANCE)}")
+        if mask not in MASK_MODES or score_norm not in SCORE_NORMS:
+            raise ValueError(f"mask must be one of {', '.join(MASK_MODES)} and score_norm one of "
+                             f"{', '.join(SCORE_NORMS)}; got {mask!r}, {score_norm!r}")
+        if not 0 <= delta0 <= 1 or not 0 <= delta_end <= 1:
+            raise ValueError(f"the soft-mask thresholds are quantiles in [0, 1], got delta0={delta0}, "
+                             f"delta_end={delta_end}")
+        if mask_rounds < 1:
+            raise ValueError(f"mask_rounds (T of the threshold schedule) must be >= 1, got {mask_rounds}; "
+                             "set it to the number of rounds")
+        self.beta, self.gamma, self.mix_alpha = float(beta), float(gamma), float(mix_alpha)
+        self.importance, self.mask, self.score_norm = importance, mask, score_norm
+        self.delta0, self.delta_end, self.mask_rounds = float(delta0), float(delta_end), int(mask_rounds)
+
+    # ------------------------------------------------------------------ hooks
+    def begin(self, model: nn.Module, *, global_state: State, broadcast: Dict[str, Any],
+              client_state: Dict[str, Any]) -> None:
+        self._pre, self._post = mix_split(model)  # a model without a mixing layer fails here, before training
+        self._round = int(broadcast.get("round", 0))
+        self._params = dict(model.named_parameters())
+        self._scores = {"close": {k: torch.zeros_like(p) for k, p in self._params.items()},
+                        "open": {k: torch.zeros_like(p) for k, p in self._params.items()}}
+        self._g_close = None
+        self._gen = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, (1,))))
+
+    def losses(self, model: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(L_close, L_open)`` of one batch (see the module docstring)."""
+        half = len(xb) // 2
+        xm, ym, xr, yr = xb[:half], yb[:half], xb[half:], yb[half:]
+        logits = model(xr)
+        dummy = logits.shape[1] - 1
+        l_close = nn.functional.cross_entropy(logits, yr)
+        masked = logits.scatter(1, yr[:, None], -1e9)  # the true class removed: the dummy must come second
+        l_open = self.beta * nn.functional.cross_entropy(masked, torch.full_like(yr, dummy))
+        if half >= 2 and self.gamma > 0:
+            perm = torch.randperm(half, generator=self._gen).to(xb.device)
+            keep = ym != ym[perm]
+            if bool(keep.any()):
+                lam = float(torch.distributions.Beta(self.mix_alpha, self.mix_alpha).sample())
+                h = self._pre(xm[keep])
+                mixed = lam * h + (1 - lam) * self._pre(xm[perm][keep])
+                out = self._post(mixed)
+                l_open = l_open + self.gamma * nn.functional.cross_entropy(out, torch.full_like(ym[keep], dummy))
+        return l_close, l_open
+
+    def loss(self, model: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        l_close, l_open = self.losses(model, xb, yb)
+        if self.importance == "none":
+            return l_close + l_open
+        names = list(self._params)
+        grads = torch.autograd.grad(l_close, [self._params[k] for k in names], retain_graph=True, allow_unused=True)
+        self._g_close = {k: (torch.zeros_like(self._params[k]) if g is None else g) for k, g in zip(names, grads)}
+        return l_open + l_close.detach()  # backward of this gives the open-set gradient only; its value is the total
+
+    def after_backward(self, model: nn.Module) -> None:
+        if self.importance == "none":
+            return
+        dt = self.lr
+        for k, p in self._params.items():
+            g_open = torch.zeros_like(p) if p.grad is None else p.grad.detach()
+            g_close = self._g_close[k]
+            w = p.detach()
+            if self.importance == "dpi":
+                self._scores["close"][k].add_((g_close * w).abs(), alpha=dt)
+                self._scores["open"][k].add_((g_open * w).abs(), alpha=dt)
+            else:  # the last step's |∇L · ω| only (Eq. 7–8)
+                self._scores["close"][k] = (g_close * w).abs()
+                self._scores["open"][k] = (g_open * w).abs()
+            p.grad = g_open + g_close
+
+    def finish(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: int):
+        if self.importance == "none":
+            return {}, {}
+        delta = delta_soft(self._round, self.mask_rounds, delta0=self.delta0, delta_end=self.delta_end)
+        masks = {part: {k: m.cpu().half() for k, m in
+                        masks_from_scores(self._scores[part], mode=self.mask, delta=delta,
+                                          norm=self.score_norm).items()}
+                 for part in ("close", "open")}
+        return {}, {"mask_close": masks["close"], "mask_open": masks["open"], "delta": delta}
