@@ -1,13 +1,15 @@
-"""Open-set metrics (AUROC, OSCR, MSP and PROSER scores)."""
+"""Open-set metrics (AUROC, OSCR, MSP and PROSER scores) and the OpenMax scorer."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from scipy.stats import weibull_min
 from sklearn.metrics import roc_auc_score
 
-from fedcore.openset import auroc, msp_score, open_set_metrics, oscr, proser_predict, proser_score
+from fedcore.openset import OpenMax, auroc, msp_score, open_set_metrics, oscr, proser_predict, proser_score
+from fedcore.openset.openmax import pairwise_distance
 
 
 def oscr_by_pairs(sk, correct, su) -> float:
@@ -174,3 +176,120 @@ def test_open_set_metrics_on_the_hand_case():
     assert got["oscr"] == pytest.approx(0.5)
     with pytest.raises(ValueError, match="same known samples"):
         open_set_metrics([0, 1], [0, 1, 1], [0.1, 0.3, 0.5], [0.2])
+
+
+# ---------------------------------------------------------------------------------------------
+# OpenMax
+# ---------------------------------------------------------------------------------------------
+
+C = 4
+
+
+def clusters(n_per_class: int, seed: int):
+    """Well-separated Gaussian 'logits': class k at 8 * e_k with unit noise."""
+    rng = np.random.default_rng(seed)
+    y = np.repeat(np.arange(C), n_per_class)
+    return 8.0 * np.eye(C)[y] + rng.normal(size=(len(y), C)), y
+
+
+@pytest.fixture(scope="module")
+def train():
+    return clusters(60, seed=0)
+
+
+@pytest.mark.parametrize("distance", ["eucos", "euclidean"])
+def test_openmax_far_samples_are_more_unknown_than_samples_at_a_mav(train, distance):
+    # Prepare
+    z, y = train
+    om = OpenMax(tail_size=20, distance=distance).fit(z, y)
+    at_mav = om.mav_
+    far = np.array([[8.0, 8.0, 8.0, 8.0], [-6.0, 9.0, 9.0, -6.0], [4.0, 12.0, 12.0, 4.0], [15.0, 15.0, -9.0, 3.0]])
+    test_z, _ = clusters(30, seed=1)
+    # Execute
+    s_mav, s_far = om.score(at_mav), om.score(far)
+    # Assert
+    assert s_far.min() > s_mav.max()
+    assert s_mav.max() < 0.01 and s_far.min() > 0.4
+    assert auroc(om.score(test_z), s_far) == 1.0
+    np.testing.assert_array_equal(om.predict(at_mav), np.arange(C))
+
+
+def test_openmax_probabilities_sum_to_one_and_follow_the_revision_formula(train):
+    z, y = train
+    om = OpenMax(tail_size=10, alpha=2).fit(z, y)
+    q = np.array([[5.0, 4.0, 1.0, 0.0]])
+    proba = om.predict_proba(q)
+    # by hand: the top two classes (0, 1) get alpha weights 1 and 1/2, the others 0
+    w = om.weibull_cdf(pairwise_distance(q, om.mav_, distance="eucos"))[0]
+    removed = np.array([5.0 * w[0] * 1.0, 4.0 * w[1] * 0.5, 0.0, 0.0])
+    logits = np.r_[q[0] - removed, removed.sum()]
+    want = np.exp(logits) / np.exp(logits).sum()
+    np.testing.assert_allclose(proba[0], want, rtol=1e-12)
+    assert proba.shape == (1, C + 1) and proba.sum() == pytest.approx(1.0)
+
+
+def test_openmax_weibull_is_fitted_to_the_largest_distances(train):
+    # Prepare: the documented fit, recomputed for class 2 by hand
+    z, y = train
+    om = OpenMax(tail_size=15).fit(z, y)
+    rows = (y == 2) & (z.argmax(1) == 2)
+    mav = z[rows].mean(0)
+    d = np.linalg.norm(z[rows] - mav, axis=1) / 200 + 1 - z[rows] @ mav / (np.linalg.norm(z[rows], axis=1)
+                                                                         * np.linalg.norm(mav))
+    shape, loc, scale = weibull_min.fit(np.sort(d)[-15:], floc=0)
+    # Assert
+    np.testing.assert_allclose(om.mav_[2], mav, rtol=1e-12)
+    assert (om.shape_[2], om.scale_[2]) == pytest.approx((shape, scale), rel=1e-9)
+
+
+def test_openmax_weibull_weights_are_in_0_1_and_monotone_in_distance(train):
+    z, y = train
+    om = OpenMax().fit(z, y)
+    grid = np.linspace(0.0, 5.0 * om.scale_.max(), 400)
+    w = om.weibull_cdf(np.repeat(grid[:, None], C, axis=1))
+    assert ((w >= 0) & (w <= 1)).all()
+    assert (np.diff(w, axis=0) >= 0).all()
+    np.testing.assert_array_equal(w[0], 0.0)
+    assert (w[-1] > 0.999).all()
+
+
+def test_openmax_is_deterministic(train):
+    z, y = train
+    test_z, _ = clusters(20, seed=2)
+    a = OpenMax().fit(z, y).score(test_z)
+    om = OpenMax().fit(torch.from_numpy(z), torch.from_numpy(y))
+    np.testing.assert_array_equal(a, om.score(test_z))
+    np.testing.assert_array_equal(a, om.score(torch.from_numpy(test_z)))
+    np.testing.assert_array_equal(om.predict(test_z), om.predict(test_z))
+
+
+def test_openmax_class_without_a_correct_sample_names_the_class_and_fix(train):
+    z, y = train
+    z = z.copy()
+    z[y == 2, 0] += 20.0  # every class-2 sample is now predicted as class 0
+    with pytest.raises(ValueError, match=r"class 2 has no correctly classified.*train the model longer.*MSP"):
+        OpenMax().fit(z, y)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"tail_size": 1}, "tail_size must be an int >= 2"),
+    ({"alpha": 0}, "alpha must be an int >= 1 or None"),
+    ({"distance": "cosine"}, "valid names are: eucos, euclidean"),
+])
+def test_openmax_bad_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        OpenMax(**kwargs)
+
+
+def test_openmax_inconsistent_use(train):
+    z, y = train
+    with pytest.raises(TypeError):
+        OpenMax(20)  # settings are keyword-only
+    with pytest.raises(RuntimeError, match=r"call fit\(train_logits, train_y\) first"):
+        OpenMax().score(z)
+    with pytest.raises(ValueError, match="alpha=5 exceeds the 4 classes"):
+        OpenMax(alpha=5).fit(z, y)
+    with pytest.raises(ValueError, match="fitted on 4 classes"):
+        OpenMax().fit(z, y).score(z[:, :3])
+    with pytest.raises(ValueError, match="fewer than 2 distinct nonzero distances"):
+        OpenMax().fit(np.eye(2)[[0, 1, 1]] * 5, np.array([0, 1, 1]))
