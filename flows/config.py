@@ -51,6 +51,9 @@ def to_dict(cfg: DictConfig) -> Dict[str, Any]:
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
 
 
+ROUND_SYSTEMS = ("fedpad", "fedpd")  # the round-based systems composed under their own keys
+
+
 def validate(cfg: DictConfig) -> None:
     """Reject impossible values with a message that says what would be valid."""
     d = cfg.data
@@ -66,8 +69,9 @@ def validate(cfg: DictConfig) -> None:
         raise ValueError(f"data.severity must be in 1..5, got {d.severity}")
     pretrain_config(cfg)
     arrival_config(cfg)  # checks method, aggregator, lr, gamma, beta, passes, privacy
-    if "fedpad" in cfg:
-        validate_rounds(cfg, "fedpad")
+    for system in ROUND_SYSTEMS:
+        if system in cfg:
+            validate_rounds(cfg, system)
     forms = list(cfg.sweep.get("privacy", None) or []) if "sweep" in cfg else []
     forms += list(cfg.private.privacy) if "private" in cfg else []
     for form in forms:  # a bad sweep form fails here, before any stage starts work
@@ -187,6 +191,20 @@ def single_round_config(cfg: DictConfig, system: str) -> RoundConfig:
                        participation=float(g.participation), seed=int(cfg.seed), device=str(cfg.device))
 
 
+def is_openset(cfg: DictConfig, system: str, grid_name: str | None = None) -> bool:
+    """An open-set grid names its known classes (``known``); its methods are judged by AUROC and OSCR."""
+    return "known" in grid(cfg, system, grid_name)
+
+
+def method_scores(cfg: DictConfig, system: str, method: str | None, trainer: str) -> List[str]:
+    """The unknown scores a method is judged by: its ``scores`` setting, else by its trainer (proser or msp)."""
+    if method is not None:
+        scores = cfg[system].methods[method].get("scores")
+        if scores is not None:
+            return [str(s) for s in scores]
+    return ["proser"] if trainer == "proser" else ["msp"]
+
+
 def grid_model_spec(cfg: DictConfig, system: str, grid_name: str | None = None, *, num_classes: int) -> ModelSpec:
     g = grid(cfg, system, grid_name)
     return ModelSpec(name=str(g.model), in_channels=3, num_classes=int(num_classes), norm=str(cfg.model.norm))
@@ -203,7 +221,11 @@ def validate_rounds(cfg: DictConfig, system: str) -> None:
             raise ValueError(f"{system} grid {name!r}: clients_per_domain {counts} must be >= 0 with at least "
                              "one client")
         for method in g.methods:
-            round_config(cfg, system, method=str(method), seed=0, grid_name=str(name))
+            rc = round_config(cfg, system, method=str(method), seed=0, grid_name=str(name))
+            if "known" in g:
+                from fedcore.openset.evaluate import check_scores
+
+                check_scores(method_scores(cfg, system, str(method), rc.trainer), dummy=rc.trainer == "proser")
 
 
 def domains_dir(cfg: DictConfig, system: str, grid_name: str | None = None) -> Path:

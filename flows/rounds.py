@@ -23,11 +23,11 @@ from prefect import flow, get_run_logger
 from prefect.futures import as_completed
 
 from fedcore.engine import RoundConfig, RoundsResult, run_rounds
-from fedcore.evaluate.plots import plot_methods, plot_rounds
+from fedcore.evaluate.plots import plot_methods, plot_openset_rounds, plot_rounds
 from fedcore.evaluate.stats import friedman_p, friedman_ranks, wilcoxon_against
 from flows import config as C
 from flows import runtime, tracking
-from flows.tasks import load_domain_partition, round_data, run_round_cell_task, train_client_ray_task
+from flows.tasks import load_domain_partition, round_inputs, run_round_cell_task, train_client_ray_task
 
 
 def _runner(cfg: DictConfig):
@@ -56,10 +56,17 @@ def _start_cell_run(cfg: DictConfig, system: str, grid_name: str, method: str, r
     return run
 
 
-def _cell_outputs(res: RoundsResult, part, out: Path, title: str) -> List[Path]:
+def _cell_outputs(res: RoundsResult, part, out: Path, title: str, score: str | None = None) -> List[Path]:
+    """rounds.json and rounds.png of one run; ``score`` (open-set runs) picks the AUROC plotted."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "rounds.json").write_text(json.dumps(res.records, indent=0, allow_nan=True) + "\n")
-    return [plot_rounds(res.records, list(part.domains), out, title=title), out / "rounds.json"]
+    plot = (plot_rounds(res.records, list(part.domains), out, title=title) if score is None else
+            plot_openset_rounds(res.records, list(part.domains), out, score=score, title=title))
+    return [plot, out / "rounds.json"]
+
+
+def _headline_score(cfg: DictConfig, system: str, grid_name: str, method: str | None, trainer: str) -> str | None:
+    return C.method_scores(cfg, system, method, trainer)[0] if C.is_openset(cfg, system, grid_name) else None
 
 
 def grid(cfg: DictConfig, system: str = "fedpad", grid_name: str | None = None) -> List[Dict[str, Any]]:
@@ -91,11 +98,13 @@ def grid(cfg: DictConfig, system: str = "fedpad", grid_name: str | None = None) 
                 mlflow.log_metrics(res.summary)
                 mlflow.log_metric("run_seconds", cell["seconds"])
                 paths = _cell_outputs(res, part, results_dir(cfg, system, name) / "cells" / f"{m}-s{s}",
-                                      title=f"{system} {name}: {m} (seed {s})")
+                                      title=f"{system} {name}: {m} (seed {s})",
+                                      score=_headline_score(cfg, system, name, m, configs[(m, s)].trainer))
                 tracking.log_files(paths, artifact_path="plots")
             sm = res.summary
-            logger.info("[%d/%d] %s seed %d: avg %.3f, worst %.3f (%.0fs)", i, len(cells), m, s,
-                        sm["final_avg_acc"], sm["final_worst_acc"], cell["seconds"])
+            opened = f", AUROC {sm['final_auroc']:.3f}" if "final_auroc" in sm else ""
+            logger.info("[%d/%d] %s seed %d: avg %.3f, worst %.3f%s (%.0fs)", i, len(cells), m, s,
+                        sm["final_avg_acc"], sm["final_worst_acc"], opened, cell["seconds"])
             rows.append({"method": m, "seed": s, "summary": sm, "seconds": cell["seconds"]})
         order = {c: i for i, c in enumerate(cells)}
         return sorted(rows, key=lambda r: order[(r["method"], r["seed"])])
@@ -104,8 +113,15 @@ def grid(cfg: DictConfig, system: str = "fedpad", grid_name: str | None = None) 
         rows = grid_flow()
     finally:
         runtime.shutdown_ray()
-    write_grid_report(rows, domains=list(part.domains), out=results_dir(cfg, system, name),
-                      title=f"{system} {name}", target=system if system in g.methods else None)
+    out = results_dir(cfg, system, name)
+    if C.is_openset(cfg, system, name):
+        scores = {m: C.method_scores(cfg, system, m, configs[(m, g.seeds[0])].trainer) for m in g.methods}
+        target = cfg[system].get("target")
+        write_openset_report(rows, domains=list(part.domains), out=out, title=f"{system} {name}", scores=scores,
+                             target=str(target) if target in g.methods else None)
+    else:
+        write_grid_report(rows, domains=list(part.domains), out=out, title=f"{system} {name}",
+                          target=system if system in g.methods else None)
     return rows
 
 
@@ -151,10 +167,64 @@ def write_grid_report(rows: List[Dict[str, Any]], *, domains: List[str], out: Pa
     return table
 
 
-def stats_report(scores: Dict[str, List[float]], target: str) -> str:
-    """Wilcoxon (target vs each other method, paired by block) and Friedman average ranks on worst-domain accuracy."""
+def write_openset_report(rows: List[Dict[str, Any]], *, domains: List[str], out: Path, title: str,
+                         scores: Dict[str, List[str]], target: str | None) -> str:
+    """table.md, summary.json, scores.json, stats.md and methods.png of an open-set grid.
+
+    A method scored several ways (FedAvg: MSP and OpenMax) gives one row per score,
+    ``<method>+<score>``. The paired tests use (seed × domain) blocks of AUROC.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    agg, per_block = [], {}
+    for m in methods:
+        rs = sorted((r for r in rows if r["method"] == m), key=lambda r: r["seed"])
+        for s in scores[m]:
+            name = m if len(scores[m]) == 1 else f"{m}+{s}"
+            col = {k: np.array([r["summary"][f"final_{k}"] for r in rs])
+                   for k in ("avg_acc", "worst_acc", f"auroc.{s}", f"oscr.{s}")}
+            agg.append({"method": name, "n": len(rs),
+                        "acc_mean": float(col["avg_acc"].mean()), "acc_std": float(col["avg_acc"].std()),
+                        "auroc_mean": float(col[f"auroc.{s}"].mean()), "auroc_std": float(col[f"auroc.{s}"].std()),
+                        "oscr_mean": float(col[f"oscr.{s}"].mean()), "oscr_std": float(col[f"oscr.{s}"].std()),
+                        "domains": {d: float(np.mean([r["summary"][f"final_auroc.{s}.{d}"] for r in rs]))
+                                    for d in domains},
+                        "agg_ms": 1000 * float(np.mean([r["summary"]["agg_seconds_mean"] for r in rs])),
+                        "mib_per_round": float(np.mean([r["summary"]["bytes_per_round"] for r in rs])) / 2 ** 20,
+                        "seconds": float(np.mean([r["seconds"] for r in rs]))})
+            per_block[name] = [r["summary"][f"final_auroc.{s}.{d}"] for r in rs for d in domains]
+    seeds = max(a["n"] for a in agg)
+    head = f"| method | closed acc | AUROC | OSCR | {' | '.join(domains)} | server agg ms | MiB/round | run s |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for a in agg:
+        lines.append(f"| {a['method']} | {a['acc_mean']:.3f} ± {a['acc_std']:.3f} | {a['auroc_mean']:.3f} ± "
+                     f"{a['auroc_std']:.3f} | {a['oscr_mean']:.3f} ± {a['oscr_std']:.3f} | "
+                     + " | ".join(f"{a['domains'][d]:.3f}" for d in domains)
+                     + f" | {a['agg_ms']:.0f} | {a['mib_per_round']:.2f} | {a['seconds']:.0f} |")
+    table = "\n".join(lines)
+    (out / "table.md").write_text(f"{title}: final-round closed-set accuracy, AUROC and OSCR (mean over domains), "
+                                  f"mean ± std over {seeds} seed(s); per-domain columns are AUROC\n\n" + table + "\n")
+    (out / "summary.json").write_text(json.dumps(
+        {a["method"]: {"closed_acc": a["acc_mean"], "auroc": a["auroc_mean"], "auroc_std": a["auroc_std"],
+                       "oscr": a["oscr_mean"], **{f"auroc.{d}": v for d, v in a["domains"].items()}}
+         for a in agg}, indent=1, sort_keys=True) + "\n")
+    (out / "scores.json").write_text(json.dumps({"auroc_by_seed_domain": per_block}, indent=1) + "\n")
+    plot_methods(agg, out / "methods.png", title=f"{title}: closed-set accuracy, AUROC and OSCR",
+                 bars=(("acc", "closed-set accuracy"), ("auroc", "AUROC"), ("oscr", "OSCR")), ylabel="score")
+    if target is not None and len(per_block) > 1 and len({len(v) for v in per_block.values()}) == 1:
+        (out / "stats.md").write_text(stats_report(per_block, target, label="AUROC",
+                                                   blocks="seed × domain") + "\n")
+    else:
+        (out / "stats.md").write_text("No paired test: this grid has no target method beside others with the same "
+                                      "seeds.\n")
+    return table
+
+
+def stats_report(scores: Dict[str, List[float]], target: str, *, label: str = "Worst-domain accuracy",
+                 blocks: str = "seed × setting") -> str:
+    """Wilcoxon (target vs each other method, paired by block) and Friedman average ranks on one metric."""
     n = len(scores[target])
-    lines = [f"Worst-domain accuracy, {target} against each method, paired over {n} blocks (seed × setting). "
+    lines = [f"{label}, {target} against each method, paired over {n} blocks ({blocks}). "
              f"Two-sided Wilcoxon signed-rank; with n = {n} the smallest possible p is {2 / 2 ** n:.3g}.", "",
              f"| vs | mean gap ({target} − other) | {target} wins | p |", "|---|---|---|---|"]
     for t in wilcoxon_against(scores, target):
@@ -171,8 +241,7 @@ def single(cfg: DictConfig, system: str = "fedpad") -> RoundsResult:
     name = str(cfg[system].grid)
     part = load_domain_partition(cfg, system, name)  # before any service starts
     rcfg = C.single_round_config(cfg, system)
-    spec = C.grid_model_spec(cfg, system, name, num_classes=part.num_classes)
-    data = round_data(part)
+    data, spec, evaluate = round_inputs(cfg, system, name, part, rcfg)
     label = f"{rcfg.trainer}+{rcfg.strategy}"
     ckpt = C.resolve_path(cfg.paths.checkpoints) / system / name / f"single-{label}-s{rcfg.seed}"
 
@@ -194,13 +263,15 @@ def single(cfg: DictConfig, system: str = "fedpad") -> RoundsResult:
 
         with _start_cell_run(cfg, system, name, label, rcfg, part):
             t0 = time.perf_counter()
-            res = run_rounds(data, spec, rcfg, submit=submit, checkpoint_dir=ckpt, resume=bool(cfg.flow.resume),
+            res = run_rounds(data, spec, rcfg, submit=submit, evaluate=evaluate, checkpoint_dir=ckpt,
+                             resume=bool(cfg.flow.resume),
                              stop_after=cfg.flow.stop_after, on_round=on_round, progress=bool(cfg.flow.progress),
                              desc=f"{label} rounds")
             mlflow.log_metrics(res.summary)
             mlflow.log_metric("run_seconds", time.perf_counter() - t0)
             paths = _cell_outputs(res, part, results_dir(cfg, system, name) / "single" / f"{label}-s{rcfg.seed}",
-                                  title=f"{system} {name}: {label}")
+                                  title=f"{system} {name}: {label}",
+                                  score=_headline_score(cfg, system, name, None, rcfg.trainer))
             tracking.log_files(paths + [ckpt / "server_state.pt", ckpt / "server_state.sha256"],
                                artifact_path="outputs")
         return res

@@ -8,6 +8,8 @@
     python -m flows.stages prepare_cifar   # likewise partition_cifar, pretrain_cifar, adapt_cifar: CIFAR-10-C
     python -m flows.stages partition_domains fedpad.grid=digits && python -m flows.stages fedpad fedpad.grid=digits
     python -m flows.stages rounds trainer=proto strategy=fedpad     # one FedPAD run, a task per client per round
+    python -m flows.stages partition_fedpd fedpd.grid=digits && python -m flows.stages fedpd fedpd.grid=digits
+    python -m flows.stages rounds_fedpd trainer=proser strategy=fedpd   # one FedPD++ run, a task per client per round
 
 With ``--params`` the stage reads the file DVC tracks; without it, conf/ is composed with the
 overrides. ``adapt`` is the sweep over ``sweep.*`` that writes results/ for DVC.
@@ -135,13 +137,13 @@ def _partition_domains(cfg, system: str = "fedpad") -> None:
     print(f"partition {system}@{name} ({g.set}, {g.size}px): {sizes} ({time.perf_counter() - t0:.1f}s) -> {out}")
 
 
-def _fedpad(cfg) -> None:
+def _grid(cfg, system: str) -> None:
     from flows.rounds import grid, results_dir
 
     t0 = time.perf_counter()
-    grid(cfg, "fedpad")
-    out = results_dir(cfg, "fedpad", str(cfg.fedpad.grid))
-    print(f"\nFedPAD grid {cfg.fedpad.grid} took {time.perf_counter() - t0:.0f}s\n")
+    grid(cfg, system)
+    out = results_dir(cfg, system, str(cfg[system].grid))
+    print(f"\n{system} grid {cfg[system].grid} took {time.perf_counter() - t0:.0f}s\n")
     print((out / "table.md").read_text())
     if (out / "stats.md").is_file():
         print((out / "stats.md").read_text())
@@ -167,10 +169,10 @@ def _fedpad_report(cfg) -> None:
     print(text)
 
 
-def _rounds(cfg) -> None:
+def _rounds(cfg, system: str = "fedpad") -> None:
     from flows.rounds import single
 
-    print(json.dumps(single(cfg, "fedpad").summary, indent=1))
+    print(json.dumps(single(cfg, system).summary, indent=1))
 
 
 def _pretrain_private(cfg) -> None:
@@ -186,7 +188,10 @@ def _on_cifar(stage):
     return lambda cfg: _pointing_at(names, lambda: stage(C.cifar_experiment(cfg)))
 
 
-STAGES = {"partition_domains": _partition_domains, "fedpad": _fedpad, "fedpad_report": _fedpad_report, "rounds": _rounds, "prepare": _prepare, "partition": _partition, "pretrain": _pretrain, "adapt": _adapt,
+STAGES = {"partition_domains": _partition_domains, "fedpad": lambda cfg: _grid(cfg, "fedpad"),
+          "fedpad_report": _fedpad_report, "rounds": _rounds,
+          "partition_fedpd": lambda cfg: _partition_domains(cfg, "fedpd"), "fedpd": lambda cfg: _grid(cfg, "fedpd"),
+          "rounds_fedpd": lambda cfg: _rounds(cfg, "fedpd"), "prepare": _prepare, "partition": _partition, "pretrain": _pretrain, "adapt": _adapt,
           "sweep": _adapt, "arrival": _arrival, "pretrain_private": _pretrain_private, "private": _private,
           "audit": lambda cfg: _pointing_at({"pretrain": "pretrain_private"}, lambda: _audit(cfg)),
           **{f"{name}_cifar": _on_cifar(fn) for name, fn in

@@ -95,10 +95,10 @@ def run_round_cell_task(cfg_dict: Dict[str, Any], system: str, grid_name: str, m
     cfg = OmegaConf.create(cfg_dict)
     rcfg = C.round_config(cfg, system, method=method, seed=seed, grid_name=grid_name)
     part = load_domain_partition(cfg, system, grid_name)
-    spec = C.grid_model_spec(cfg, system, grid_name, num_classes=part.num_classes)
+    data, spec, evaluate = round_inputs(cfg, system, grid_name, part, rcfg, method=method)
     ckpt = C.resolve_path(cfg.paths.checkpoints) / system / grid_name / f"{method}-s{seed}"
     t0 = time.perf_counter()
-    res = run_rounds(round_data(part), spec, rcfg, checkpoint_dir=ckpt, resume=bool(cfg.flow.resume),
+    res = run_rounds(data, spec, rcfg, evaluate=evaluate, checkpoint_dir=ckpt, resume=bool(cfg.flow.resume),
                      stop_after=cfg.flow.stop_after)
     return {"method": method, "seed": seed, "result": res, "seconds": time.perf_counter() - t0}
 
@@ -118,6 +118,41 @@ def load_domain_partition(cfg: DictConfig, system: str, grid_name: str | None = 
         raise FileNotFoundError(f"no {system} partition for grid {name!r} at {folder}. Build it with "
                                 f"`dvc repro partition_domains@{name}` (or `python -m flows.stages partition_domains "
                                 f"{system}.grid={name}`).") from None
+
+
+OPENMAX_FIT_CAP = 2000  # training samples OpenMax is fitted on, each round (a seeded subsample)
+
+
+def round_inputs(cfg: DictConfig, system: str, grid_name: str, part, rcfg, *, method: str | None = None):
+    """``(RoundData, ModelSpec, evaluate)`` for one run of a round-based grid.
+
+    A closed-set grid (FedPAD) trains on every class and is scored by accuracy (``evaluate`` is
+    None: the engine's default). An open-set grid (FedPD++, ``known`` set) trains on the known
+    classes only, gives a PROSER model one dummy output more, and scores AUROC and OSCR per domain.
+    """
+    if not C.is_openset(cfg, system, grid_name):
+        spec = C.grid_model_spec(cfg, system, grid_name, num_classes=part.num_classes)
+        return round_data(part), spec, None
+    from functools import partial
+
+    from fedcore.data.openset import make_split, openset_view
+    from fedcore.openset.evaluate import check_scores, openset_evaluate
+
+    g = C.grid(cfg, system, grid_name)
+    known = OmegaConf.to_object(g.known) if OmegaConf.is_config(g.known) else int(g.known)
+    split = make_split(part.num_classes, known=known, unknown=None if g.unknown is None else list(g.unknown))
+    view = openset_view(part, split)
+    dummy = rcfg.trainer == "proser"
+    scores = check_scores(C.method_scores(cfg, system, method, rcfg.trainer), dummy=dummy)
+    spec = C.grid_model_spec(cfg, system, grid_name, num_classes=view.num_known + int(dummy))
+    fit = None
+    if "openmax" in scores:
+        x, y = np.concatenate(view.rounds.client_x), np.concatenate(view.rounds.client_y)
+        keep = np.sort(np.random.default_rng(rcfg.seed).permutation(len(y))[:OPENMAX_FIT_CAP])
+        fit = (x[keep], y[keep])
+    evaluate = partial(openset_evaluate, spec=spec, known=view.rounds.eval_sets, unknown=view.unknown_test,
+                       scores=scores, fit=fit, device=rcfg.device)
+    return view.rounds, spec, evaluate
 
 
 def round_data(part) -> RoundData:

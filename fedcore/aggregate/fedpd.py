@@ -61,9 +61,6 @@ class FedPD(Strategy):
         self.round = 0
         self.bank: Dict[int, Dict[str, torch.Tensor]] = {}
 
-    def broadcast(self) -> Dict[str, Any]:
-        return {"round": self.round}
-
     def aggregate(self, global_state: State, updates: Updates, *, num_clients: int) -> Aggregated:
         ids = [i for i, _ in updates]
         ups = [u for _, u in updates]

@@ -208,7 +208,8 @@ def run_rounds(data: RoundData, spec: ModelSpec, cfg: RoundConfig, *, init: Stat
                      total=cfg.rounds)
     for r in steps:
         selected = cfg.select(r, data.num_clients)
-        broadcast = strategy.broadcast()
+        # every client also learns where it is in the schedule (FedPD++'s mask threshold rises with it)
+        broadcast = {**strategy.broadcast(), "round": r, "rounds": cfg.rounds}
         futures = [(i, submit(train_step, global_state=state, spec=spec, x=data.client_x[i], y=data.client_y[i],
                               trainer=cfg.trainer, trainer_params=dict(cfg.trainer_params), broadcast=broadcast,
                               client_state=client_states.get(i, {}), seed=cfg.client_seed(r, i), device=cfg.device,
@@ -275,12 +276,13 @@ def _round_record(r: int, data: RoundData, updates, refused, agg, agg_seconds: f
 
 
 def summarise_rounds(records: Sequence[Mapping[str, Any]]) -> Dict[str, float]:
-    """The last round's evaluation (``final_*``), plus mean aggregation time and bytes per round."""
+    """The last round's evaluation (``final_*``: accuracies, and AUROC/OSCR for open-set runs), plus mean
+    aggregation time and bytes per round."""
     if not records:
         return {}
     last = records[-1]
-    out = {f"final_{k}": float(v) for k, v in last.items() if k == "avg_acc" or k == "worst_acc"
-           or k.startswith("acc.")}
+    out = {f"final_{k}": float(v) for k, v in last.items() if k in ("avg_acc", "worst_acc", "auroc", "oscr")
+           or k.startswith(("acc.", "auroc.", "oscr."))}
     out["agg_seconds_mean"] = float(np.mean([r["agg_seconds"] for r in records]))
     out["bytes_per_round"] = float(np.mean([r["bytes_up"] + r["bytes_down"] for r in records]))
     out["final_train_loss"] = float(last["train_loss"])

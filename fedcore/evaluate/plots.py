@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -149,18 +149,64 @@ def plot_rounds(records: List[Dict], domains: Sequence[str], folder: str | Path,
     return save(fig, folder / "rounds.png")
 
 
-def plot_methods(rows: List[Dict], path: str | Path, *, title: str = "") -> Path:
-    """Average and worst-domain accuracy per method, mean ± std over seeds, as grouped bars."""
+def plot_methods(rows: List[Dict], path: str | Path, *, title: str = "",
+                 bars: Sequence[Tuple[str, str]] = (("avg", "average"), ("worst", "worst domain")),
+                 ylabel: str = "test accuracy") -> Path:
+    """Grouped bars per method, mean ± std over seeds: by default average and worst-domain accuracy.
+
+    ``bars`` lists ``(key, label)``; each row holds ``<key>_mean`` and ``<key>_std``.
+    """
     plt = _plt()
     names = [row["method"] for row in rows]
     x = np.arange(len(names))
+    width = 0.8 / len(bars)
     fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(names) + 2), 3.8))
-    for off, key, label in ((-0.2, "avg", "average"), (0.2, "worst", "worst domain")):
-        ax.bar(x + off, [row[f"{key}_mean"] for row in rows], 0.4, yerr=[row[f"{key}_std"] for row in rows],
+    for j, (key, label) in enumerate(bars):
+        off = (j - (len(bars) - 1) / 2) * width
+        ax.bar(x + off, [row[f"{key}_mean"] for row in rows], width, yerr=[row[f"{key}_std"] for row in rows],
                capsize=3, label=label)
     ax.set_xticks(x, names, rotation=35, ha="right", fontsize=8)
-    lo = min(row["worst_mean"] - row["worst_std"] for row in rows)
+    lo = min(row[f"{key}_mean"] - row[f"{key}_std"] for row in rows for key, _ in bars)
     ax.set_ylim(max(0.0, lo - 0.05), 1.0)
-    ax.set(ylabel="test accuracy", title=title)
+    ax.set(ylabel=ylabel, title=title)
     ax.legend(fontsize=8)
     return save(fig, Path(path))
+
+
+def plot_openset_rounds(records: List[Dict], domains: Sequence[str], folder: str | Path, *, score: str,
+                        title: str = "") -> Path:
+    """Per round: closed-set accuracy and AUROC (of the unknown ``score``) per domain, FedPD++'s mask sizes, and its alignment
+    (transport cost and entropy, BatchNorm-statistics drift between clients)."""
+    plt = _plt()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    r = [rec["round"] + 1 for rec in records]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for ax, key, label in ((axes[0, 0], "acc", "closed-set accuracy"),
+                           (axes[0, 1], f"auroc.{score}", f"AUROC ({score} score)")):
+        for d in domains:
+            ax.plot(r, [rec.get(f"{key}.{d}", np.nan) for rec in records], label=d)
+        ax.plot(r, [rec.get("avg_acc" if key == "acc" else key, np.nan) for rec in records], "k-", lw=2.5,
+                label="mean")
+        ax.set(xlabel="round", ylabel=label, title=f"{label} per domain")
+        ax.legend(fontsize=7)
+    ax = axes[1, 0]
+    for part in ("close", "open", "share", "rest", "whole"):
+        vals = [rec.get(f"mask.{part}", np.nan) for rec in records]
+        if np.isfinite(vals).any():
+            ax.plot(r, vals, "o-", ms=3, label=part)
+    ax.set(xlabel="round", ylabel="mean mask mass", title="parameter parts (mask mass per client)" if ax.lines
+           else "no masks (plain averaging)")
+    if ax.lines:
+        ax.legend(fontsize=7)
+    ax = axes[1, 1]
+    for key, style in (("align_cost", "o-"), ("transport_entropy", "s--"), ("bn_drift", "^:")):
+        vals = [rec.get(key, np.nan) for rec in records]
+        if np.isfinite(vals).any():
+            ax.plot(r, vals, style, ms=3, label=key)
+    ax.set(xlabel="round", title="alignment: cost, transport entropy, BN drift" if ax.lines else "no alignment")
+    if ax.lines:
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    return save(fig, folder / "rounds.png")
+

@@ -38,11 +38,12 @@ IMPORTANCE = ("dpi", "gradient", "none")
 @TRAINERS.register("proser")
 class ProserTrainer(LocalTrainer):
     """Parameters: ``beta``, ``gamma``, ``mix_alpha`` (PROSER); ``importance``, ``mask``, ``score_norm``,
-    ``delta0``, ``delta_end``, ``mask_rounds`` (FedPD++'s masks; ``mask_rounds`` is T of δ's schedule)."""
+    ``delta0``, ``delta_end``, ``mask_rounds`` (FedPD++'s masks; ``mask_rounds`` is T of δ's schedule,
+    by default the run's number of rounds, which the engine broadcasts)."""
 
     def __init__(self, *, beta: float = 1.0, gamma: float = 0.01, mix_alpha: float = 1.0, importance: str = "none",
                  mask: str = "soft", score_norm: str = "rank", delta0: float = 0.5, delta_end: float = 0.8,
-                 mask_rounds: int = 1, **kw) -> None:
+                 mask_rounds: int | None = None, **kw) -> None:
         super().__init__(**kw)
         if beta < 0 or gamma < 0:
             raise ValueError(f"PROSER loss weights must be >= 0, got beta={beta}, gamma={gamma}")
@@ -56,18 +57,20 @@ class ProserTrainer(LocalTrainer):
         if not 0 <= delta0 <= 1 or not 0 <= delta_end <= 1:
             raise ValueError(f"the soft-mask thresholds are quantiles in [0, 1], got delta0={delta0}, "
                              f"delta_end={delta_end}")
-        if mask_rounds < 1:
+        if mask_rounds is not None and mask_rounds < 1:
             raise ValueError(f"mask_rounds (T of the threshold schedule) must be >= 1, got {mask_rounds}; "
-                             "set it to the number of rounds")
+                             "leave it unset to use the run's number of rounds")
         self.beta, self.gamma, self.mix_alpha = float(beta), float(gamma), float(mix_alpha)
         self.importance, self.mask, self.score_norm = importance, mask, score_norm
-        self.delta0, self.delta_end, self.mask_rounds = float(delta0), float(delta_end), int(mask_rounds)
+        self.delta0, self.delta_end = float(delta0), float(delta_end)
+        self.mask_rounds = None if mask_rounds is None else int(mask_rounds)
 
     # ------------------------------------------------------------------ hooks
     def begin(self, model: nn.Module, *, global_state: State, broadcast: Dict[str, Any],
               client_state: Dict[str, Any]) -> None:
         self._pre, self._post = mix_split(model)  # a model without a mixing layer fails here, before training
         self._round = int(broadcast.get("round", 0))
+        self._rounds = self.mask_rounds or int(broadcast.get("rounds", 1))
         self._params = dict(model.named_parameters())
         self._scores = {"close": {k: torch.zeros_like(p) for k, p in self._params.items()},
                         "open": {k: torch.zeros_like(p) for k, p in self._params.items()}}
@@ -122,7 +125,7 @@ class ProserTrainer(LocalTrainer):
     def finish(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: int):
         if self.importance == "none":
             return {}, {}
-        delta = delta_soft(self._round, self.mask_rounds, delta0=self.delta0, delta_end=self.delta_end)
+        delta = delta_soft(self._round, self._rounds, delta0=self.delta0, delta_end=self.delta_end)
         masks = {part: {k: m.cpu().half() for k, m in
                         masks_from_scores(self._scores[part], mode=self.mask, delta=delta,
                                           norm=self.score_norm).items()}

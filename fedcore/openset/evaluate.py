@@ -1,0 +1,86 @@
+"""Open-set evaluation of a global model, per domain: closed-set accuracy, AUROC and OSCR for each unknown score.
+
+Scores (higher = more likely unknown), by how the model was trained:
+
+* ``msp``: −max softmax, for a model with one output per known class;
+* ``openmax``: OpenMax's unknown probability, fitted on the clients' training logits (as if each
+  client sent its per-class mean activation vectors and tail distances);
+* ``proser``: the dummy logit over the best known logit, for a PROSER model (one extra output).
+
+Keys: ``acc.<domain>``, ``auroc.<score>.<domain>``, ``oscr.<score>.<domain>``, their means over
+domains (``avg_acc``, ``auroc.<score>``, ``oscr.<score>``), ``worst_acc``, and ``auroc`` / ``oscr``
+for the first score listed (the method's headline).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Mapping, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from fedcore.engine.spec import ModelSpec
+from fedcore.openset.metrics import auroc, msp_score, oscr, proser_predict, proser_score
+from fedcore.openset.openmax import OpenMax
+from fedcore.tensors import batches, resolve_device, to_tensor
+
+SCORES = ("msp", "openmax", "proser")
+
+
+@torch.no_grad()
+def logits_of(model: torch.nn.Module, x: np.ndarray, *, device="cpu", batch_size: int = 256) -> np.ndarray:
+    model.eval()
+    out = [model(to_tensor(x[sl], device=device)).float().cpu() for sl in batches(len(x), batch_size)]
+    return torch.cat(out).numpy() if out else np.zeros((0, 0), np.float32)
+
+
+def check_scores(scores: Sequence[str], *, dummy: bool) -> Tuple[str, ...]:
+    """The score names, checked against the model: ``proser`` needs a dummy output, the others must not have one."""
+    bad = [s for s in scores if s not in SCORES]
+    if bad or not scores:
+        raise ValueError(f"unknown open-set score(s) {bad or scores}; use some of {', '.join(SCORES)}")
+    if dummy != all(s == "proser" for s in scores) or (dummy and len(scores) != 1):
+        raise ValueError(f"scores {list(scores)} do not fit the model: a PROSER model (trainer proser, one dummy "
+                         "output) is scored with [proser]; a plain classifier with msp and/or openmax")
+    return tuple(scores)
+
+
+def openset_evaluate(state: Mapping[str, torch.Tensor], spec: ModelSpec, known: Mapping[str, Tuple[np.ndarray, np.ndarray]],
+                     unknown: Mapping[str, np.ndarray], *, scores: Sequence[str],
+                     fit: Tuple[np.ndarray, np.ndarray] | None = None, device: str = "cpu") -> Dict[str, float]:
+    """Open-set metrics of ``state`` on every domain (see the module docstring).
+
+    ``fit`` is the (x, y) OpenMax is fitted on; it is needed only when ``openmax`` is listed.
+    """
+    device = resolve_device(device)
+    model = spec.build().to(device)
+    model.load_state_dict(state)
+    dummy = scores[0] == "proser"
+    scorer = None
+    if "openmax" in scores:
+        if fit is None:
+            raise ValueError("the openmax score needs training data to fit on (fit=(x, y))")
+        scorer = OpenMax().fit(logits_of(model, fit[0], device=device), np.asarray(fit[1]))
+    out: Dict[str, float] = {}
+    for d, (x, y) in known.items():
+        lk, lu = logits_of(model, x, device=device), logits_of(model, unknown[d], device=device)
+        pred = proser_predict(lk) if dummy else lk.argmax(1)
+        correct = pred == np.asarray(y)
+        out[f"acc.{d}"] = float(correct.mean())
+        for s in scores:
+            if s == "proser":
+                sk, su = proser_score(lk), proser_score(lu)
+            elif s == "msp":
+                sk, su = msp_score(lk), msp_score(lu)
+            else:
+                sk, su = scorer.score(lk), scorer.score(lu)
+            out[f"auroc.{s}.{d}"] = auroc(sk, su)
+            out[f"oscr.{s}.{d}"] = oscr(sk, correct, su)
+    domains = list(known)
+    out["avg_acc"] = float(np.mean([out[f"acc.{d}"] for d in domains]))
+    out["worst_acc"] = float(min(out[f"acc.{d}"] for d in domains))
+    for s in scores:
+        for m in ("auroc", "oscr"):
+            out[f"{m}.{s}"] = float(np.mean([out[f"{m}.{s}.{d}"] for d in domains]))
+    out["auroc"], out["oscr"] = out[f"auroc.{scores[0]}"], out[f"oscr.{scores[0]}"]
+    return out
