@@ -1,6 +1,7 @@
 # Two commands on a fresh machine:
 #   make run    set up .venv, then the quick default of every system on data that ships with the packages:
-#               `dvc repro adapt fedpad@quick` (BPFedCTTA on MNIST digits, FedPAD on three digit domains)
+#               `dvc repro adapt fedpad@quick fedpd@quick` (BPFedCTTA on MNIST digits, FedPAD and FedPD++
+#               on three digit domains)
 #   make test   set up if needed, then run the test suite
 # and, when there is time (about 20 min on 2 cores):
 #   make private  the private-TTA grid (6 methods x plain/clip/DP at 4 epsilons) and the canary audit
@@ -14,7 +15,7 @@ export MLFLOW_ENABLE_TELEMETRY ?= false
 export DO_NOT_TRACK ?= 1
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup run private fedpad test test-fast params bench clean
+.PHONY: setup run private fedpad fedpd test test-fast params bench clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,9 +32,10 @@ params: setup
 
 run: setup
 	@git rev-parse --git-dir >/dev/null 2>&1 || (git init -q && echo "initialised a git repo for DVC")
-	$(BIN)/dvc repro adapt fedpad@quick
+	$(BIN)/dvc repro adapt fedpad@quick fedpd@quick
 	@echo; echo "BPFedCTTA (results/table.md):"; cat results/table.md; echo
 	@echo "FedPAD quick grid (results/fedpad/quick/table.md):"; cat results/fedpad/quick/table.md; echo
+	@echo "FedPD++ quick grid (results/fedpd/quick/table.md):"; cat results/fedpd/quick/table.md; echo
 	@echo "Browse the runs: $(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlruns.db --host 127.0.0.1 --port 5000"
 
 private: setup
@@ -46,6 +48,11 @@ fedpad: setup
 	$(BIN)/dvc repro fedpad@digits fedpad@digits_gamma fedpad@pacs
 	@for g in digits digits_gamma pacs; do echo; cat results/fedpad/$$g/table.md; cat results/fedpad/$$g/stats.md; done
 
+fedpd: setup
+	@git rev-parse --git-dir >/dev/null 2>&1 || (git init -q && echo "initialised a git repo for DVC")
+	$(BIN)/dvc repro fedpd@digits
+	@cat results/fedpd/digits/table.md; cat results/fedpd/digits/stats.md
+
 test: setup
 	$(BIN)/python -m pytest -q
 
@@ -56,6 +63,7 @@ bench: setup
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/dp_step.py
 	$(BIN)/python benchmarks/rounds.py
+	$(BIN)/python benchmarks/fedpd_align.py
 
 clean:
 	rm -rf data/prepared data/partitions data/domains models models_group results checkpoints mlruns mlruns.db

@@ -5,7 +5,11 @@ Settings, each switchable for the paper's ablations:
 * ``parts``: ``three`` (close / open / shared, FedPD++), ``two`` (the two overlapping
   subnetworks), ``none`` (the whole model: FedPD's OT fusion, no masks);
 * ``align``: ``sinkhorn`` (entropic OT), ``hungarian`` (exact assignment), ``none``;
-* ``sba``: refine each BatchNorm layer's alignment by the clients' BatchNorm-statistics history;
+* ``part_cost``: how a part's units are compared: ``weighted`` (on the coordinates both parts
+  hold) or ``masked`` (the masked weights, the literal Eq. 19–21; see :func:`~fedcore.openset.align.align_chain`);
+* ``sba``: add the distance between the clients' BatchNorm-statistics histories to each BatchNorm
+  layer's cost, with ``sba_weight`` (see :func:`~fedcore.openset.align.bank_cost` for why added);
+* ``quality``: also solve every layer exactly, to log Sinkhorn's cost over Hungarian's (slower);
 * ``reference``: the client every other is aligned to: ``largest`` (most examples, then the
   lowest id) or ``first`` (the lowest selected id). The paper allows any;
 * ``client_weights``: ``examples`` (as FedAvg here) or ``uniform`` (the paper's 1/K, Eq. 22).
@@ -22,7 +26,7 @@ import torch
 
 from fedcore.aggregate.functions import State
 from fedcore.aggregate.strategies import STRATEGIES, Aggregated, Strategy, Updates
-from fedcore.openset.align import ALIGN_METHODS, layer_plan
+from fedcore.openset.align import ALIGN_METHODS, PART_COSTS, layer_plan
 from fedcore.openset.gdca import fuse
 from fedcore.openset.masks import PART_MODES, split_parts
 
@@ -35,9 +39,10 @@ class FedPD(Strategy):
     trainer = ("proser",)
     needs_model = True
 
-    def __init__(self, *, parts: str = "three", align: str = "sinkhorn", sba: bool = True, reg: float = 0.05,
-                 max_iter: int = 200, sba_window: int = 10, reference: str = "largest",
-                 client_weights: str = "examples", quality: bool = True) -> None:
+    def __init__(self, *, parts: str = "three", align: str = "sinkhorn", part_cost: str = "weighted",
+                 sba: bool = True, sba_weight: float = 1.0, reg: float = 0.05, max_iter: int = 200,
+                 sba_window: int = 10, reference: str = "largest", client_weights: str = "examples",
+                 quality: bool = False) -> None:
         if parts not in PART_MODES:
             raise ValueError(f"unknown parts {parts!r}; use one of {', '.join(PART_MODES)}")
         if align not in ALIGN_METHODS:
@@ -45,11 +50,14 @@ class FedPD(Strategy):
         if reference not in REFERENCES or client_weights not in CLIENT_WEIGHTS:
             raise ValueError(f"reference must be one of {', '.join(REFERENCES)} and client_weights one of "
                              f"{', '.join(CLIENT_WEIGHTS)}; got {reference!r}, {client_weights!r}")
-        if reg <= 0 or max_iter < 1 or sba_window < 1:
-            raise ValueError(f"need reg > 0, max_iter >= 1 and sba_window >= 1; got {reg}, {max_iter}, {sba_window}")
+        if part_cost not in PART_COSTS:
+            raise ValueError(f"unknown part_cost {part_cost!r}; use one of {', '.join(PART_COSTS)}")
+        if reg <= 0 or max_iter < 1 or sba_window < 1 or sba_weight < 0:
+            raise ValueError(f"need reg > 0, max_iter >= 1, sba_window >= 1 and sba_weight >= 0; got {reg}, "
+                             f"{max_iter}, {sba_window}, {sba_weight}")
         self.parts, self.align, self.sba, self.reg, self.max_iter = parts, align, bool(sba), float(reg), int(max_iter)
         self.sba_window, self.reference, self.client_weights = int(sba_window), reference, client_weights
-        self.quality = bool(quality)
+        self.quality, self.part_cost, self.sba_weight = bool(quality), part_cost, float(sba_weight)
 
     def bind_model(self, model: torch.nn.Module) -> None:
         """The network's layer plan; a model alignment cannot follow is refused here, before any round."""
@@ -70,7 +78,7 @@ class FedPD(Strategy):
         ref = self._reference(updates)
         weights = [float(u.num_examples) if self.client_weights == "examples" else 1.0 for u in ups]
         fused = fuse([u.state for u in ups], weights, plan=self.plan, parts=parts, ref=ref, method=self.align,
-                     reg=self.reg, max_iter=self.max_iter,
+                     reg=self.reg, max_iter=self.max_iter, part_cost=self.part_cost, sba_weight=self.sba_weight,
                      banks=[self.bank.get(i) for i in ids] if self.sba and self.align != "none" else None,
                      quality=self.quality and self.align == "sinkhorn", names=ids)
         metrics = {**fused.metrics, **self._mask_sizes(parts), **self._bn_drift(ups, ref),

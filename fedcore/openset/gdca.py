@@ -17,7 +17,7 @@ from typing import Dict, List, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from fedcore.openset.align import Layer, align_chain, apply_chain, bank_transport, identity_chain
+from fedcore.openset.align import Layer, align_chain, apply_chain, bank_cost, identity_chain
 
 State = Dict[str, torch.Tensor]
 
@@ -31,7 +31,8 @@ class Fused:
 
 def fuse(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float], *, plan: Sequence[Layer],
          parts: Sequence[Mapping[str, Mapping[str, torch.Tensor]]], ref: int, method: str = "sinkhorn",
-         reg: float = 0.05, max_iter: int = 200, banks: Optional[Sequence[Mapping[str, torch.Tensor]]] = None,
+         reg: float = 0.05, max_iter: int = 200, part_cost: str = "weighted",
+         banks: Optional[Sequence[Mapping[str, torch.Tensor]]] = None, sba_weight: float = 1.0,
          quality: bool = False, names: Optional[Sequence[int]] = None) -> Fused:
     """Align every client's parts to client ``ref``'s and average them.
 
@@ -44,6 +45,8 @@ def fuse(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float],
         ``whole`` use the whole-model transport.
     method:
         ``sinkhorn``, ``hungarian`` or ``none`` (no alignment: divide-and-conquer averaging only).
+    part_cost:
+        How a part's units are compared (:func:`fedcore.openset.align.align_chain`).
     banks:
         Per client, ``{"rounds": (t,), layer name: (t, C) BatchNorm running means}`` (SBA,
         :func:`_sba`); ``None`` turns SBA off.
@@ -71,16 +74,18 @@ def fuse(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float],
             whole = identity_chain(plan)
             chains = {p: whole for p in cut}
         else:
-            pre = _sba(banks[k], banks[ref], plan) if banks else None
-            whole = align_chain(state, states[ref], plan, method=method, reg=reg, max_iter=max_iter, pre=pre,
-                                quality=quality, where=f"client {names[k]}")
+            sba = dict(bank_costs=_sba(banks[k], banks[ref], plan), sba_weight=sba_weight) if banks else {}
+            whole = align_chain(state, states[ref], plan, method=method, reg=reg, max_iter=max_iter,
+                                quality=quality, where=f"client {names[k]}", **sba)
             chains = {p: whole if p in ("rest", "whole") else
                       align_chain(state, states[ref], plan, method=method, reg=reg, max_iter=max_iter,
-                                  mask=cut[p], ref_mask=parts[ref][p], pre=pre, where=f"client {names[k]} {p}")
+                                  mask=cut[p], ref_mask=parts[ref][p], part_cost=part_cost,
+                                  where=f"client {names[k]} {p}", **sba)
                       for p in cut}
             for p, ch in chains.items():
                 costs.setdefault(p, []).extend(ch.costs)
-            entropies.extend(whole.entropies)
+            for ch in {id(c): c for c in chains.values()}.values():  # every transport that acts, once
+                entropies.extend(ch.entropies)
             quality_vals.extend(whole.quality)
             per_client[names[k]] = {"align_cost": float(np.mean(whole.costs)) if whole.costs else 0.0}
         for p, masks in cut.items():
@@ -111,20 +116,22 @@ def fuse(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float],
     return Fused(state=out, metrics=metrics, per_client=per_client)
 
 
-def _sba(bank: Mapping[str, torch.Tensor], ref_bank: Mapping[str, torch.Tensor], plan: Sequence[Layer]
-         ) -> Dict[str, torch.Tensor]:
-    """SBA's per-layer first transports, over the rounds both clients have BatchNorm statistics for.
+def _sba(bank: Optional[Mapping[str, torch.Tensor]], ref_bank: Optional[Mapping[str, torch.Tensor]],
+         plan: Sequence[Layer]) -> Dict[str, torch.Tensor]:
+    """SBA's per-layer costs between channels, over the rounds both clients have BatchNorm statistics for.
 
     A bank is ``{"rounds": (t,) round indices, <layer name>: (t, C) running means}``.
     """
-    pre: Dict[str, torch.Tensor] = {}
+    costs: Dict[str, torch.Tensor] = {}
+    if not bank or not ref_bank:
+        return costs
     mine, theirs = bank["rounds"].tolist(), ref_bank["rounds"].tolist()
     common = sorted(set(mine) & set(theirs))
     if not common:
-        return pre
+        return costs
     ia = torch.tensor([mine.index(r) for r in common])
     ib = torch.tensor([theirs.index(r) for r in common])
     for layer in plan:
         if not layer.last and layer.name in bank and layer.name in ref_bank:
-            pre[layer.name] = bank_transport(bank[layer.name][ia], ref_bank[layer.name][ib], where=layer.name)
-    return pre
+            costs[layer.name] = bank_cost(bank[layer.name][ia], ref_bank[layer.name][ib])
+    return costs

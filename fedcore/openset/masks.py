@@ -52,10 +52,10 @@ def normalise(score: torch.Tensor, *, norm: str = "rank") -> torch.Tensor:
 
 
 def delta_soft(round_index: int, rounds: int, *, delta0: float = 0.5, delta_end: float = 0.8) -> float:
-    """ASM's threshold at round ``round_index`` of ``rounds``: linear from δ_0 to δ_T."""
+    """ASM's threshold at round ``round_index`` (0-based) of ``rounds``: δ_0 in the first round, δ_T in the last."""
     if rounds < 1:
         raise ValueError(f"the mask schedule needs rounds >= 1, got {rounds}")
-    frac = min(max(round_index, 0), rounds) / rounds
+    frac = 1.0 if rounds == 1 else min(max(round_index, 0), rounds - 1) / (rounds - 1)
     return delta0 + frac * (delta_end - delta0)
 
 

@@ -15,8 +15,9 @@ The model has one more output than there are known classes: the last logit is th
 α = 1); the FedPD++ paper's two learning rates (10⁻² closed, 10⁻⁴ open) would be γ = β = 0.01.
 
 When ``importance`` is not ``none`` the trainer scores every parameter for each loss
-(:mod:`fedcore.openset.masks`): DPI sums ``|∇L · ω| · Δt`` over every local step (Δt = the
-learning rate), ``gradient`` keeps the last step only. The closed- and open-set gradients come
+(:mod:`fedcore.openset.masks`): DPI sums ``|∇L · ω| · Δt`` over every local step of the round
+(Δt = the learning rate; the path is the round's local optimisation, since the masks go to the
+server every round), ``gradient`` keeps the last step only. The closed- and open-set gradients come
 from two backward passes, summed before the optimizer step, so the update is the same as one
 backward pass of the total loss. The masks go back to the server in the update's payload.
 """
