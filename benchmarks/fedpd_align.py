@@ -77,10 +77,14 @@ def main(argv=None) -> int:
     print(f"{params / 1e6:.1f} M parameters, {len(plan)} layers, {args.clients} clients, {args.threads} thread(s)")
     keys = [k for k, _ in base.named_parameters()]
     g = torch.Generator().manual_seed(0)
-    parts = split_parts(masks_from_scores({k: torch.rand(states[1][k].shape, generator=g) for k in keys},
-                                          mode="soft", delta=0.6),
-                        masks_from_scores({k: torch.rand(states[1][k].shape, generator=g) for k in keys},
-                                          mode="soft", delta=0.6))
+
+    def cut(state):  # each client its own masks, as from its own importance scores
+        return split_parts(masks_from_scores({k: torch.rand(state[k].shape, generator=g) for k in keys},
+                                             mode="soft", delta=0.6),
+                           masks_from_scores({k: torch.rand(state[k].shape, generator=g) for k in keys},
+                                             mode="soft", delta=0.6))
+
+    parts = [cut(s) for s in states]
     align_chain(states[1], states[0], plan, method="sinkhorn", reg=args.reg)  # warm-up (imports)
     rows = {}
     for method in ("sinkhorn", "hungarian"):
@@ -91,9 +95,9 @@ def main(argv=None) -> int:
             costs.append(sum(chain.costs))
         whole = time.perf_counter() - t0
         t0 = time.perf_counter()
-        for s in states[1:]:
+        for s, cut_k in zip(states[1:], parts[1:]):
             for p in ("close", "open", "share"):
-                align_chain(s, states[0], plan, method=method, reg=args.reg, mask=parts[p], ref_mask=parts[p])
+                align_chain(s, states[0], plan, method=method, reg=args.reg, mask=cut_k[p], ref_mask=parts[0][p])
         three = time.perf_counter() - t0
         rows[method] = (whole, three, sum(costs))
     s_whole, s_three, s_cost = rows["sinkhorn"]
