@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from fedcore.data import sha256_file
+from flows import integrity
 from flows.config import ROOT
 
 
@@ -65,16 +66,7 @@ def git_commit() -> str:
 
 def dvc_lock_hashes() -> Dict[str, str]:
     """md5s DVC recorded for each stage output (dvc.lock), so a run names the exact data it used."""
-    lock = ROOT / "dvc.lock"
-    if not lock.is_file():
-        return {}
-    import yaml
-
-    out = {}
-    for stage, body in (yaml.safe_load(lock.read_text()) or {}).get("stages", {}).items():
-        for o in body.get("outs", []) or []:
-            out[f"dvc.{stage.replace('@', ':')}.{Path(o['path']).name}"] = o.get("md5", "")
-    return out
+    return {f"dvc.{o.stage.replace('@', ':')}.{Path(o.path).name}": o.md5 for o in integrity.lock_outs(ROOT)}
 
 
 def lineage_tags(*, seed: int, prepared: Path | None, partition_dir: Path, extra: Mapping[str, str] = ()
