@@ -126,12 +126,10 @@ def _log_experiment(cfg: DictConfig, acfg, res: ArrivalsResult, *, spec: ModelSp
     tracking.log_files(plots + [out / "accuracy_matrix.csv"], artifact_path="plots")
     ckpt = _ckpt_dir(cfg, cell_name(acfg))
     tracking.log_files([ckpt / "server_state.pt", ckpt / "server_state.sha256"], artifact_path="checkpoints")
-    model = spec.build()
-    model.load_state_dict(res.final_state)
     from fedcore.tensors import to_tensor
 
     example = to_tensor(partition.source_test_x[:2]).numpy()
-    tracking.log_model(model, registered_name=cfg.flow.register_model or None, example=example)
+    tracking.log_model(spec, res.final_state, registered_name=cfg.flow.register_model or None, example=example)
 
 
 def _start_experiment_run(cfg: DictConfig, acfg, spec: ModelSpec):

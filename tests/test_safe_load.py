@@ -1,6 +1,6 @@
 """Nothing the project reads back can run code: a file swapped for a pickle is refused unread.
 
-Each tamper test swaps a real artifact (source model, partition, checkpoint)
+Each tamper test swaps a real artifact (source model, partition, checkpoint, registered model)
 for a pickle that writes a marker file when unpickled, checks first that the pickle really
 does so when loaded the unsafe way, then that the project refuses it with a clear error and
 the marker is never written.
@@ -21,7 +21,7 @@ import torch
 from omegaconf import OmegaConf
 
 from fedcore.data import sha256_file
-from fedcore.engine import CheckpointError, ModelSpec, init_state, load_state, save_state
+from fedcore.engine import CheckpointError, ModelSpec, init_state, load_network, load_state, save_state
 from flows import config as C
 from flows import integrity
 from flows import tasks as T
@@ -175,3 +175,84 @@ def test_checkpoint_swapped_with_its_sha256_is_refused_unread(tmp_path):
         load_state(folder, fingerprint="f")
     assert not marker.exists()
     assert path.read_bytes() == swapped, "a refused checkpoint is left as it was"
+
+
+# ------------------------------------------------------------------------ the Model Registry
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    """Two versions of a registered model in a throwaway tracking store (sqlite file + local artifacts)."""
+    import mlflow
+
+    from flows import tracking
+
+    tmp = tmp_path_factory.mktemp("registry")
+    uri = f"sqlite:///{tmp}/mlruns.db"
+    mlflow.set_tracking_uri(uri)
+    mlflow.create_experiment("safe-load", artifact_location=str(tmp / "artifacts"))
+    mlflow.set_experiment("safe-load")
+    x = np.random.default_rng(0).normal(size=(2, 1, 28, 28)).astype(np.float32)
+    states = [init_state(SPEC, seed) for seed in (1, 2)]
+    for state in states:
+        with mlflow.start_run():
+            tracking.log_model(SPEC, state, registered_name="fedcore-safe", example=x)
+    return {"tmp": tmp, "uri": uri, "x": x, "states": states}
+
+
+def _expected_logits(state, x) -> np.ndarray:
+    model = SPEC.build()
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return model.eval()(torch.as_tensor(x)).numpy()
+
+
+def test_registered_model_loads_in_a_fresh_process_with_one_call(registry, tmp_path):
+    # Prepare
+    np.save(tmp_path / "x.npy", registry["x"])
+    x, y = str(tmp_path / "x.npy"), str(tmp_path / "y.npy")
+    code = ("import numpy as np, torch; from flows.tracking import load_registered; "
+            f"m = load_registered('fedcore-safe', 1, tracking_uri={registry['uri']!r}); "
+            f"np.save({y!r}, m(torch.as_tensor(np.load({x!r}))).detach().numpy())")
+    env = {**os.environ, "PYTHONPATH": str(C.ROOT)}
+
+    # Execute
+    subprocess.run([sys.executable, "-c", code], cwd=C.ROOT, env=env, check=True, capture_output=True)
+
+    # Assert: the same network, the same outputs; and nothing pickled in what was logged.
+    np.testing.assert_allclose(np.load(tmp_path / "y.npy"), _expected_logits(registry["states"][0], registry["x"]),
+                               rtol=1e-5, atol=1e-6)
+    stored = list((registry["tmp"] / "artifacts").rglob("*"))
+    assert not [p for p in stored if p.suffix in (".pkl", ".pickle")], stored
+
+
+def test_registered_model_swapped_in_the_artifact_store_is_refused_unread(registry):
+    import mlflow
+
+    from flows import tracking
+
+    # Prepare: version 2's stored weights are replaced by the pickle.
+    client = mlflow.MlflowClient(registry["uri"], registry["uri"])
+    stored = Path(client.get_model_version_download_uri("fedcore-safe", 2).removeprefix("file://"))
+    weights = stored / "data" / tracking.NETWORK_DIR / "state_dict.pt"
+    assert weights.is_file()
+    marker = registry["tmp"] / "registry.marker"
+    _assert_poison_is_live(registry["tmp"], {})
+    torch.save(_WritesMarker(marker), weights)
+
+    # Execute / Assert: refused against the run's sha256 tag; and by the weights-only loader without it.
+    with pytest.raises(integrity.IntegrityError, match="state_dict.pt of version 2 of 'fedcore-safe' does not match "
+                                                       "the sha256 its run"):
+        tracking.load_registered("fedcore-safe", 2, tracking_uri=registry["uri"])
+    with pytest.raises(ValueError, match="cannot be read as plain tensors"):
+        load_network(weights.parent)
+    with pytest.raises(ValueError, match="cannot be read as plain tensors"):
+        mlflow.pyfunc.load_model(str(stored))  # MLflow's own loader, through this project's loader_module
+    assert not marker.exists()
+
+    # A version without the tags (as registered before this format) is refused too.
+    run_id = client.get_model_version("fedcore-safe", 2).run_id
+    client.delete_tag(run_id, tracking.MODEL_SHA256_TAG + "state_dict.pt")
+    with pytest.raises(integrity.IntegrityError, match="has no tag"):
+        tracking.load_registered("fedcore-safe", "latest", tracking_uri=registry["uri"])
+    assert not marker.exists()
