@@ -188,15 +188,17 @@ def registry(tmp_path_factory):
     from flows import tracking
 
     tmp = tmp_path_factory.mktemp("registry")
-    uri = f"sqlite:///{tmp}/mlruns.db"
+    uri, before = f"sqlite:///{tmp}/mlruns.db", mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(uri)
-    mlflow.create_experiment("safe-load", artifact_location=str(tmp / "artifacts"))
-    mlflow.set_experiment("safe-load")
-    x = np.random.default_rng(0).normal(size=(2, 1, 28, 28)).astype(np.float32)
-    states = [init_state(SPEC, seed) for seed in (1, 2)]
-    for state in states:
-        with mlflow.start_run():
-            tracking.log_model(SPEC, state, registered_name="fedcore-safe", example=x)
+    try:
+        exp = mlflow.create_experiment("safe-load", artifact_location=str(tmp / "artifacts"))
+        x = np.random.default_rng(0).normal(size=(2, 1, 28, 28)).astype(np.float32)
+        states = [init_state(SPEC, seed) for seed in (1, 2)]
+        for state in states:
+            with mlflow.start_run(experiment_id=exp):
+                tracking.log_model(SPEC, state, registered_name="fedcore-safe", example=x)
+    finally:
+        mlflow.set_tracking_uri(before)  # the tests below name the store; later modules get theirs back
     return {"tmp": tmp, "uri": uri, "x": x, "states": states}
 
 
