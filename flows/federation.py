@@ -74,7 +74,9 @@ def pretrain(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> Pa
         with mlflow.start_run(run_name=f"pretrain-{cfg.data.name}-{cfg.model.name}"):
             mlflow.set_tags({**tracking.lineage_tags(seed=pcfg.seed, prepared=prepared_path(cfg),
                                                      partition_dir=partition_dir(cfg)), "stage": "pretrain"})
-            mlflow.log_params(tracking.flatten({k: v for k, v in C.to_dict(cfg).items() if k != "sweep"}))
+            # the round-based systems' grids are not this run's settings
+            mlflow.log_params(tracking.flatten({k: v for k, v in C.to_dict(cfg).items()
+                                                if k not in ("sweep", *C.ROUND_SYSTEMS)}))
 
             def on_round(record, state):
                 logger.info("round %d/%d train_loss=%.4f source_test=%.3f", record["round"] + 1, pcfg.rounds,

@@ -16,6 +16,7 @@ import functools
 import json
 import logging
 import queue
+import re
 import subprocess
 import tempfile
 import threading
@@ -43,10 +44,18 @@ def setup(uri: str, experiment: str) -> None:
     mlflow.set_experiment(experiment)
 
 
+_PARAM_KEY = re.compile(r"[^\w\-. /]")  # MLflow keys allow word characters, - . space and / only
+
+
 def flatten(d: Mapping[str, Any], prefix: str = "") -> Dict[str, str]:
+    """Nested settings as MLflow params: dotted keys, lists as JSON.
+
+    A character MLflow refuses in a key becomes ``_`` (``fedpd++`` → ``fedpd__``), so a method
+    may have any name in the config without failing the run that logs it.
+    """
     out: Dict[str, str] = {}
     for k, v in d.items():
-        key = f"{prefix}{k}"
+        key = f"{prefix}{_PARAM_KEY.sub('_', str(k))}"
         if isinstance(v, Mapping):
             out.update(flatten(v, key + "."))
         else:
