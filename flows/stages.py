@@ -70,7 +70,8 @@ def _arrival(cfg) -> None:
     print(json.dumps(res.summary, indent=1))
 
 
-def _adapt(cfg) -> None:
+def _adapt(cfg) -> list:
+    """The sweep, then the table and summary the ``adapt`` stage declares; returns the sweep's results."""
     from flows.federation import sweep
     from flows.tracking import summary_rows
 
@@ -87,6 +88,7 @@ def _adapt(cfg) -> None:
           f"{cfg.adapt.passes} passes), sweep took {time.perf_counter() - t0:.0f}s\n")
     print(table)
     print(f"\nBrowse the runs: mlflow ui --backend-store-uri {C.tracking_uri(cfg)} --host 127.0.0.1 --port 5000")
+    return results
 
 
 def _audit(cfg) -> None:

@@ -255,3 +255,48 @@ def test_the_project_caches_every_output_and_names_a_remote_outside_the_work_tre
     assert all(v.get("cache", True) for out in flags for v in out.values()), flags
     assert "remote = fedcore" in config and "verify = true" in config
     assert target.parent == ROOT.resolve().parent and target.name == "fedcore-dvc-remote"
+
+
+def test_the_nightly_records_and_pushes_what_it_built(base, tmp_path):
+    # Prepare: the stages' code run outside `dvc repro`, as the nightly flow runs it
+    from flows import nightly as N
+
+    log = tmp_path / "runs.log"
+    a = make_project(tmp_path / "a", log)
+    for stage in ("data", "summary"):
+        sh(sys.executable, "code/build.py", stage, str(log), cwd=a)
+    remote = tmp_path / "fedcore-dvc-remote"
+
+    # Execute
+    with_overrides = N._share(["data", "summary"], ["seed=1"], True, root=str(a))
+    switched_off = N._share(["data", "summary"], None, False, root=str(a))
+    nothing_yet = remote.exists()
+    shared = N.share.fn(["data", "summary"], root=str(a))
+    repro = dvc("repro", cwd=a)
+
+    # Assert: only a run without overrides is shared; then dvc.lock records it, the remote holds
+    # every object, and DVC agrees that nothing needs rebuilding
+    assert "overrides" in with_overrides and "push=false" in switched_off and not nothing_yet
+    assert shared.startswith("pushed 3 outputs of data, summary to remote 'fedcore'")
+    outs = R.outputs(a)
+    assert sorted(o.path for o in outs) == ["data/raw", "results/summary.json", "results/table.md"]
+    assert all(R._object(remote, o.md5).is_file() for o in outs)
+    assert json.loads(dvc("status", "--json", cwd=a).stdout) == {}
+    assert runs(log) == ["data", "summary"], repro.stdout
+
+
+def test_both_nightly_deployments_push_after_a_run():
+    # Prepare
+    import inspect
+
+    from flows import nightly as N
+
+    spec = yaml.safe_load((ROOT / "infra" / "prefect.yaml").read_text())
+
+    # Execute
+    pushes = {d["name"]: d["parameters"].get("push") for d in spec["deployments"]}
+    flows = {d["name"]: getattr(N, d["entrypoint"].split(":")[1]) for d in spec["deployments"]}
+
+    # Assert: switched on in the deployment, and a parameter the flow takes
+    assert pushes == {"nightly-sweep": True, "nightly-fedpad": True}
+    assert all("push" in inspect.signature(f.fn).parameters for f in flows.values())
