@@ -300,3 +300,42 @@ def test_both_nightly_deployments_push_after_a_run():
     # Assert: switched on in the deployment, and a parameter the flow takes
     assert pushes == {"nightly-sweep": True, "nightly-fedpad": True}
     assert all("push" in inspect.signature(f.fn).parameters for f in flows.values())
+
+
+@pytest.mark.slow
+def test_a_real_stage_round_trips_through_the_remote(base, tmp_path, monkeypatch):
+    # Prepare: clone A is this work tree's tracked files; it builds FedPAD's quick partition
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    stage = "partition_domains@quick"
+    a = tmp_path / "a"
+    for rel in git("ls-files", "-z", cwd=ROOT).stdout.split("\0"):
+        if rel and (ROOT / rel).is_file():
+            (a / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, a / rel)
+    git("init", "-q", cwd=a)
+    git("add", "-A", cwd=a)
+    git("commit", "-qm", "the project", cwd=a)
+    dvc("repro", "--single-item", stage, cwd=a)
+    git("commit", "-q", "--allow-empty", "-am", "run", cwd=a)  # dvc.lock changes only if the code moved
+    pushed = R.push(a, [stage])
+    b = tmp_path / "b"
+    git("clone", "-q", str(a), str(b), cwd=tmp_path)
+
+    # Execute
+    pulled = R.pull(b, [stage])
+    status = json.loads(dvc("status", "--json", stage, cwd=b).stdout)
+    repro = dvc("repro", "--single-item", stage, cwd=b)
+
+    # Assert: B has A's partition, DVC finds it current, and nothing is rebuilt
+    assert pushed.pushed == pulled.restored == ["data/domains/fedpad/quick"]
+    for f in (a / "data/domains/fedpad/quick").iterdir():
+        assert (b / "data/domains/fedpad/quick" / f.name).read_bytes() == f.read_bytes(), f.name
+    assert status == {}
+    assert "Running stage" not in repro.stdout and "didn't change" in repro.stdout
+
+
+@pytest.mark.parametrize("target", ["push", "pull"])
+def test_make_targets_run_the_wrapper(target):
+    # `make -n` prints the recipe without running it (nor the set-up it depends on)
+    out = sh("make", "-n", target, "STAGES=adapt fedpad@quick", cwd=ROOT).stdout
+    assert f"python -m flows.remote {target} adapt fedpad@quick" in out
