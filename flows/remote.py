@@ -179,8 +179,8 @@ def check_reachable(remote: Remote, *, for_push: bool) -> None:
     if path.exists():
         raise RemoteError(f"{remote.describe()} is not a folder. {HOW_TO_SET}")
     if not for_push:
-        raise RemoteError(f"{remote.describe()} does not exist, so nothing was ever pushed to it from this "
-                          f"machine's point of view. Point {ENV} at the remote the run was pushed to. {HOW_TO_SET}")
+        raise RemoteError(f"{remote.describe()} does not exist here: nothing has been pushed to it, or the run "
+                          f"was pushed elsewhere. Point {ENV} at the remote the run was pushed to. {HOW_TO_SET}")
     if not path.parent.is_dir():
         raise RemoteError(f"{remote.describe()} is not reachable: its parent folder {path.parent} does not "
                           f"exist (a share that is not mounted?). Nothing was pushed. {HOW_TO_SET}")
@@ -232,22 +232,30 @@ def _files(out: Output, cache: Path) -> List[Tuple[str, str]]:
     return [(f"{out.path}/{entry['relpath']}", entry["md5"]) for entry in listing]
 
 
-def _why(remote: Remote, md5: str) -> str:
-    """Why an object is not in the cache intact, judged from the remote's copy where we can read it."""
+def _why(remote: Remote, md5: str, listing: str) -> str:
+    """Why an object is not in the cache intact, judged from the remote's copy where we can read it.
+
+    ``listing`` is the md5 of the directory listing the object belongs to ("" for a single file):
+    `dvc push` skips every file of a directory whose listing the remote has, so a repair deletes both.
+    """
+    skips = "`dvc push` skips what the remote already has" + (", and every file of a listed directory" if listing else "")
     if not remote.is_folder:
-        return ("it did not arrive intact from the remote: it is missing there, or its content does not "
-                "match its md5 (DVC's `verify` drops such a download)")
-    ok, got = _intact(_object(Path(remote.url), md5), md5)
+        names = " and ".join(f"files/md5/{m[:2]}/{m[2:]}" for m in (md5, listing) if m)
+        return ("it did not arrive intact from the remote: it is missing there, or its content does not match "
+                f"its md5 (DVC's `verify` drops such a download). Delete {names} under {remote.url}, then "
+                f"`make push` from a clone that holds it intact ({skips})")
     where = _object(Path(remote.url), md5)
+    ok, got = _intact(where, md5)
     if ok:
         return f"the remote's copy ({where}) is intact but the fetch did not bring it: run the pull again"
+    stale = " and ".join(str(_object(Path(remote.url), m)) for m in (md5, listing) if m)
+    repair = f"Delete {stale}, then `make push` from a clone that holds it intact ({skips})"
     if got:
-        return (f"the remote's copy is corrupt: {where} hashes to {got}. Push it again from a clone that "
-                f"holds it intact (`make push` there)")
-    return f"it is not in the remote ({where}): push it from the clone that built it (`make push` there)"
+        return f"the remote's copy is corrupt: {where} hashes to {got}. {repair}"
+    return f"it is not in the remote ({where}). {repair.replace(', then', ' where present, then', 1)}"
 
 
-def _check(path: str, md5: str, cache: Path, remote: Remote) -> List[BadFile]:
+def _check(path: str, md5: str, cache: Path, remote: Remote, listing: str = "") -> List[BadFile]:
     """[] if the cached object of ``md5`` is intact; else the bad file, after removing a corrupt copy."""
     obj = _object(cache, md5)
     ok, got = _intact(obj, md5)
@@ -255,7 +263,7 @@ def _check(path: str, md5: str, cache: Path, remote: Remote) -> List[BadFile]:
         return []
     if got:  # left in the cache, a later plain `dvc checkout` would put it in the work tree
         obj.unlink()
-    return [BadFile(path=path, md5=md5, reason=_why(remote, md5))]
+    return [BadFile(path=path, md5=md5, reason=_why(remote, md5, listing))]
 
 
 def verify(outs: Sequence[Output], cache: Path, remote: Remote) -> Tuple[List[Output], List[BadFile]]:
@@ -269,8 +277,9 @@ def verify(outs: Sequence[Output], cache: Path, remote: Remote) -> Tuple[List[Ou
         if out.md5.endswith(".dir"):
             wrong = _check(f"{out.path}/ (its file listing)", out.md5, cache, remote)
         if not wrong:
+            listing = out.md5 if out.md5.endswith(".dir") else ""
             for path, md5 in _files(out, cache):
-                wrong += _check(path, md5, cache, remote)
+                wrong += _check(path, md5, cache, remote, listing)
         bad += wrong
         if not wrong:
             intact.append(out)
@@ -282,6 +291,8 @@ def pull(root: Path, stages: Optional[Sequence[str]] = None) -> PullReport:
 
     Raises
     ------
+    RemoteError
+        if the remote cannot be found, or the checkout fails (it keeps files changed in the work tree).
     PullError
         if any file is missing or corrupt; the intact outputs are checked out first, and the
         error's ``report`` lists both.

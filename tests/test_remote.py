@@ -169,6 +169,14 @@ def test_a_corrupt_file_in_the_remote_is_named_and_never_checked_out(pushed, tmp
     (b / "data" / "raw" / "b.txt").unlink()
     assert dvc("pull", cwd=b, check=False).returncode != 0
     assert not (b / "data" / "raw" / "b.txt").exists()
+    # The repair the error advises: delete the remote's bad copy and its directory's listing (while
+    # the listing is there `dvc push` skips the directory), push from a clone that has it, pull again
+    listing = R._object(remote, next(o.md5 for o in R.outputs(b) if o.path == "data/raw"))
+    assert f"Delete {obj} and {listing}, then `make push`" in msg
+    obj.unlink()
+    listing.unlink()
+    R.push(copy_of_a(pushed, tmp_path / "a"))
+    assert R.pull(b).refused == [] and (b / "data" / "raw" / "b.txt").read_text() == "beta"
 
 
 def test_the_remote_variable_is_kept_out_of_git(pushed, tmp_path, monkeypatch):
