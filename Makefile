@@ -5,6 +5,10 @@
 #   make test   set up if needed, then run the test suite
 # and, when there is time (about 20 min on 2 cores):
 #   make private  the private-TTA grid (6 methods x plain/clip/DP at 4 epsilons) and the canary audit
+# Sharing a run between clones or machines (README: Sharing a run):
+#   make push   every output dvc.lock records -> the DVC remote (FEDCORE_DVC_REMOTE, default ../fedcore-dvc-remote)
+#   make pull   on another clone: fetch, check every md5 against dvc.lock, restore; rebuilds nothing
+#   STAGES="adapt fedpad@quick" limits either to those stages
 SHELL := /bin/bash
 PY ?= python3
 VENV := .venv
@@ -15,7 +19,7 @@ export MLFLOW_ENABLE_TELEMETRY ?= false
 export DO_NOT_TRACK ?= 1
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup run private fedpad fedpd test test-fast params bench clean
+.PHONY: setup run private fedpad fedpd push pull test test-fast params bench clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -52,6 +56,12 @@ fedpd: setup
 	@git rev-parse --git-dir >/dev/null 2>&1 || (git init -q && echo "initialised a git repo for DVC")
 	$(BIN)/dvc repro fedpd@digits
 	@cat results/fedpd/digits/table.md; cat results/fedpd/digits/stats.md
+
+push: setup
+	$(BIN)/python -m flows.remote push $(STAGES)
+
+pull: setup
+	$(BIN)/python -m flows.remote pull $(STAGES)
 
 test: setup
 	$(BIN)/python -m pytest -q

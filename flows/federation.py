@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Mapping
 
 import mlflow
 import numpy as np
@@ -30,6 +30,7 @@ from flows.tasks import (  # noqa: F401 - the paths and loaders are part of this
     adapt_client_task,
     cell_name,
     load_inputs,
+    load_partition,
     load_source,
     partition_dir,
     prepared_path,
@@ -51,10 +52,14 @@ def _gpus(cfg: DictConfig) -> float:
 # ------------------------------------------------------------------------------------ flows
 
 
-def pretrain(cfg: DictConfig) -> Path:
-    """FedAvg source pretraining on the round engine: a training task per client per round on Ray."""
+def pretrain(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> Path:
+    """FedAvg source pretraining on the round engine: a training task per client per round on Ray.
 
-    partition = Partition.load(partition_dir(cfg))  # before any service starts: a missing input fails fast
+    ``written``: md5s of inputs the calling flow wrote itself (:func:`flows.integrity.record`);
+    otherwise the partition is checked against ``dvc.lock``.
+    """
+
+    partition = load_partition(cfg, written=written)  # before any service starts: a bad input fails fast
 
     @flow(name="source-pretraining", task_runner=_runner(cfg), log_prints=True)
     def source_pretraining() -> str:
@@ -69,7 +74,9 @@ def pretrain(cfg: DictConfig) -> Path:
         with mlflow.start_run(run_name=f"pretrain-{cfg.data.name}-{cfg.model.name}"):
             mlflow.set_tags({**tracking.lineage_tags(seed=pcfg.seed, prepared=prepared_path(cfg),
                                                      partition_dir=partition_dir(cfg)), "stage": "pretrain"})
-            mlflow.log_params(tracking.flatten({k: v for k, v in C.to_dict(cfg).items() if k != "sweep"}))
+            # the round-based systems' grids are not this run's settings
+            mlflow.log_params(tracking.flatten({k: v for k, v in C.to_dict(cfg).items()
+                                                if k not in ("sweep", *C.ROUND_SYSTEMS)}))
 
             def on_round(record, state):
                 logger.info("round %d/%d train_loss=%.4f source_test=%.3f", record["round"] + 1, pcfg.rounds,
@@ -121,12 +128,10 @@ def _log_experiment(cfg: DictConfig, acfg, res: ArrivalsResult, *, spec: ModelSp
     tracking.log_files(plots + [out / "accuracy_matrix.csv"], artifact_path="plots")
     ckpt = _ckpt_dir(cfg, cell_name(acfg))
     tracking.log_files([ckpt / "server_state.pt", ckpt / "server_state.sha256"], artifact_path="checkpoints")
-    model = spec.build()
-    model.load_state_dict(res.final_state)
     from fedcore.tensors import to_tensor
 
     example = to_tensor(partition.source_test_x[:2]).numpy()
-    tracking.log_model(model, registered_name=cfg.flow.register_model or None, example=example)
+    tracking.log_model(spec, res.final_state, registered_name=cfg.flow.register_model or None, example=example)
 
 
 def _start_experiment_run(cfg: DictConfig, acfg, spec: ModelSpec):
@@ -207,10 +212,14 @@ def arrival(cfg: DictConfig) -> ArrivalsResult:
         runtime.shutdown_ray()
 
 
-def sweep(cfg: DictConfig) -> List[Dict[str, Any]]:
-    """The (method x aggregator x seed) grid, cells running concurrently on Ray; logged as each ends."""
+def sweep(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> List[Dict[str, Any]]:
+    """The (method x aggregator x seed) grid, cells running concurrently on Ray; logged as each ends.
 
-    partition, spec, _ = load_inputs(cfg)  # before any service starts
+    ``written``: md5s of inputs the calling flow wrote itself (:func:`flows.integrity.record`);
+    otherwise the partition and the source model are checked against ``dvc.lock``.
+    """
+
+    partition, spec, _ = load_inputs(cfg, written=written)  # before any service starts
 
     @flow(name="sweep", task_runner=_runner(cfg), log_prints=True)
     def sweep_flow() -> List[Dict[str, Any]]:
@@ -226,7 +235,7 @@ def sweep(cfg: DictConfig) -> List[Dict[str, Any]]:
         cfg_dict = C.to_dict(cfg)
         with runtime.task_resources(num_gpus=_gpus(cfg)):
             futures = [run_cell_task.with_options(retries=int(cfg.flow.retries)).submit(
-                cfg_dict=cfg_dict, method=m, aggregator=a, seed=s, form=f) for m, a, f, s in cells]
+                cfg_dict=cfg_dict, method=m, aggregator=a, seed=s, form=f, written=written) for m, a, f, s in cells]
         results = []
         done = as_completed(futures)
         if cfg.flow.progress:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Mapping, Tuple
 
 import mlflow
 import numpy as np
@@ -69,11 +69,16 @@ def _headline_score(cfg: DictConfig, system: str, grid_name: str, method: str | 
     return C.method_scores(cfg, system, method, trainer)[0] if C.is_openset(cfg, system, grid_name) else None
 
 
-def grid(cfg: DictConfig, system: str = "fedpad", grid_name: str | None = None) -> List[Dict[str, Any]]:
-    """Every (method, seed) cell of the grid, concurrently on Ray; results/<system>/<grid>/ for DVC."""
+def grid(cfg: DictConfig, system: str = "fedpad", grid_name: str | None = None, *,
+         written: Mapping[str, str] | None = None) -> List[Dict[str, Any]]:
+    """Every (method, seed) cell of the grid, concurrently on Ray; results/<system>/<grid>/ for DVC.
+
+    ``written``: md5s of the partition if the calling flow wrote it itself
+    (:func:`flows.integrity.record`); otherwise it is checked against ``dvc.lock``.
+    """
     name = str(cfg[system].grid if grid_name is None else grid_name)
     g = C.grid(cfg, system, name)
-    part = load_domain_partition(cfg, system, name)  # before any service starts
+    part = load_domain_partition(cfg, system, name, written=written)  # before any service starts
     cells = [(str(m), int(s)) for s in g.seeds for m in g.methods]
     configs = {(m, s): C.round_config(cfg, system, method=m, seed=s, grid_name=name) for m, s in cells}
 
@@ -83,7 +88,8 @@ def grid(cfg: DictConfig, system: str = "fedpad", grid_name: str | None = None) 
         tracking.setup(C.tracking_uri(cfg), f"fedcore-{system}")
         cfg_dict = C.to_dict(cfg)
         futures = [run_round_cell_task.with_options(retries=int(cfg.flow.retries), task_run_name=f"{name}-{m}-s{s}")
-                   .submit(cfg_dict=cfg_dict, system=system, grid_name=name, method=m, seed=s) for m, s in cells]
+                   .submit(cfg_dict=cfg_dict, system=system, grid_name=name, method=m, seed=s, written=written)
+                   for m, s in cells]
         done = as_completed(futures)
         if cfg.flow.progress:
             from tqdm.auto import tqdm

@@ -70,12 +70,16 @@ def _arrival(cfg) -> None:
     print(json.dumps(res.summary, indent=1))
 
 
-def _adapt(cfg) -> None:
+def _adapt(cfg, written=None) -> list:
+    """The sweep, then the table and summary the ``adapt`` stage declares; returns the sweep's results.
+
+    ``written``: md5s of inputs the caller wrote itself (the nightly job), see :func:`flows.federation.sweep`.
+    """
     from flows.federation import sweep
     from flows.tracking import summary_rows
 
     t0 = time.perf_counter()
-    results = sweep(cfg)
+    results = sweep(cfg, written=written)
     out = C.resolve_path(cfg.paths.results)
     out.mkdir(parents=True, exist_ok=True)
     table = summary_rows(results)
@@ -87,6 +91,7 @@ def _adapt(cfg) -> None:
           f"{cfg.adapt.passes} passes), sweep took {time.perf_counter() - t0:.0f}s\n")
     print(table)
     print(f"\nBrowse the runs: mlflow ui --backend-store-uri {C.tracking_uri(cfg)} --host 127.0.0.1 --port 5000")
+    return results
 
 
 def _audit(cfg) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Mapping
 
 import numpy as np
 import torch
@@ -21,6 +21,7 @@ from fedcore.data import Partition
 from fedcore.engine import AdaptResult, ModelSpec, RoundData, adapt_client, run_arrivals, run_rounds, train_step
 from fedcore.train import ClientUpdate
 from flows import config as C
+from flows import integrity
 
 # ------------------------------------------------------------------------------------ tasks
 
@@ -57,11 +58,14 @@ def adapt_client_task(global_state: Dict[str, torch.Tensor], spec: ModelSpec, cl
 
 @task(name="run-cell", cache_policy=NO_CACHE)
 def run_cell_task(cfg_dict: Dict[str, Any], method: str, aggregator: str, seed: int,
-                  form: str | None = None) -> Dict[str, Any]:
-    """One whole sweep cell, in one worker: the plain driver over the fedcore steps."""
+                  form: str | None = None, written: Mapping[str, str] | None = None) -> Dict[str, Any]:
+    """One whole sweep cell, in one worker: the plain driver over the fedcore steps.
+
+    ``written``: md5s of inputs the calling flow wrote itself (:func:`flows.integrity.record`).
+    """
     cfg = OmegaConf.create(cfg_dict)
     acfg = C.arrival_config(cfg, method=method, aggregator=aggregator, seed=seed, form=form)
-    partition, spec, source = load_inputs(cfg)
+    partition, spec, source = load_inputs(cfg, written=written)
     ckpt = _ckpt_dir(cfg, cell_name(acfg))
     t0 = time.perf_counter()
     res = run_arrivals(partition, spec, source, acfg, checkpoint_dir=ckpt, resume=bool(cfg.flow.resume),
@@ -89,12 +93,12 @@ def train_client_ray_task(*, fault_marker: str | None = None, num_gpus: float = 
 
 @task(name="round-cell", cache_policy=NO_CACHE)
 def run_round_cell_task(cfg_dict: Dict[str, Any], system: str, grid_name: str, method: str,
-                        seed: int) -> Dict[str, Any]:
+                        seed: int, written: Mapping[str, str] | None = None) -> Dict[str, Any]:
     """One whole (method, seed) cell of a round-based grid, in one worker: the plain round driver."""
     torch.set_num_threads(1)  # cells run side by side, one per CPU
     cfg = OmegaConf.create(cfg_dict)
     rcfg = C.round_config(cfg, system, method=method, seed=seed, grid_name=grid_name)
-    part = load_domain_partition(cfg, system, grid_name)
+    part = load_domain_partition(cfg, system, grid_name, written=written)
     data, spec, evaluate = round_inputs(cfg, system, grid_name, part, rcfg, method=method)
     ckpt = C.resolve_path(cfg.paths.checkpoints) / system / grid_name / f"{method}-s{seed}"
     t0 = time.perf_counter()
@@ -106,17 +110,20 @@ def run_round_cell_task(cfg_dict: Dict[str, Any], system: str, grid_name: str, m
 # ------------------------------------------------------------------------------------ helpers
 
 
-def load_domain_partition(cfg: DictConfig, system: str, grid_name: str | None = None):
-    """The grid's domain-silo partition; missing -> the DVC stage that builds it."""
+def load_domain_partition(cfg: DictConfig, system: str, grid_name: str | None = None, *,
+                          written: Mapping[str, str] | None = None):
+    """The grid's domain-silo partition; missing -> the DVC stage that builds it; changed since -> refused."""
     from fedcore.data.domains import DomainPartition
 
     name = str(cfg[system].grid if grid_name is None else grid_name)
     folder = C.domains_dir(cfg, system, name)
+    integrity.verify(folder, written=written)
     try:
         return DomainPartition.load(folder)
     except FileNotFoundError:
+        stage = "partition_domains" if system == "fedpad" else f"partition_{system}"
         raise FileNotFoundError(f"no {system} partition for grid {name!r} at {folder}. Build it with "
-                                f"`dvc repro partition_domains@{name}` (or `python -m flows.stages partition_domains "
+                                f"`dvc repro {stage}@{name}` (or `python -m flows.stages {stage} "
                                 f"{system}.grid={name}`).") from None
 
 
@@ -185,10 +192,18 @@ def _ckpt_dir(cfg: DictConfig, cell: str) -> Path:
     return C.resolve_path(cfg.paths.checkpoints) / f"{cfg.data.name}-{cfg.model.name}-{cfg.model.norm}" / cell
 
 
-def load_source(path: Path, spec: ModelSpec) -> Dict[str, torch.Tensor]:
+def load_source(path: Path, spec: ModelSpec, *, written: Mapping[str, str] | None = None
+                ) -> Dict[str, torch.Tensor]:
+    """The source model's weights, checked against its writer's md5 first, then read as tensors only.
+
+    Raises :class:`flows.integrity.IntegrityError` for a stage output changed since DVC (or
+    the flow in ``written``) wrote it, and ``ValueError`` for anything but a fedcore source
+    model of ``spec``.
+    """
     if not path.is_file():
         raise FileNotFoundError(f"source model {path} is missing. Build it with `dvc repro pretrain` "
                                 "(or `python -m flows.stages pretrain`).")
+    integrity.verify(path, written=written)
     try:
         blob = torch.load(path, map_location="cpu", weights_only=True)
         state = blob["state"]
@@ -201,7 +216,14 @@ def load_source(path: Path, spec: ModelSpec) -> Dict[str, torch.Tensor]:
     return state
 
 
-def load_inputs(cfg: DictConfig):
+def load_partition(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> Partition:
+    """The partition, refused if it changed since DVC (or the flow in ``written``) wrote it."""
+    integrity.verify(partition_dir(cfg), written=written)
+    return Partition.load(partition_dir(cfg))
+
+
+def load_inputs(cfg: DictConfig, *, written: Mapping[str, str] | None = None):
+    """(partition, spec, source weights), each checked against its writer's md5 before it is read."""
     spec = C.model_spec(cfg)
-    partition = Partition.load(partition_dir(cfg))
-    return partition, spec, load_source(source_model_path(cfg), spec)
+    partition = load_partition(cfg, written=written)
+    return partition, spec, load_source(source_model_path(cfg), spec, written=written)

@@ -4,6 +4,10 @@ One parent run per experiment (a pretraining run, or one method x aggregator x s
 a nested run per round or arrival, metrics with step = round / arrival index, the resolved
 config as params, lineage as tags, plots and checkpoints as artifacts, and the final global
 model in the Model Registry.
+
+A registered model is data only: the network's spec and its weights
+(:func:`fedcore.engine.save_network`), with their sha256s in the run's tags. Load a version
+in any process with :func:`load_registered`; nothing in the artifact store is unpickled.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ import functools
 import json
 import logging
 import queue
+import re
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -23,7 +29,14 @@ import numpy as np
 import torch
 
 from fedcore.data import sha256_file
+from fedcore.engine import ModelSpec, load_network, save_network
+from fedcore.engine.spec import SPEC_FILE, WEIGHTS_FILE
+from flows import integrity
 from flows.config import ROOT
+
+MODEL_NAME = "global_model"  # the logged model's name in its run
+NETWORK_DIR = "network"  # the folder of spec + weights inside the logged model's data
+MODEL_SHA256_TAG = "global_model.sha256."  # + file name: the run tag the registry loader checks
 
 
 def setup(uri: str, experiment: str) -> None:
@@ -31,10 +44,18 @@ def setup(uri: str, experiment: str) -> None:
     mlflow.set_experiment(experiment)
 
 
+_PARAM_KEY = re.compile(r"[^\w\-. /]")  # MLflow keys allow word characters, - . space and / only
+
+
 def flatten(d: Mapping[str, Any], prefix: str = "") -> Dict[str, str]:
+    """Nested settings as MLflow params: dotted keys, lists as JSON.
+
+    A character MLflow refuses in a key becomes ``_`` (``fedpd++`` → ``fedpd__``), so a method
+    may have any name in the config without failing the run that logs it.
+    """
     out: Dict[str, str] = {}
     for k, v in d.items():
-        key = f"{prefix}{k}"
+        key = f"{prefix}{_PARAM_KEY.sub('_', str(k))}"
         if isinstance(v, Mapping):
             out.update(flatten(v, key + "."))
         else:
@@ -65,16 +86,7 @@ def git_commit() -> str:
 
 def dvc_lock_hashes() -> Dict[str, str]:
     """md5s DVC recorded for each stage output (dvc.lock), so a run names the exact data it used."""
-    lock = ROOT / "dvc.lock"
-    if not lock.is_file():
-        return {}
-    import yaml
-
-    out = {}
-    for stage, body in (yaml.safe_load(lock.read_text()) or {}).get("stages", {}).items():
-        for o in body.get("outs", []) or []:
-            out[f"dvc.{stage.replace('@', ':')}.{Path(o['path']).name}"] = o.get("md5", "")
-    return out
+    return {f"dvc.{o.stage.replace('@', ':')}.{Path(o.path).name}": o.md5 for o in integrity.lock_outs(ROOT)}
 
 
 def lineage_tags(*, seed: int, prepared: Path | None, partition_dir: Path, extra: Mapping[str, str] = ()
@@ -182,15 +194,102 @@ def log_rounds(records: Iterable[Mapping[str, Any]], *, nested: bool = False) ->
                 mlflow.log_metrics(round_metrics(rec), step=int(rec["round"]))
 
 
-def log_model(model: torch.nn.Module, *, registered_name: str | None, example: np.ndarray) -> None:
-    """Log the final global model and register it (requirements given, so nothing is inferred).
+def log_model(spec: ModelSpec, state: Dict[str, torch.Tensor], *, registered_name: str | None,
+              example: np.ndarray) -> None:
+    """Log the final global model on the active run as data only, and register it.
 
-    Pickle format: the model classes come from the installed ``fedcore``; ``example`` is one
-    normalised input batch (N, C, H, W) for the signature.
+    The logged model is an MLflow pyfunc whose loader is this module (from the installed
+    package, never from the artifact store) and whose data is the network's ``spec.json``
+    and ``state_dict.pt``. Their sha256s go into the run's tags, where :func:`load_registered`
+    checks them. ``example`` is one normalised input batch (N, C, H, W) for the signature.
     """
-    mlflow.pytorch.log_model(model.eval(), name="global_model", registered_model_name=registered_name,
-                             serialization_format="pickle", input_example=example,
-                             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "fedcore"])
+    from mlflow.models import infer_signature
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = save_network(Path(tmp) / NETWORK_DIR, spec, state)
+        mlflow.set_tags({MODEL_SHA256_TAG + f: sha256_file(folder / f) for f in (SPEC_FILE, WEIGHTS_FILE)})
+        with torch.no_grad():
+            logits = load_network(folder)(torch.as_tensor(example)).numpy()
+        mlflow.pyfunc.log_model(name=MODEL_NAME, loader_module=__name__, data_path=str(folder),
+                                registered_model_name=registered_name, input_example=example,
+                                signature=infer_signature(example, logits),
+                                pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "fedcore"])
+
+
+def load_registered(name: str, version: int | str = "latest", *, tracking_uri: str | None = None
+                    ) -> torch.nn.Module:
+    """A registered model version as a ``torch.nn.Module`` in eval mode, on the CPU.
+
+    Parameters
+    ----------
+    name:
+        The registered model, e.g. ``"fedcore-global"`` (``flow.register_model``).
+    version:
+        A version number, ``"latest"``, or an alias such as ``"champion"``.
+    tracking_uri:
+        The tracking server (registry) to ask; default: the one MLflow is set to.
+
+    Raises
+    ------
+    flows.integrity.IntegrityError
+        The stored spec or weights differ from the sha256s in the run's tags, or the version
+        predates them (registered as a pickle): nothing was loaded.
+
+    Examples
+    --------
+    >>> from flows.tracking import load_registered
+    >>> model = load_registered("fedcore-global", 3, tracking_uri="sqlite:///mlruns.db")
+    >>> logits = model(x)  # x: (N, C, H, W), normalised like the training data
+    """
+    client = mlflow.MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    mv = _model_version(client, name, version)
+    tags = client.get_run(mv.run_id).data.tags
+    with tempfile.TemporaryDirectory() as tmp:
+        local = Path(mlflow.artifacts.download_artifacts(
+            artifact_uri=client.get_model_version_download_uri(name, mv.version), dst_path=tmp,
+            tracking_uri=tracking_uri))
+        folder = local / "data" / NETWORK_DIR
+        for f in (SPEC_FILE, WEIGHTS_FILE):
+            expected = tags.get(MODEL_SHA256_TAG + f)
+            if expected is None:
+                raise integrity.IntegrityError(
+                    f"version {mv.version} of {name!r} (run {mv.run_id}) has no tag {MODEL_SHA256_TAG + f}: it was "
+                    "registered before models were stored as data only (perhaps as a pickle), so it is not "
+                    "loaded; register it again from a current run")
+            actual = sha256_file(folder / f) if (folder / f).is_file() else "missing"
+            if actual != expected:
+                raise integrity.IntegrityError(
+                    f"{f} of version {mv.version} of {name!r} does not match the sha256 its run {mv.run_id} "
+                    f"recorded (expected {expected}, found {actual}): the artifact store was changed after "
+                    "registration, so it was not loaded")
+        return load_network(folder)
+
+
+def _model_version(client: "mlflow.MlflowClient", name: str, version: int | str):
+    if isinstance(version, int) or str(version).isdigit():
+        return client.get_model_version(name, str(version))
+    if version == "latest":
+        versions = client.search_model_versions(f"name='{name}'")
+        if not versions:
+            raise ValueError(f"no registered model {name!r}; register one with flow.register_model={name}")
+        return max(versions, key=lambda v: int(v.version))
+    return client.get_model_version_by_alias(name, str(version))
+
+
+class _Network:
+    """What ``mlflow.pyfunc.load_model`` returns for a fedcore model: logits for a float array."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def predict(self, data: Any, params: Any = None) -> np.ndarray:
+        with torch.no_grad():
+            return self.model(torch.as_tensor(np.asarray(data, dtype=np.float32))).numpy()
+
+
+def _load_pyfunc(data_path: str) -> _Network:
+    """MLflow's loader hook (``loader_module``): rebuild the network from its spec; weights as tensors only."""
+    return _Network(load_network(data_path))
 
 
 def log_files(paths: Iterable[Path], artifact_path: str | None = None) -> None:

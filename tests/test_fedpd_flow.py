@@ -72,3 +72,19 @@ def test_open_set_grid_writes_auroc_tables_and_logs_alignment_per_round(tmp_path
     assert run.data.metrics["final_auroc"] == pytest.approx(summary["fedpd++"]["auroc"])
     history = client.get_metric_history(run.info.run_id, "transport_entropy")
     assert len(history) == 2  # one point per round
+
+
+def test_method_names_mlflow_refuses_in_keys_are_logged_under_safe_keys(tmp_path):
+    """``fedpd++`` is a config key; MLflow refuses '+' in param keys, so a run that logs the config must not fail."""
+    import mlflow
+
+    from flows import tracking
+
+    params = tracking.flatten({"fedpd": {"methods": {"fedpd++": {"trainer": "proser"}}}, "seeds": [0, 1]})
+    assert params == {"fedpd.methods.fedpd__.trainer": "proser", "seeds": "[0, 1]"}
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlruns.db")
+    try:
+        with mlflow.start_run():
+            mlflow.log_params(params)  # raises MlflowException on an invalid key
+    finally:
+        mlflow.set_tracking_uri(None)

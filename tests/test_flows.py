@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
 from flows import config as C
@@ -49,8 +50,14 @@ def test_arrival_flow_logs_lineage_metrics_artifacts_and_model(tiny):
     for name in ("online_accuracy.png", "accuracy_matrix.png", "weight_drift.png", "gate_weights.png"):
         assert f"plots/{name}" in arts
     assert "checkpoints/server_state.pt" in arts
-    versions = client.search_model_versions(f"name='{cfg.flow.register_model}'")
-    assert any(v.run_id == run.info.run_id for v in versions)
+    versions = [v for v in client.search_model_versions(f"name='{cfg.flow.register_model}'")
+                if v.run_id == run.info.run_id]
+    assert versions
+    from flows.tracking import load_registered
+
+    model = load_registered(cfg.flow.register_model, versions[0].version, tracking_uri=C.tracking_uri(cfg))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, res.final_state[k]), k
 
 
 def test_failed_client_task_is_retried_and_metrics_unchanged(tiny):
