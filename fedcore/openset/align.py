@@ -164,8 +164,9 @@ def transport(a: torch.Tensor, b: torch.Tensor, *, method: str = "sinkhorn", reg
     are divided by their means, times ``extra_weight``. The reported ``cost`` is the weights' alone.
 
     The ground cost is divided by its mean, so ``reg`` is relative to a typical distance between
-    two units and means the same on every layer (a maximum would let one outlying unit set it). Sinkhorn runs in the log domain; if it returns non-finite values the layer keeps
-    its order (identity) with a warning, never silent NaNs.
+    two units and means the same on every layer (a maximum would let one outlying unit set it).
+    Sinkhorn runs in the log domain; if it returns non-finite values the layer keeps its order
+    (identity) with a warning, never silent NaNs.
     """
     if method not in ALIGN_METHODS or method == "none":
         raise ValueError(f"unknown alignment {method!r}; use one of sinkhorn, hungarian (or none to skip alignment)")
@@ -202,7 +203,7 @@ def transport(a: torch.Tensor, b: torch.Tensor, *, method: str = "sinkhorn", reg
                           f"(now {reg}) or use align=hungarian", RuntimeWarning, stacklevel=3)
             P, converged = torch.eye(n, dtype=torch.float64), False
         else:
-            converged = err <= 5e-2  # 5 % of a unit's mass: well past what changes the average
+            converged = err <= 5e-2  # warn when more than 5 % of a unit's mass is misplaced
             if not converged:
                 warnings.warn(f"{where}Sinkhorn did not converge in {max_iter} iterations (relative marginal error "
                               f"{err:.2g}); "
