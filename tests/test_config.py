@@ -15,7 +15,8 @@ def test_every_group_option_composes_and_builds(group, option):
     assert C.arrival_config(cfg).method == cfg.method.name
 
 
-PAIRS = {"sgd": "fedavg", "prox": "fedavg", "scaffold": "scaffold", "feddyn": "feddyn", "proto": "fedpad"}
+PAIRS = {"sgd": "fedavg", "prox": "fedavg", "scaffold": "scaffold", "feddyn": "feddyn", "proto": "fedpad",
+         "proser": "fedpd"}
 
 
 @pytest.mark.parametrize("group,option", [(g, p.stem) for g in ("trainer", "strategy")
@@ -23,7 +24,8 @@ PAIRS = {"sgd": "fedavg", "prox": "fedavg", "scaffold": "scaffold", "feddyn": "f
 def test_every_round_group_option_builds_a_round_config(group, option):
     """Each trainer with a strategy written for it, and each strategy with a trainer it takes."""
     trainer = option if group == "trainer" else {"fedavg": "sgd", "fedadam": "sgd", "scaffold": "scaffold",
-                                                 "feddyn": "feddyn", "fedproto": "proto", "fedpad": "proto"}[option]
+                                                 "feddyn": "feddyn", "fedproto": "proto", "fedpad": "proto",
+                                                 "fedpd": "proser"}[option]
     strategy = PAIRS[option] if group == "trainer" else option
     cfg = C.compose([f"trainer={trainer}", f"strategy={strategy}"])
     rcfg = C.single_round_config(cfg, "fedpad")
@@ -31,11 +33,12 @@ def test_every_round_group_option_builds_a_round_config(group, option):
     rcfg.make_trainer(), rcfg.make_strategy()
 
 
-def test_every_fedpad_grid_and_method_builds():
+@pytest.mark.parametrize("system", C.ROUND_SYSTEMS)
+def test_every_round_system_grid_and_method_builds(system):
     cfg = C.compose([])
-    for name, g in cfg.fedpad.grids.items():
+    for name, g in cfg[system].grids.items():
         for m in g.methods:
-            C.round_config(cfg, "fedpad", method=str(m), seed=0, grid_name=str(name))
+            C.round_config(cfg, system, method=str(m), seed=0, grid_name=str(name))
 
 
 def test_params_yaml_is_conf_composed():
