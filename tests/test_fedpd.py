@@ -339,3 +339,18 @@ def test_a_fedpd_run_is_reproducible():
         a, b = run_rounds(data, SPEC, cfg), run_rounds(data, SPEC, cfg)
     assert [r["avg_acc"] for r in a.records] == [r["avg_acc"] for r in b.records]
     assert all(torch.equal(a.final_state[k], b.final_state[k]) for k in a.final_state)
+
+
+def test_a_round_whose_model_misses_a_class_scores_openmax_as_nan_and_goes_on():
+    from fedcore.openset.evaluate import openset_evaluate
+
+    spec = ModelSpec(name="lenet", in_channels=1, num_classes=3, norm="batch")
+    state = spec.build().state_dict()
+    state["fc.bias"] = torch.tensor([100.0, 0.0, 0.0])  # predicts class 0 for everything
+    x, y = _toy(30, classes=3)
+    xu, _ = _toy(10, seed=5)
+    with pytest.warns(RuntimeWarning, match="OpenMax cannot be fitted.*class 1"):
+        out = openset_evaluate(state, spec, {"d": (x, y)}, {"d": xu}, scores=["msp", "openmax"], fit=(x, y))
+    assert np.isnan(out["auroc.openmax"]) and np.isnan(out["oscr.openmax.d"])
+    assert 0 <= out["auroc.msp"] <= 1 and out["auroc"] == out["auroc.msp"]
+    assert out["acc.d"] == pytest.approx(float(np.mean(y == 0)))

@@ -14,6 +14,7 @@ for the first score listed (the method's headline).
 
 from __future__ import annotations
 
+import warnings
 from typing import Dict, Mapping, Sequence, Tuple
 
 import numpy as np
@@ -50,7 +51,9 @@ def openset_evaluate(state: Mapping[str, torch.Tensor], spec: ModelSpec, known: 
                      fit: Tuple[np.ndarray, np.ndarray] | None = None, device: str = "cpu") -> Dict[str, float]:
     """Open-set metrics of ``state`` on every domain (see the module docstring).
 
-    ``fit`` is the (x, y) OpenMax is fitted on; it is needed only when ``openmax`` is listed.
+    ``fit`` is the (x, y) OpenMax is fitted on; it is needed only when ``openmax`` is listed. A
+    model that gets a whole known class wrong cannot be fitted (OpenMax needs each class's mean
+    activation vector): its OpenMax metrics are NaN in that round, with a warning, and the run goes on.
     """
     device = resolve_device(device)
     model = spec.build().to(device)
@@ -60,7 +63,11 @@ def openset_evaluate(state: Mapping[str, torch.Tensor], spec: ModelSpec, known: 
     if "openmax" in scores:
         if fit is None:
             raise ValueError("the openmax score needs training data to fit on (fit=(x, y))")
-        scorer = OpenMax().fit(logits_of(model, fit[0], device=device), np.asarray(fit[1]))
+        try:
+            scorer = OpenMax().fit(logits_of(model, fit[0], device=device), np.asarray(fit[1]))
+        except ValueError as e:  # an early round's model may get a whole class wrong: no score this round
+            warnings.warn(f"OpenMax cannot be fitted to this model, its metrics are NaN for now: {e}", RuntimeWarning,
+                          stacklevel=2)
     out: Dict[str, float] = {}
     for d, (x, y) in known.items():
         lk, lu = logits_of(model, x, device=device), logits_of(model, unknown[d], device=device)
@@ -72,8 +79,11 @@ def openset_evaluate(state: Mapping[str, torch.Tensor], spec: ModelSpec, known: 
                 sk, su = proser_score(lk), proser_score(lu)
             elif s == "msp":
                 sk, su = msp_score(lk), msp_score(lu)
-            else:
+            elif scorer is not None:
                 sk, su = scorer.score(lk), scorer.score(lu)
+            else:
+                out[f"auroc.{s}.{d}"] = out[f"oscr.{s}.{d}"] = float("nan")
+                continue
             out[f"auroc.{s}.{d}"] = auroc(sk, su)
             out[f"oscr.{s}.{d}"] = oscr(sk, correct, su)
     domains = list(known)
