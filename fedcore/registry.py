@@ -8,6 +8,13 @@ from typing import Callable, Dict, Generic, List, TypeVar
 T = TypeVar("T")
 
 
+def check_choice(what: str, value: str, choices) -> str:
+    """``value`` if it is one of ``choices``; else a ValueError naming the valid ones."""
+    if value not in choices:
+        raise ValueError(f"unknown {what} {value!r}; use one of {', '.join(choices)}")
+    return value
+
+
 class Registry(Generic[T]):
     """A name -> factory dict whose lookups list the valid names on a miss.
 

@@ -45,12 +45,9 @@ class LockedOut:
 
 
 def md5_file(path: str | Path) -> str:
-    """md5 of a file, read in 1 MiB chunks: the hash DVC 3 records for it."""
-    h = hashlib.md5()
+    """md5 of a file: the hash DVC 3 records for it."""
     with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(fh, "md5").hexdigest()
 
 
 def folder_md5(listing: Mapping[str, str]) -> str:

@@ -29,6 +29,7 @@ from fedcore.aggregate.strategies import STRATEGIES, Aggregated, Strategy, Updat
 from fedcore.openset.align import ALIGN_METHODS, PART_COSTS, layer_plan
 from fedcore.openset.gdca import fuse
 from fedcore.openset.masks import PART_MODES, split_parts
+from fedcore.registry import check_choice
 
 REFERENCES = ("largest", "first")
 CLIENT_WEIGHTS = ("examples", "uniform")
@@ -43,15 +44,11 @@ class FedPD(Strategy):
                  sba: bool = True, sba_weight: float = 1.0, reg: float = 0.05, max_iter: int = 200,
                  sba_window: int = 10, reference: str = "largest", client_weights: str = "examples",
                  quality: bool = False) -> None:
-        if parts not in PART_MODES:
-            raise ValueError(f"unknown parts {parts!r}; use one of {', '.join(PART_MODES)}")
-        if align not in ALIGN_METHODS:
-            raise ValueError(f"unknown align {align!r}; use one of {', '.join(ALIGN_METHODS)}")
-        if reference not in REFERENCES or client_weights not in CLIENT_WEIGHTS:
-            raise ValueError(f"reference must be one of {', '.join(REFERENCES)} and client_weights one of "
-                             f"{', '.join(CLIENT_WEIGHTS)}; got {reference!r}, {client_weights!r}")
-        if part_cost not in PART_COSTS:
-            raise ValueError(f"unknown part_cost {part_cost!r}; use one of {', '.join(PART_COSTS)}")
+        for what, value, choices in (("parts", parts, PART_MODES), ("align", align, ALIGN_METHODS),
+                                     ("reference", reference, REFERENCES),
+                                     ("client_weights", client_weights, CLIENT_WEIGHTS),
+                                     ("part_cost", part_cost, PART_COSTS)):
+            check_choice(what, value, choices)
         if reg <= 0 or max_iter < 1 or sba_window < 1 or sba_weight < 0:
             raise ValueError(f"need reg > 0, max_iter >= 1, sba_window >= 1 and sba_weight >= 0; got {reg}, "
                              f"{max_iter}, {sba_window}, {sba_weight}")

@@ -31,6 +31,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from fedcore.registry import check_choice
+
 State = Dict[str, torch.Tensor]
 Masks = Mapping[str, torch.Tensor]
 
@@ -250,8 +252,7 @@ def align_chain(state: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tenso
     ``bank_costs`` maps a layer name to SBA's cost between channels (:func:`bank_cost`), added to
     the weights' cost with ``sba_weight``.
     """
-    if part_cost not in PART_COSTS:
-        raise ValueError(f"unknown part_cost {part_cost!r}; use one of {', '.join(PART_COSTS)}")
+    check_choice("part_cost", part_cost, PART_COSTS)
     chain = Chain(P=[])
     prev: Optional[torch.Tensor] = None
     for layer in plan:

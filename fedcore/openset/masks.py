@@ -21,6 +21,8 @@ from typing import Dict, Mapping
 
 import torch
 
+from fedcore.registry import check_choice
+
 Scores = Dict[str, torch.Tensor]
 
 MASK_MODES = ("soft", "hard")
@@ -30,8 +32,7 @@ PART_MODES = ("three", "two", "none")
 
 def normalise(score: torch.Tensor, *, norm: str = "rank") -> torch.Tensor:
     """Scores of one tensor mapped to [0, 1]: their quantile (ties share the mean rank), or score / max."""
-    if norm not in SCORE_NORMS:
-        raise ValueError(f"unknown score norm {norm!r}; use one of {', '.join(SCORE_NORMS)}")
+    check_choice("score norm", norm, SCORE_NORMS)
     flat = score.detach().flatten().double()
     n = flat.numel()
     if norm == "max":
@@ -82,8 +83,7 @@ def split_parts(m_close: Mapping[str, torch.Tensor], m_open: Mapping[str, torch.
     parameters count twice, which the mask-weighted average of :func:`fedcore.openset.gdca.fuse` divides out.
     ``none``: the whole model as one part.
     """
-    if mode not in PART_MODES:
-        raise ValueError(f"unknown parts {mode!r}; use one of {', '.join(PART_MODES)}")
+    check_choice("parts", mode, PART_MODES)
     if mode == "none":
         return {"whole": {k: torch.ones_like(v) for k, v in m_close.items()}}
     if set(m_close) != set(m_open):

@@ -31,6 +31,7 @@ from torch import nn
 
 from fedcore.models import mix_split
 from fedcore.openset.masks import MASK_MODES, SCORE_NORMS, delta_soft, masks_from_scores
+from fedcore.registry import check_choice
 from fedcore.train.base import TRAINERS, LocalTrainer, State
 
 IMPORTANCE = ("dpi", "gradient", "none")
@@ -50,11 +51,9 @@ class ProserTrainer(LocalTrainer):
             raise ValueError(f"PROSER loss weights must be >= 0, got beta={beta}, gamma={gamma}")
         if mix_alpha <= 0:
             raise ValueError(f"mix_alpha (the Beta distribution's parameter) must be > 0, got {mix_alpha}")
-        if importance not in IMPORTANCE:
-            raise ValueError(f"unknown importance {importance!r}; use one of {', '.join(IMPORTANCE)}")
-        if mask not in MASK_MODES or score_norm not in SCORE_NORMS:
-            raise ValueError(f"mask must be one of {', '.join(MASK_MODES)} and score_norm one of "
-                             f"{', '.join(SCORE_NORMS)}; got {mask!r}, {score_norm!r}")
+        check_choice("importance", importance, IMPORTANCE)
+        check_choice("mask", mask, MASK_MODES)
+        check_choice("score_norm", score_norm, SCORE_NORMS)
         if not 0 <= delta0 <= 1 or not 0 <= delta_end <= 1:
             raise ValueError(f"the soft-mask thresholds are quantiles in [0, 1], got delta0={delta0}, "
                              f"delta_end={delta_end}")
