@@ -36,17 +36,16 @@ SHARED = _shared_root()
 
 
 def shared_file(name: str) -> Path:
-    """The shared data root; a missing file skips on a developer's machine and fails in CI.
+    """The shared data root; a missing file fails, naming where it was looked for.
 
-    CI (``CI=true``, as ``.ci/run`` is run) always has ../shared/data beside the clone, so a
-    missing file there is a broken set-up, not a reason to skip the shared-data tests.
+    The project always runs beside ../shared/data (CI included), so a missing file is a broken
+    set-up, not a reason to skip the tests of the real domains.
     """
     missing = ("needs ../shared/data (or FEDCORE_SHARED_DATA): not found" if SHARED is None
                else f"needs {name} under {SHARED}: not found" if not (SHARED / name).is_file() else None)
     if missing is not None:
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(f"{missing}; CI must run beside ../shared/data (see ../shared/data/README.md)")
-        pytest.skip(f"{missing}; see ../shared/data/README.md")
+        pytest.fail(f"{missing}; clone beside ../shared/data or set FEDCORE_SHARED_DATA "
+                    "(see ../shared/data/README.md)")
     return SHARED
 
 
