@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +13,7 @@ import pytest
 
 from fedcore.data.domains import (
     DOMAIN_SETS,
+    FASHION_CLASSES,
     FONT_FILES,
     DomainPartition,
     DomainSet,
@@ -19,9 +22,12 @@ from fedcore.data.domains import (
     fonts_used,
     load_domains,
     mnist_halves,
+    read_idx,
     shard_sizes,
+    to_rgb,
 )
 from fedcore.data.partition import sha256_arrays
+from fedcore.data.sources import CIFAR10_CLASSES
 
 
 def _shared_root() -> Path | None:
@@ -249,8 +255,186 @@ def test_missing_files_name_the_file_and_root(tmp_path):
         load_domains("digits", None, size=16, seed=0, domains=["usps"])
 
 
+# ---------------------------------------------------------------------------------------------
+# Single-domain sets: Fashion-MNIST and CIFAR-10
+# ---------------------------------------------------------------------------------------------
+
+
+FASHION_GZ = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
+              "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
+
+
+def idx_bytes(arr: np.ndarray, magic: int | None = None, dims: tuple | None = None) -> bytes:
+    """An uncompressed IDX file of uint8 ``arr`` (header magic / dims overridable to corrupt it)."""
+    arr = np.asarray(arr, np.uint8)
+    magic = 0x0800 + arr.ndim if magic is None else magic
+    dims = arr.shape if dims is None else dims
+    return magic.to_bytes(4, "big") + np.asarray(dims, ">u4").tobytes() + arr.tobytes()
+
+
+def write_gz(path: Path, raw: bytes) -> Path:
+    path.write_bytes(gzip.compress(raw))
+    return path
+
+
+@pytest.fixture(scope="module")
+def fashion1k():
+    return load_domains("fashion", shared_file("fashion-mnist/train-images-idx3-ubyte.gz"), size=28, seed=0,
+                        max_per_domain=1000)
+
+
+@pytest.mark.shared_data
+def test_fashion_shapes_names_and_balance(fashion1k):
+    ds = fashion1k
+    check_domain_set(ds, 28)
+    assert ds.name == "fashion" and ds.domains == ("fashion",) == DOMAIN_SETS["fashion"]
+    assert ds.classes == FASHION_CLASSES and len(ds.classes) == 10 and ds.classes[0] == "T-shirt/top"
+    assert ds.counts() == {"fashion": 1000} and (ds.d == 0).all()
+    assert np.bincount(ds.y, minlength=10).tolist() == [100] * 10  # 7,000 per class: exactly stratified
+    assert grey(ds.x)
+    # source_index is the row of train + test (train first) in the original IDX files.
+    folder = SHARED / "fashion-mnist"
+    raw_x = np.concatenate([read_idx(folder / FASHION_GZ[0], ndim=3), read_idx(folder / FASHION_GZ[2], ndim=3)])
+    raw_y = np.concatenate([read_idx(folder / FASHION_GZ[1], ndim=1), read_idx(folder / FASHION_GZ[3], ndim=1)])
+    assert ds.source_index.max() < 70000 and (ds.source_index >= 60000).any()
+    assert np.array_equal(ds.x[..., 0], raw_x[ds.source_index]) and np.array_equal(ds.y, raw_y[ds.source_index])
+
+
+@pytest.mark.shared_data
+def test_fashion_full_set_cap_seed_and_partition(fashion1k):
+    root = shared_file("fashion-mnist/train-images-idx3-ubyte.gz")
+    full = load_domains("fashion", root, size=28, seed=0)
+    assert full.x.shape == (70000, 28, 28, 3) and full.x.dtype == np.uint8
+    assert np.bincount(full.y).tolist() == [7000] * 10
+    assert np.array_equal(full.source_index, np.arange(70000))
+    assert np.array_equal(full.x[fashion1k.source_index], fashion1k.x), "a capped set is a subset of the full one"
+    other = load_domains("fashion", root, size=28, seed=1, max_per_domain=1000)
+    assert not np.array_equal(other.source_index, fashion1k.source_index)
+    big = load_domains("fashion", root, size=32, seed=0, max_per_domain=1000)
+    assert big.x.shape == (1000, 32, 32, 3) and np.array_equal(big.source_index, fashion1k.source_index)
+    part = build_domain_partition(fashion1k, clients_per_domain={"fashion": 1}, test_fraction=0.3, size_skew=0.0,
+                                  seed=0)
+    assert part.num_clients == 1 and part.domains == ("fashion",) and part.classes == FASHION_CLASSES
+    assert len(part.client_y[0]) == 700 and len(part.test_y[0]) == 300
+    assert np.bincount(part.test_y[0]).tolist() == [30] * 10
+
+
+def test_read_idx_reads_a_good_file(tmp_path):
+    arr = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
+    out = read_idx(write_gz(tmp_path / "ok.gz", idx_bytes(arr)), ndim=3, count=2, shape=(3, 4))
+    assert out.dtype == np.uint8 and np.array_equal(out, arr)
+
+
+@pytest.mark.parametrize("raw, kwargs, match", [
+    (None, dict(ndim=1), "is not a readable gzip file"),  # not gzip at all
+    (b"truncated", dict(ndim=1), "is not a readable gzip file"),  # gzip cut short
+    (idx_bytes(np.zeros(5, np.uint8), magic=0x0803), dict(ndim=1), "magic number 0x00000803, expected 0x00000801"),
+    (idx_bytes(np.zeros((2, 2, 2), np.uint8), magic=0x0D03), dict(ndim=3), "magic number 0x00000d03"),  # floats
+    (b"\x00\x00", dict(ndim=1), "shorter than 4 bytes"),
+    (b"\x00\x00\x08\x03\x00\x00", dict(ndim=3), "ends inside its IDX header"),
+    (idx_bytes(np.zeros(5, np.uint8), dims=(6,)), dict(ndim=1), r"header gives shape \(6,\).*but 5 bytes follow"),
+    (idx_bytes(np.zeros(5, np.uint8)) + b"x", dict(ndim=1), "but 6 bytes follow"),
+    (idx_bytes(np.zeros(5, np.uint8)), dict(ndim=1, count=60000), "holds 5 items, expected 60000"),
+    (idx_bytes(np.zeros((2, 3, 3), np.uint8)), dict(ndim=3, shape=(28, 28)), r"shape \(3, 3\), expected \(28, 28\)"),
+])
+def test_read_idx_rejects_corrupt_files(tmp_path, raw, kwargs, match):
+    path = tmp_path / "bad-idx1-ubyte.gz"
+    if raw is None:
+        path.write_bytes(b"this is not gzip")
+    elif raw == b"truncated":
+        path.write_bytes(gzip.compress(idx_bytes(np.arange(200, dtype=np.uint8)))[:-12])
+    else:
+        write_gz(path, raw)
+    with pytest.raises(ValueError, match=re.escape(str(path)) + ".*" + match):
+        read_idx(path, **kwargs)
+
+
+def test_fashion_rejects_a_corrupt_file_in_its_folder(tmp_path):
+    folder = tmp_path / "fashion-mnist"
+    folder.mkdir()
+    for name in FASHION_GZ:  # valid IDX files, but 3 items instead of 60,000 / 10,000
+        arr = np.zeros((3, 28, 28) if "images" in name else (3,), np.uint8)
+        write_gz(folder / name, idx_bytes(arr))
+    with pytest.raises(ValueError, match="train-images-idx3-ubyte.gz holds 3 items, expected 60000"):
+        load_domains("fashion", tmp_path, size=28, seed=0, max_per_domain=10)
+
+
+def test_fashion_missing_files_name_the_file_and_folder(tmp_path, monkeypatch):
+    import fedcore.data.domains as dm
+
+    monkeypatch.setattr(dm, "FASHION_SYSTEM_DIR", tmp_path / "no-system-copy")
+    with pytest.raises(FileNotFoundError, match=re.escape("needs fashion-mnist/train-images-idx3-ubyte.gz")
+                       + ".*" + re.escape(f"{tmp_path / 'fashion-mnist'} does not exist")
+                       + ".*dataset-fashion-mnist"):
+        load_domains("fashion", tmp_path, size=28, seed=0, max_per_domain=10)
+    with pytest.raises(FileNotFoundError, match="no root was given"):
+        load_domains("fashion", None, size=28, seed=0, max_per_domain=10)
+    folder = tmp_path / "fashion-mnist"
+    folder.mkdir()
+    for name in FASHION_GZ[:3]:
+        (folder / name).write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=re.escape(f"t10k-labels-idx1-ubyte.gz not found in {folder}")):
+        load_domains("fashion", tmp_path, size=28, seed=0, max_per_domain=10)
+
+
+@pytest.mark.shared_data
+def test_fashion_falls_back_to_the_system_folder(tmp_path, monkeypatch, fashion1k):
+    import fedcore.data.domains as dm
+
+    shared = shared_file("fashion-mnist/train-images-idx3-ubyte.gz") / "fashion-mnist"
+    monkeypatch.setattr(dm, "FASHION_SYSTEM_DIR", shared)  # stands in for /usr/share/datasets/fashion-mnist
+    for root in (tmp_path, None):  # no fashion-mnist/ under the root, or no root at all
+        ds = load_domains("fashion", root, size=28, seed=0, max_per_domain=1000)
+        assert np.array_equal(ds.x, fashion1k.x) and np.array_equal(ds.y, fashion1k.y)
+
+
+@pytest.fixture(scope="module")
+def cifar500():
+    """500 CIFAR-10 images; the first load in a process decodes all 60,000 jpgs (~10 s)."""
+    return load_domains("cifar10", shared_file("cifar10-jpeg.zip"), size=32, seed=0, max_per_domain=500)
+
+
+@pytest.mark.shared_data
+def test_cifar10_shapes_names_and_balance(cifar500):
+    ds = cifar500
+    assert ds.x.shape == (500, 32, 32, 3) and ds.x.dtype == np.uint8
+    check_domain_set(ds, 32)
+    assert ds.name == "cifar10" and ds.domains == ("cifar10",) == DOMAIN_SETS["cifar10"]
+    assert ds.classes == CIFAR10_CLASSES
+    assert np.bincount(ds.y, minlength=10).tolist() == [50] * 10
+    assert not grey(ds.x)
+    assert ds.source_index.max() < 60000 and (ds.source_index >= 50000).any(), "train and test rows both drawn"
+
+
+@pytest.mark.shared_data
+def test_cifar10_decodes_once_resizes_and_partitions(cifar500):
+    import fedcore.data.domains as dm
+
+    root = shared_file("cifar10-jpeg.zip")
+    misses = dm._cifar10_arrays.cache_info().misses
+    small = load_domains("cifar10", root, size=16, seed=0, max_per_domain=500)
+    other = load_domains("cifar10", root, size=32, seed=1, max_per_domain=500)
+    assert dm._cifar10_arrays.cache_info().misses == misses, "the zip was decoded a second time"
+    assert small.x.shape == (500, 16, 16, 3) and np.array_equal(small.source_index, cifar500.source_index)
+    assert np.array_equal(small.x, to_rgb(cifar500.x, 16)) and np.array_equal(small.y, cifar500.y)
+    assert not np.array_equal(other.source_index, cifar500.source_index)
+    part = build_domain_partition(cifar500, clients_per_domain={"cifar10": 2}, test_fraction=0.3, size_skew=0.0,
+                                  seed=0)
+    assert part.num_clients == 2 and [len(y) for y in part.client_y] == [175, 175]
+    assert np.bincount(part.test_y[0]).tolist() == [15] * 10
+
+
+def test_cifar10_missing_file_names_the_file_and_root(tmp_path):
+    with pytest.raises(FileNotFoundError, match=re.escape(f"cifar10-jpeg.zip not found under data root {tmp_path}")):
+        load_domains("cifar10", tmp_path, size=32, seed=0, max_per_domain=10)
+    with pytest.raises(FileNotFoundError, match="'cifar10' domain set needs cifar10-jpeg.zip.*no root was given"):
+        load_domains("cifar10", None, size=32, seed=0, max_per_domain=10)
+    with pytest.raises(ValueError, match=r"unknown domain\(s\) \['svhn'\] for the 'cifar10' set"):
+        load_domains("cifar10", tmp_path, size=32, seed=0, domains=["svhn"])
+
+
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(name="mnist"), "unknown domain set 'mnist'; valid names are: digits, pacs, digits_local"),
+    (dict(name="mnist"), "unknown domain set 'mnist'; valid names are: digits, pacs, digits_local, fashion, cifar10"),
     (dict(domains=["svhn"]), r"unknown domain\(s\) \['svhn'\] .*valid names for that set are: mnist, fonts, sklearn"),
     (dict(domains=["mnist", "mnist"]), "repeats a name"),
     (dict(domains="mnist"), r"write domains=\['mnist'\]"),

