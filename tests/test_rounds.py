@@ -158,7 +158,7 @@ def test_a_client_that_sends_nan_is_not_merged_and_named(fed):
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(trainer="sdg"), "unknown trainer 'sdg'; valid names are: feddyn, proser, proto, prox, scaffold, sgd"),
+    (dict(trainer="sdg"), "unknown trainer 'sdg'; valid names are: fcil, feddyn, proser, proto, prox, scaffold, sgd"),
     (dict(strategy="fedprox2"), "unknown strategy 'fedprox2'; valid names are:.*fedavg"),
     (dict(trainer="prox", trainer_params={"mu": 0.1, "lrr": 0.1}), "no setting 'lrr'; valid settings are:.*lr"),
     (dict(strategy="fedpad", trainer="proto", strategy_params={"gama": 1.0}), "no setting 'gama'.*gamma"),

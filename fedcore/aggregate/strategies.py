@@ -48,6 +48,10 @@ class Strategy:
     def broadcast(self) -> Dict[str, Any]:
         return {}
 
+    def select(self, round_index: int, default: List[int], *, num_clients: int) -> List[int]:
+        """The clients of round ``round_index``; ``default`` is the run's seeded sample (or everyone)."""
+        return default
+
     def aggregate(self, global_state: State, updates: Updates, *, num_clients: int) -> Aggregated:
         return Aggregated(weighted_average([(u.state, u.num_examples) for _, u in updates]))
 
@@ -277,3 +281,5 @@ class FedPAD(_PrototypeServer):
 
 # FedPD++ lives in its own module (it brings the open-set alignment); importing it registers "fedpd".
 from fedcore.aggregate import fedpd as _fedpd  # noqa: E402,F401
+# PP-FCIL's multi-factor weights and Mahalanobis selection; importing it registers "ppfcil".
+from fedcore.aggregate import ppfcil as _ppfcil  # noqa: E402,F401

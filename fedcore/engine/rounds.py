@@ -89,22 +89,53 @@ class RoundConfig:
 
 @dataclass
 class RoundData:
-    """Who holds what: each client's labelled data, its group (domain), and the evaluation sets."""
+    """Who holds what: each client's labelled data, its group (domain), and the evaluation sets.
+
+    Data that arrives in tasks (class-incremental learning) also gives ``client_task`` (the task
+    of every sample), ``task_classes`` (the classes of each task) and ``rounds_per_task``: in
+    task t a client trains only on its samples of task t, and every client is told the task.
+    """
 
     client_x: List[np.ndarray]
     client_y: List[np.ndarray]
     client_group: List[str]
     eval_sets: Dict[str, Tuple[np.ndarray, np.ndarray]]
+    client_task: List[np.ndarray] | None = None
+    task_classes: List[List[int]] | None = None
+    rounds_per_task: int | None = None
 
     def __post_init__(self) -> None:
         if not self.client_x:
             raise ValueError("a round-based run needs at least one client")
         if not len(self.client_x) == len(self.client_y) == len(self.client_group):
             raise ValueError("client_x, client_y and client_group must have one entry per client")
+        staged = (self.client_task is not None, self.task_classes is not None, self.rounds_per_task is not None)
+        if any(staged) and not all(staged):
+            raise ValueError("data in tasks needs all of client_task, task_classes and rounds_per_task")
+        if self.staged:
+            if len(self.client_task) != self.num_clients or any(
+                    len(t) != len(y) for t, y in zip(self.client_task, self.client_y)):
+                raise ValueError("client_task must give the task of every sample of every client")
+            if int(self.rounds_per_task) < 1:
+                raise ValueError(f"rounds_per_task must be >= 1, got {self.rounds_per_task}")
 
     @property
     def num_clients(self) -> int:
         return len(self.client_x)
+
+    @property
+    def staged(self) -> bool:
+        return self.client_task is not None
+
+    def task_of(self, round_index: int) -> int:
+        return min(round_index // int(self.rounds_per_task), len(self.task_classes) - 1) if self.staged else 0
+
+    def client_data(self, client: int, round_index: int) -> Tuple[np.ndarray, np.ndarray]:
+        """What client ``client`` trains on in round ``round_index``: all its data, or its data of that task."""
+        if not self.staged:
+            return self.client_x[client], self.client_y[client]
+        keep = self.client_task[client] == self.task_of(round_index)
+        return self.client_x[client][keep], self.client_y[client][keep]
 
 
 def train_step(*, global_state: State, spec: ModelSpec, x: np.ndarray, y: np.ndarray, trainer: str,
@@ -179,6 +210,9 @@ def run_rounds(data: RoundData, spec: ModelSpec, cfg: RoundConfig, *, init: Stat
         Called with each round's record and the new global state, after the checkpoint.
     """
     strategy = cfg.make_strategy()
+    if data.staged and cfg.rounds != len(data.task_classes) * int(data.rounds_per_task):
+        raise ValueError(f"rounds ({cfg.rounds}) must be tasks x rounds_per_task ({len(data.task_classes)} x "
+                         f"{data.rounds_per_task} = {len(data.task_classes) * int(data.rounds_per_task)})")
     if cfg.make_trainer().needs_features:
         check_feature_layer(spec.build())  # a model without a feature layer fails before any work
     evaluate = evaluate or (lambda s: evaluate_sets(s, spec, data.eval_sets, device=cfg.device))
@@ -207,10 +241,15 @@ def run_rounds(data: RoundData, spec: ModelSpec, cfg: RoundConfig, *, init: Stat
         steps = tqdm(steps, desc=desc or f"{cfg.trainer}+{cfg.strategy} rounds", unit="round", initial=done,
                      total=cfg.rounds)
     for r in steps:
-        selected = cfg.select(r, data.num_clients)
+        selected = strategy.select(r, cfg.select(r, data.num_clients), num_clients=data.num_clients)
         # every client also learns where it is in the schedule (FedPD++'s mask threshold rises with it)
-        broadcast = {**strategy.broadcast(), "round": r, "rounds": cfg.rounds}
-        futures = [(i, submit(train_step, global_state=state, spec=spec, x=data.client_x[i], y=data.client_y[i],
+        broadcast = {**strategy.broadcast(), "round": r, "rounds": cfg.rounds, "seed": cfg.seed,
+                     "participation": cfg.participation}
+        if data.staged:
+            broadcast.update(task=data.task_of(r), task_classes=data.task_classes,
+                             rounds_per_task=int(data.rounds_per_task))
+        futures = [(i, submit(train_step, global_state=state, spec=spec, x=data.client_data(i, r)[0],
+                              y=data.client_data(i, r)[1],
                               trainer=cfg.trainer, trainer_params=dict(cfg.trainer_params), broadcast=broadcast,
                               client_state=client_states.get(i, {}), seed=cfg.client_seed(r, i), device=cfg.device,
                               client_id=i, round_index=r))
@@ -236,6 +275,8 @@ def run_rounds(data: RoundData, spec: ModelSpec, cfg: RoundConfig, *, init: Stat
         record = _round_record(r, data, updates, refused, agg, agg_seconds, new_state, param_keys,
                                bytes_down=len(selected) * (model_bytes + state_bytes(broadcast)),
                                bytes_up=sum(state_bytes(u.state) + state_bytes(u.payload) for _, u in updates))
+        if data.staged:
+            record["task"] = data.task_of(r)
         record.update(evaluate(new_state))
         records.append(record)
         state, done = new_state, r + 1
@@ -286,6 +327,10 @@ def summarise_rounds(records: Sequence[Mapping[str, Any]]) -> Dict[str, float]:
     out["agg_seconds_mean"] = float(np.mean([r["agg_seconds"] for r in records]))
     out["bytes_per_round"] = float(np.mean([r["bytes_up"] + r["bytes_down"] for r in records]))
     out["final_train_loss"] = float(last["train_loss"])
+    if "task" in last:  # class-incremental data: average incremental accuracy, final accuracy, forgetting
+        from fedcore.incremental.evaluate import task_end_metrics
+
+        out.update({k: float(v) for k, v in task_end_metrics(records).items() if not isinstance(v, list)})
     return out
 
 

@@ -17,6 +17,20 @@ MODELS.register("resnet20")(ResNet20)
 MODELS.register("resnet18")(resnet18_32)
 
 
+def _dual(base: str):
+    def build(*, in_channels: int, num_classes: int, norm: str = "batch") -> nn.Module:
+        from fedcore.incremental.dual import DualNet  # PP-FCIL's dual model over a registered backbone
+
+        return DualNet(backbone=base, in_channels=in_channels, num_classes=num_classes, norm=norm)
+
+    build.__doc__ = f"PP-FCIL's dual model (fedcore.incremental.dual.DualNet) over the {base!r} backbone."
+    return build
+
+
+for _base in ("cnn", "lenet", "resnet20", "resnet18"):
+    MODELS.register(f"dual-{_base}")(_dual(_base))
+
+
 def create_model(name: str, *, in_channels: int, num_classes: int, norm: str = "batch") -> nn.Module:
     """Build a model by name, e.g. ``create_model("cnn", in_channels=1, num_classes=10, norm="group")``."""
     return MODELS.create(name, in_channels=in_channels, num_classes=num_classes, norm=norm)

@@ -1,0 +1,374 @@
+"""PP-FCIL's client (Privacy-Preserving Federated Class-Incremental Learning): dual model, exemplars,
+the three-part loss, compression, and local (Bayesian) differential privacy.
+
+One local round of task t on a client:
+
+1. If the global model still holds task t − 1, switch it to t (:meth:`DualNet.advance`): every
+   client of the round does the same switch on the same weights, so the server's average is the
+   switched model.
+2. Train on the task's new data plus the exemplar memory of the old classes:
+
+   * training rounds: ``L = (1 − λ)·L_C + λ·L_D + ϱ·L_S`` on Φ_new, the fusion, the classifier and
+     the projection head; λ = |old classes| / |seen classes|;
+   * the last ``compress_rounds`` rounds of every task after the first: the compression loss
+     ``L_M = (1 − λ)·L_C(fc(F_single)) + λ₀·‖F_mix − F_single‖²/d`` on ``single`` alone (the
+     classifier is kept, so the compressed extractor must fit it; the squared distance is divided
+     by the feature width d, so λ₀ does not depend on the backbone).
+
+3. Herd ``per_class`` exemplars of each class of the task from the trained features into the
+   client's fixed-size memory (checkpointed with the server as the client's state).
+4. Send the weights plus the numbers the server weights and selects by: new and cumulative
+   sample counts, and the local model's accuracy, loss and Cohen's kappa on the client's data.
+
+Privacy (``privacy``): ``none``; ``lbdp`` (local Bayesian DP: DP-SGD with σ calibrated from the
+client's own clipped-gradient distribution, accounted by :class:`BayesianAccountant`); ``dp``
+(the classic baseline: the same DP-SGD with σ from Opacus' RDP calibration, accounted by
+:class:`ClassicAccountant`). Batches are Poisson-sampled at rate ``sample_rate``; each step
+clips every sample's gradient to ``clip_norm`` and adds N(0, σ²C²) to the sum. A client stops
+before any step that would take its ε past ``epsilon``, and sends nothing in a round it cannot
+afford. The supervised contrastive loss couples the samples of a batch, which per-sample
+clipping cannot bound, so private runs need ``rho = 0``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedcore.incremental import losses as L
+from fedcore.incremental.dual import NEW_INITS, DualNet
+from fedcore.incremental.exemplars import ExemplarMemory, herding
+from fedcore.registry import check_choice
+from fedcore.tensors import batches, state_to_cpu, to_tensor
+from fedcore.train.base import TRAINERS, ClientUpdate, LocalTrainer, State, augment_batch
+
+CLASSIFIER_LOSSES = ("balanced", "plain")
+COMPRESSION = ("distil", "none")
+PRIVACY = ("none", "lbdp", "dp")
+EXEMPLAR_RULES = ("herding", "random", "none")
+
+
+@TRAINERS.register("fcil")
+class FCILTrainer(LocalTrainer):
+    """PP-FCIL's local training. Every setting is keyword-only; see the module docstring.
+
+    Parameters
+    ----------
+    rho, kd_temperature, supcon_temperature:
+        ϱ (weight of L_S), τ of the distillation, and the contrastive temperature.
+    classifier_loss:
+        ``balanced`` (balanced softmax, the paper's L_C) or ``plain`` cross-entropy (the −L_C ablation).
+    distill:
+        False drops L_D (the −L_D ablation).
+    branches:
+        2 (the dual model) or 1 (the single-branch ablation: F_mix = F_new; Φ_old only teaches).
+    compress, compress_rounds, lambda0, new_init:
+        ``distil`` compresses the dual model into one in the last ``compress_rounds`` rounds of each
+        task (λ₀ weights the feature term); ``none`` makes Φ_new the next Φ_old without distillation.
+        ``new_init``: Φ_new restarts ``random`` (the paper) or from the new Φ_old.
+    memory, per_class, exemplars:
+        Exemplar memory capacity (samples), exemplars per old class, and the rule: ``herding``, ``random``, or
+        ``none`` (no replay: the fine-tuning lower bound).
+    privacy, epsilon, delta, clip_norm, sample_rate:
+        See the module docstring; ``epsilon`` is the client's ε_total over the whole run.
+    """
+
+    def __init__(self, *, rho: float = 0.1, kd_temperature: float = 2.0, supcon_temperature: float = 0.1,
+                 classifier_loss: str = "balanced", distill: bool = True, branches: int = 2,
+                 compress: str = "distil", compress_rounds: int = 1, lambda0: float = 1.0, new_init: str = "random",
+                 memory: int = 200, per_class: int = 20, exemplars: str = "herding", privacy: str = "none",
+                 epsilon: float = 8.0, delta: float = 1e-5, clip_norm: float = 1.0, sample_rate: float = 0.1,
+                 **kw) -> None:
+        super().__init__(**kw)
+        if rho < 0 or lambda0 < 0:
+            raise ValueError(f"loss weights must be >= 0, got rho={rho}, lambda0={lambda0}")
+        if kd_temperature <= 0 or supcon_temperature <= 0:
+            raise ValueError(f"temperatures must be > 0, got kd_temperature={kd_temperature}, "
+                             f"supcon_temperature={supcon_temperature}")
+        check_choice("classifier_loss", classifier_loss, CLASSIFIER_LOSSES)
+        check_choice("compress", compress, COMPRESSION)
+        check_choice("new_init", new_init, NEW_INITS)
+        check_choice("exemplars", exemplars, EXEMPLAR_RULES)
+        check_choice("privacy", privacy, PRIVACY)
+        if branches not in (1, 2):
+            raise ValueError(f"branches must be 2 (the dual model) or 1 (the single-branch ablation), got {branches}")
+        if compress_rounds < 1:
+            raise ValueError(f"compress_rounds must be >= 1, got {compress_rounds}; use compress=none to skip "
+                             "the compression step")
+        ExemplarMemory(capacity=memory, per_class=per_class)  # its own checks: per_class <= capacity, both >= 1
+        if privacy != "none":
+            from fedcore.privacy.accountant import check_clip_norm, check_delta, check_epsilon
+
+            check_epsilon(epsilon)
+            check_delta(delta)
+            check_clip_norm(clip_norm)
+            if not 0 < sample_rate <= 1:
+                raise ValueError(f"sample_rate (Poisson sampling rate q) must be in (0, 1], got {sample_rate}")
+            if rho > 0:
+                raise ValueError("private training needs rho=0: the supervised contrastive loss couples the samples "
+                                 "of a batch, so clipping each sample's gradient does not bound its influence")
+        self.rho, self.kd_temperature, self.supcon_temperature = float(rho), float(kd_temperature), \
+            float(supcon_temperature)
+        self.classifier_loss, self.distill, self.branches = classifier_loss, bool(distill), int(branches)
+        self.compress, self.compress_rounds, self.lambda0 = compress, int(compress_rounds), float(lambda0)
+        self.new_init, self.memory, self.per_class, self.exemplars = new_init, int(memory), int(per_class), exemplars
+        self.privacy, self.epsilon, self.delta = privacy, float(epsilon), float(delta)
+        self.clip_norm, self.sample_rate = float(clip_norm), float(sample_rate)
+
+    needs_features = True
+
+    # ------------------------------------------------------------------ the round
+    def train(self, model: nn.Module, x: np.ndarray, y: np.ndarray, *, global_state: State, seed: int,
+              broadcast: Dict[str, Any] | None = None, client_state: Dict[str, Any] | None = None,
+              device: torch.device | str = "cpu") -> ClientUpdate:
+        if not isinstance(model, DualNet):
+            raise ValueError(f"the fcil trainer needs PP-FCIL's dual model, got {type(model).__name__}; "
+                             "use a model named dual-<backbone> (dual-lenet, dual-cnn, ...)")
+        b, cs = broadcast or {}, dict(client_state or {})
+        if "task" not in b:
+            raise ValueError("the fcil trainer needs data that arrives in tasks (RoundData with client_task, "
+                             "task_classes and rounds_per_task)")
+        task, task_classes, per_task = int(b["task"]), [list(c) for c in b["task_classes"]], int(b["rounds_per_task"])
+        if self.compress == "distil" and self.compress_rounds >= per_task:
+            raise ValueError(f"compress_rounds ({self.compress_rounds}) must be below rounds_per_task ({per_task}): "
+                             "each task needs at least one training round before it is compressed")
+        g = torch.Generator().manual_seed(seed)
+        model.to(device)
+        if int(model.task) < task:
+            model.advance(task, compressed=self.compress == "distil", new_init=self.new_init, seed=int(b.get("seed", 0)))
+        model.fuse.fill_(int(self.branches == 2))
+        within = int(b["round"]) - task * per_task
+        compressing = self.compress == "distil" and bool(int(model.has_old)) \
+            and within >= per_task - self.compress_rounds
+        model.phase.fill_(int(compressing))
+        num_classes = model.fc.out_features
+        seen = _mask(num_classes, [c for t in task_classes[:task + 1] for c in t])
+        old = _mask(num_classes, [c for t in task_classes[:task] for c in t])
+        lam = float(old.sum()) / float(seen.sum())
+
+        memory = ExemplarMemory.from_state_dict(cs["memory"]) if "memory" in cs else \
+            ExemplarMemory(capacity=self.memory, per_class=self.per_class)
+        mx, my = memory.data()
+        keep = np.isin(my, np.flatnonzero(old.numpy())) if len(my) else np.zeros(0, bool)
+        xs = np.concatenate([x, mx[keep]]) if keep.any() else x
+        ys = np.concatenate([y, my[keep]]) if keep.any() else y
+        xt, yt = to_tensor(xs, device=device), torch.as_tensor(np.asarray(ys), dtype=torch.long, device=device)
+        counts = torch.bincount(yt, minlength=num_classes).cpu()
+
+        counts_by_task = dict(cs.get("counts_by_task", {}))
+        counts_by_task[task] = int(len(x))
+        ledger = dict(cs.get("ledger", {}))
+        stopped = bool(ledger.get("exhausted", False))
+        model.train()
+        if compressing:
+            params = list(model.single.parameters())  # the classifier stays: single must fit the dual model's
+        else:
+            params = [p for n, p in model.named_parameters()
+                      if n.split(".")[0] in ("new", "fusion", "fc", "proj") and p.requires_grad]
+        opt = torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+        objective = _Objective(self, model, seen=seen, old=old, lam=lam, counts=counts, compressing=compressing)
+        if self.privacy == "none":
+            total, count, steps = self._plain_epochs(objective, opt, xt, yt, g)
+            privacy_metrics: Dict[str, float] = {}
+        else:
+            total, count, steps, ledger, privacy_metrics = self._private_epochs(
+                objective, opt, params, xt, yt, g, ledger=ledger, broadcast=b, stopped=stopped)
+            stopped = bool(ledger.get("exhausted", False))
+
+        # exemplars of this task's classes, from the features of the model just trained
+        model.eval()
+        rng = np.random.default_rng(seed)
+        with torch.no_grad():
+            xn = to_tensor(x, device=device)
+            feats = torch.cat([model.embed(xn[sl]) if not compressing else model.single.embed(xn[sl])
+                               for sl in batches(len(xn), 256)]).cpu().numpy() if len(x) else np.zeros((0, 1))
+        for c in sorted(set(int(v) for v in np.unique(y))) if self.exemplars != "none" else []:
+            idx = np.flatnonzero(y == c)
+            order = herding(features=feats[idx], m=self.per_class) if self.exemplars == "herding" else \
+                rng.permutation(len(idx))[:self.per_class]
+            memory.update(cls=c, x=x[idx], order=np.asarray(order))
+        report = _local_report(model, xt, yt, seen=seen, num_classes=num_classes)
+        new_state = {"memory": memory.state_dict(), "counts_by_task": counts_by_task}
+        if self.privacy != "none":
+            new_state["ledger"] = ledger
+        payload = {"new_examples": int(len(x)), "total_examples": int(sum(counts_by_task.values())),
+                   "accuracy": report["accuracy"], "loss": report["loss"], "kappa": report["kappa"],
+                   "stopped": bool(steps == 0 and stopped)}
+        metrics = {"train_loss": total / max(count, 1), "steps": float(steps), "lambda": lam,
+                   "memory_bytes": float(memory.nbytes), "compressing": float(compressing), **privacy_metrics}
+        if payload["stopped"]:  # nothing trained: the update is the global model, and the server drops it
+            return ClientUpdate(state={k: v.clone() for k, v in global_state.items()}, num_examples=0,
+                                metrics=metrics, client_state=new_state, payload=payload)
+        return ClientUpdate(state=state_to_cpu(model.state_dict()), num_examples=int(len(xt)), metrics=metrics,
+                            client_state=new_state, payload=payload)
+
+    # ------------------------------------------------------------------ loops
+    def _plain_epochs(self, objective: "_Objective", opt, xt, yt, g):
+        total, count, steps = 0.0, 0, 0
+        for _ in range(self.local_epochs):
+            perm = torch.randperm(len(xt), generator=g).to(xt.device)
+            for sl in batches(len(xt), self.batch_size):
+                idx = perm[sl]
+                xb, yb = xt[idx], yt[idx]
+                if self.augment:
+                    xb = augment_batch(xb, g)
+                loss = objective.batch_loss(xb, yb, g)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                total += float(loss.detach()) * len(idx)
+                count += len(idx)
+                steps += 1
+        return total, count, steps
+
+    def _private_epochs(self, objective: "_Objective", opt, params, xt, yt, g, *, ledger, broadcast, stopped):
+        from fedcore.privacy.bayesian import calibrate_sigma_bdp, calibrate_sigma_classic, create_accountant
+        from fedcore.privacy.dp import check_private_model, flatten_per_sample, per_sample_grads_functorch
+
+        check_private_model(objective.model)
+        name = "bayesian" if self.privacy == "lbdp" else "classic"
+        acct = create_accountant(name)
+        if "accountant" in ledger:
+            acct.load_state_dict(ledger["accountant"])
+        q, n = self.sample_rate, len(xt)
+        steps_per_round = max(1, int(round(self.local_epochs / q)))
+        expected = max(1.0, q * n)
+        rounds, part = int(broadcast.get("rounds", 1)), float(broadcast.get("participation", 1.0))
+        planned = max(steps_per_round, int(math.ceil(rounds * part)) * steps_per_round)  # this client's whole run
+        trainable = {id(p) for p in params}
+        named = {k: p for k, p in objective.named_parameters() if id(p) in trainable}
+        total, count, steps, sigmas, sq_all = 0.0, 0, 0, [], []
+        sigma = float(ledger.get("sigma", 0.0))
+        if name == "classic" and sigma == 0.0:
+            sigma = calibrate_sigma_classic(q=q, steps=planned, epsilon=self.epsilon, delta=self.delta)
+        for step in range(0 if stopped else steps_per_round):
+            pick = torch.rand(n, generator=g) < q  # Poisson sampling: each sample joins with probability q
+            if not bool(pick.any()):
+                continue
+            idx = torch.nonzero(pick).flatten().to(xt.device)
+            xb, yb = xt[idx], yt[idx]
+            aux = objective.aux(xb, yb)
+            per_sample = per_sample_grads_functorch(objective, named, objective.sample_loss, xb, aux)
+            norms = flatten_per_sample(per_sample).norm(dim=1)
+            sq = ((norms.clamp(max=self.clip_norm) / self.clip_norm) ** 2).detach().cpu().numpy()
+            if name == "bayesian" and step == 0:
+                # data-aware noise: the σ that spends what is left of ε_total over this client's remaining
+                # planned steps, at the clipped-gradient distribution of this batch
+                remaining = max(1, planned - acct.steps)
+                try:
+                    sigma = calibrate_sigma_bdp(sq_norms=sq, q=q, steps=remaining, epsilon=self.epsilon,
+                                                delta=self.delta, spent=acct.total_cost if acct.steps else None)
+                except ValueError:  # what is left of ε_total buys no step at any σ: the budget is spent
+                    ledger["exhausted"] = True
+                    break
+            cost = acct.step_cost(sq_norms=sq, q=q, sigma=sigma)
+            if acct.epsilon_after(cost, self.delta) > self.epsilon:
+                ledger["exhausted"] = True
+                break
+            acct.spend(cost)
+            factor = (self.clip_norm / (norms + 1e-12)).clamp(max=1.0)
+            opt.zero_grad(set_to_none=True)
+            for key, p in named.items():
+                summed = torch.einsum("b,b...->...", factor, per_sample[key])
+                noise = torch.randn(summed.shape, generator=g).to(summed.device) * sigma * self.clip_norm
+                p.grad = (summed + noise) / expected
+            opt.step()
+            with torch.no_grad():
+                total += float(objective.sample_loss(objective(xb), aux, {}).sum())
+            count += len(idx)
+            steps += 1
+            sigmas.append(sigma)
+            sq_all.append(float(np.mean(sq)))
+        ledger.update({"accountant": acct.state_dict(), "epsilon": float(acct.epsilon(self.delta)) if acct.steps
+                       else 0.0, "sigma": sigma if name == "classic" else ledger.get("sigma", 0.0)})
+        metrics = {"epsilon": ledger["epsilon"], "sigma": float(np.mean(sigmas)) if sigmas else float("nan"),
+                   "clipped_sq_norm": float(np.mean(sq_all)) if sq_all else float("nan"),
+                   "budget_exhausted": float(bool(ledger.get("exhausted", False)))}
+        return total, count, steps, ledger, metrics
+
+
+class _Objective(nn.Module):
+    """The round's loss around the dual model; a module so torch.func can take per-sample gradients of it.
+
+    ``forward(x)`` returns the logits and, in a compression round, the single model's features
+    beside them; :meth:`sample_loss` turns those into one loss per sample (L_C + L_D, or L_M).
+    """
+
+    def __init__(self, trainer: FCILTrainer, model: DualNet, *, seen, old, lam: float, counts, compressing: bool):
+        super().__init__()
+        self.t, self.m, self.seen, self.old = trainer, model, seen, old
+        self.lam, self.compressing = lam, compressing
+        self.prior = L.log_prior(counts) if trainer.classifier_loss == "balanced" else None
+
+    @property
+    def model(self) -> DualNet:
+        return self.m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.compressing:
+            f = self.m.single.embed(x)
+            return torch.cat([self.m.fc(f), f], dim=1)
+        return self.m.fc(self.m.embed(x))
+
+    def aux(self, xb: torch.Tensor, yb: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """Per-sample targets computed without gradients: labels, the teacher's logits, F_mix."""
+        out = {"y": yb}
+        with torch.no_grad():
+            if self.compressing:
+                out["f_mix"] = self.m.mix(xb)[0]
+            elif self.t.distill and bool(self.old.any()):
+                out["teacher"] = self.m.teacher_logits(xb)
+        return out
+
+    def sample_loss(self, out: torch.Tensor, aux: Dict[str, torch.Tensor], _params) -> torch.Tensor:
+        """(B,) losses: (1 − λ)·L_C + λ·L_D per sample, or L_M in a compression round (no L_S: it is not per-sample)."""
+        c = self.m.fc.out_features
+        loss = (1 - self.lam) * L.classification(out[:, :c], aux["y"], seen=self.seen, prior=self.prior)
+        if self.compressing:
+            return loss + self.t.lambda0 * L.feature_match(aux["f_mix"], out[:, c:])
+        if "teacher" in aux:
+            loss = loss + self.lam * L.distillation(out[:, :c], aux["teacher"], old=self.old,
+                                                    temperature=self.t.kd_temperature)
+        return loss
+
+    def batch_loss(self, xb: torch.Tensor, yb: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+        """The batch's loss in a plain round: the per-sample terms averaged, plus ϱ·L_S on two views."""
+        aux = self.aux(xb, yb)
+        if self.compressing or self.t.rho == 0:
+            return self.sample_loss(self(xb), aux, {}).mean()
+        f_mix, f_new, _ = self.m.mix(xb)
+        loss = self.sample_loss(self.m.fc(f_mix), aux, {}).mean()
+        view = augment_batch(xb, g)
+        z = self.m.proj(torch.cat([f_new, self.m.new.embed(view)]))
+        return loss + self.t.rho * L.supcon(z, torch.cat([yb, yb]), temperature=self.t.supcon_temperature)
+
+
+def _mask(num_classes: int, classes: Sequence[int]) -> torch.Tensor:
+    m = torch.zeros(num_classes, dtype=torch.bool)
+    if classes:
+        m[list(classes)] = True
+    return m
+
+
+@torch.no_grad()
+def _local_report(model: DualNet, xt: torch.Tensor, yt: torch.Tensor, *, seen: torch.Tensor,
+                  num_classes: int) -> Dict[str, float]:
+    """Accuracy, loss and Cohen's kappa of the trained local model on the client's round data."""
+    from fedcore.aggregate.multifactor import cohen_kappa
+
+    model.eval()
+    if len(xt) == 0:
+        return {"accuracy": 0.0, "loss": float("nan"), "kappa": 0.0}
+    logits = torch.cat([model(xt[sl]) for sl in batches(len(xt), 256)])
+    z = L.masked(logits, seen)
+    pred = z.argmax(1)
+    return {"accuracy": float((pred == yt).float().mean()),
+            "loss": float(nn.functional.cross_entropy(z, yt)),
+            "kappa": float(cohen_kappa(y_true=yt.cpu().numpy(), y_pred=pred.cpu().numpy(), num_classes=num_classes))}
+
+
+__all__: List[str] = ["FCILTrainer", "CLASSIFIER_LOSSES", "COMPRESSION", "PRIVACY", "EXEMPLAR_RULES"]

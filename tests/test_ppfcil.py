@@ -1,0 +1,303 @@
+"""PP-FCIL: the dual model, its losses, the class-incremental engine path, the server, privacy ledgers, resume."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+
+from fedcore.aggregate.ppfcil import PPFCIL
+from fedcore.engine import RoundConfig, RunInterrupted, run_rounds
+from fedcore.engine.rounds import RoundData
+from fedcore.engine.spec import ModelSpec
+from fedcore.incremental import losses as L
+from fedcore.incremental.dual import DualNet
+from fedcore.incremental.evaluate import incremental_evaluate, task_end_metrics
+from fedcore.incremental.exemplars import ExemplarMemory
+from fedcore.incremental.schedule import TaskSchedule, incremental_view, make_schedule, split_by_task
+from fedcore.train import create_trainer
+from fedcore.train.base import ClientUpdate
+
+
+# ------------------------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def digits():
+    """scikit-learn's 8x8 digits as uint8 (N, 16, 16, 1), split 1,400 / 397."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = np.repeat(np.repeat((d.images * 255 / 16).astype(np.uint8), 2, 1), 2, 2)[..., None]
+    p = np.random.default_rng(0).permutation(len(d.target))
+    return x[p[:1400]], d.target[p[:1400]], x[p[1400:]], d.target[p[1400:]]
+
+
+def _setup(digits, *, tasks=3, rounds_per_task=2, clients=3, norm="batch", trainer=None, strategy=None,
+           participation=1.0, seed=0, classes=6):
+    x, y, tx, ty = digits
+    keep, tkeep = y < classes, ty < classes
+    schedule = make_schedule(num_classes=classes, tasks=tasks)
+    data = incremental_view(x[keep], y[keep], tx[tkeep], ty[tkeep], schedule, num_clients=clients, alpha=5.0,
+                            rounds_per_task=rounds_per_task, seed=0)
+    spec = ModelSpec(name="dual-lenet", in_channels=1, num_classes=10, norm=norm)
+    params = dict(lr=0.05, local_epochs=1, batch_size=32, memory=60, per_class=10, **(trainer or {}))
+    cfg = RoundConfig(rounds=tasks * rounds_per_task, trainer="fcil", trainer_params=params, strategy="ppfcil",
+                      strategy_params=dict(strategy or {}), participation=participation, seed=seed)
+    evaluate = partial(incremental_evaluate, spec=spec, test=data.eval_sets["test"], task_classes=data.task_classes)
+    return data, spec, cfg, evaluate
+
+
+def _same(a, b) -> bool:
+    """Equal as JSON, NaN included, once wall-clock timings are dropped."""
+    def clean(v):
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items() if k != "agg_seconds"}
+        if isinstance(v, list):
+            return [clean(x) for x in v]
+        return v
+    return json.dumps(clean(a), sort_keys=True) == json.dumps(clean(b), sort_keys=True)
+
+
+# ------------------------------------------------------------------------------------ dual model
+def test_fusion_is_the_channel_attention_mix_of_old_and_new():
+    torch.manual_seed(0)
+    net = DualNet(backbone="cnn", in_channels=1, num_classes=4).eval()
+    x = torch.randn(5, 1, 16, 16)
+    assert torch.equal(net.embed(x), net.new.embed(x))  # first task: no old knowledge, F_mix = F_new
+    net.has_old.fill_(1)
+    f_old, f_new = net.old.embed(x), net.new.embed(x)
+    lam = net.fusion(f_old)
+    assert torch.allclose(net.embed(x), f_old * lam + f_new * (1 - lam))
+    assert bool(((lam > 0) & (lam < 1)).all())
+    net.fuse.fill_(0)  # single-branch form: Φ_old only teaches
+    assert torch.equal(net.embed(x), f_new)
+
+
+def test_old_branch_is_frozen_and_stays_in_eval_mode():
+    net = DualNet(backbone="cnn", in_channels=1, num_classes=4).train()
+    assert not any(p.requires_grad for p in net.old.parameters())
+    assert not any(p.requires_grad for p in net.old_fc.parameters())
+    assert not net.old.training and net.new.training
+
+
+def test_advance_moves_the_finished_model_into_the_old_branch():
+    torch.manual_seed(0)
+    a = DualNet(backbone="cnn", in_channels=1, num_classes=4)
+    b = DualNet(backbone="cnn", in_channels=1, num_classes=4)
+    b.load_state_dict(a.state_dict())
+    new_before = {k: v.clone() for k, v in a.new.state_dict().items()}
+    fc_before = a.fc.weight.clone()
+    a.advance(1, compressed=True, seed=3)  # first task: nothing was compressed, Φ_old <- Φ_new
+    b.advance(1, compressed=True, seed=3)
+    assert all(torch.equal(a.old.state_dict()[k], v) for k, v in new_before.items())
+    assert torch.equal(a.old_fc.weight, fc_before) and torch.equal(a.single.state_dict()["features.0.weight"],
+                                                                   a.old.state_dict()["features.0.weight"])
+    assert not torch.equal(a.new.state_dict()["features.0.weight"], new_before["features.0.weight"])
+    assert all(torch.equal(a.state_dict()[k], b.state_dict()[k]) for k in a.state_dict())  # same on every client
+    assert (int(a.task), int(a.has_old)) == (1, 1)
+    with torch.no_grad():  # later tasks: the compressed single model becomes Φ_old
+        a.single.features[0].weight.add_(1.0)
+    single = a.single.features[0].weight.clone()
+    a.advance(2, compressed=True, seed=3)
+    assert torch.equal(a.old.features[0].weight, single)
+    with pytest.raises(ValueError, match="can only advance to task 3"):
+        a.advance(4, compressed=True)
+
+
+# ------------------------------------------------------------------------------------ losses
+def test_balanced_softmax_with_equal_counts_is_cross_entropy_over_the_seen_classes():
+    torch.manual_seed(0)
+    logits, y = torch.randn(8, 5), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    seen = torch.tensor([True, True, True, False, False])
+    equal = L.classification(logits, y, seen=seen, prior=L.log_prior(torch.tensor([4, 4, 4, 0, 0])))
+    plain = torch.nn.functional.cross_entropy(logits[:, :3], y, reduction="none")
+    assert torch.allclose(equal, plain, atol=1e-6)
+    skewed = L.classification(logits, y, seen=seen, prior=L.log_prior(torch.tensor([40, 4, 4, 0, 0])))
+    assert bool((skewed[y != 0] > plain[y != 0]).all())  # a frequent class takes probability from the others
+
+
+def test_distillation_is_zero_only_when_student_matches_teacher_on_old_classes():
+    torch.manual_seed(0)
+    t = torch.randn(6, 5)
+    old = torch.tensor([True, True, False, False, False])
+    s = t.clone()
+    s[:, 2:] += 5.0  # new classes may move freely
+    assert torch.allclose(L.distillation(s, t, old=old, temperature=2.0), torch.zeros(6), atol=1e-6)
+    s[:, 0] += 1.0
+    assert bool((L.distillation(s, t, old=old, temperature=2.0) > 0).all())
+
+
+def test_supcon_prefers_views_that_cluster_by_label():
+    y = torch.tensor([0, 0, 1, 1])
+    clustered = torch.tensor([[1.0, 0.0], [1.0, 0.1], [0.0, 1.0], [0.1, 1.0]])
+    mixed = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.1], [0.1, 1.0]])
+    assert float(L.supcon(clustered, y, temperature=0.1)) < float(L.supcon(mixed, y, temperature=0.1))
+
+
+# ------------------------------------------------------------------------------------ schedule and data
+@pytest.mark.parametrize("tasks, match", [([[0, 1], [1, 2]], "class 1 appears in task 0 and again in task 1"),
+                                          ([[0, 1], []], "task 1 of the schedule has no classes")])
+def test_bad_task_schedules_are_refused(tasks, match):
+    with pytest.raises(ValueError, match=match):
+        TaskSchedule.of(tasks)
+
+
+def test_make_schedule_refuses_more_tasks_than_classes():
+    with pytest.raises(ValueError, match="cannot split 10 classes into 11 tasks"):
+        make_schedule(num_classes=10, tasks=11)
+
+
+def test_each_client_gets_data_in_every_task_and_only_that_task_in_its_rounds(digits):
+    data, *_ = _setup(digits)
+    for i in range(data.num_clients):
+        for r in range(6):
+            x, y = data.client_data(i, r)
+            assert len(y) > 0 and set(np.unique(y)) <= set(data.task_classes[r // 2])
+    owned = split_by_task(digits[1], make_schedule(num_classes=10, tasks=5), num_clients=4, alpha=1.0, seed=1)
+    assert sorted(np.concatenate(owned).tolist()) == list(range(len(digits[1])))  # a partition of the samples
+
+
+def test_rounds_must_cover_the_tasks(digits):
+    data, spec, cfg, ev = _setup(digits)
+    bad = RoundConfig(**{**cfg.__dict__, "rounds": 5})
+    with pytest.raises(ValueError, match=r"rounds \(5\) must be tasks x rounds_per_task \(3 x 2 = 6\)"):
+        run_rounds(data, spec, bad, evaluate=ev)
+
+
+# ------------------------------------------------------------------------------------ trainer settings
+@pytest.mark.parametrize("kw, match", [
+    (dict(privacy="lbdp", rho=0.1), "private training needs rho=0"),
+    (dict(memory=10, per_class=20), "larger than the memory"),
+    (dict(privacy="dp", rho=0.0, epsilon=0.0), "must be"),
+    (dict(branches=3), "branches must be 2"),
+    (dict(compres="none"), "compres"),
+])
+def test_bad_trainer_settings_are_refused_with_the_fix(kw, match):
+    with pytest.raises(ValueError, match=match):
+        create_trainer("fcil", **kw)
+
+
+def test_private_training_refuses_batchnorm(digits):
+    data, spec, cfg, ev = _setup(digits, trainer=dict(privacy="lbdp", rho=0.0))
+    with pytest.raises(ValueError, match="GroupNorm"):
+        run_rounds(data, spec, cfg, evaluate=ev)
+
+
+def test_compression_needs_a_training_round_first(digits):
+    data, spec, cfg, ev = _setup(digits, trainer=dict(compress_rounds=2))
+    with pytest.raises(ValueError, match=r"compress_rounds \(2\) must be below rounds_per_task \(2\)"):
+        run_rounds(data, spec, cfg, evaluate=ev)
+
+
+# ------------------------------------------------------------------------------------ end to end
+def test_run_learns_every_task_keeps_old_ones_and_fills_the_memory(digits):
+    data, spec, cfg, ev = _setup(digits, tasks=3, rounds_per_task=3)
+    cfg = RoundConfig(**{**cfg.__dict__, "rounds": 9, "trainer_params": {**cfg.trainer_params, "local_epochs": 2}})
+    folder_states = {}
+    res = run_rounds(data, spec, cfg, evaluate=ev, on_round=lambda rec, st: folder_states.update(last=st))
+    s = res.summary
+    assert s["avg_inc_acc"] > 0.8 and s["forgetting"] < 0.15  # 6 easy digits: near-perfect with replay
+    assert [int(r["task"]) for r in res.records] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert int(folder_states["last"]["phase"]) == 1  # the last round of a later task compresses
+
+
+def test_finetuning_without_replay_or_distillation_forgets(digits):
+    data, spec, cfg, ev = _setup(digits, trainer=dict(branches=1, distill=False, rho=0.0, classifier_loss="plain",
+                                                      exemplars="none", compress="none"),
+                                 strategy=dict(weighting="examples", selection="random"))
+    res = run_rounds(data, spec, cfg, evaluate=ev)
+    assert res.summary["forgetting"] > 0.5
+
+
+def test_same_seed_same_metrics_and_resume_after_task_and_round_is_identical(digits, tmp_path):
+    data, spec, cfg, ev = _setup(digits, norm="group", participation=0.67,
+                                 trainer=dict(privacy="lbdp", rho=0.0, epsilon=4.0, sample_rate=0.25))
+    full = run_rounds(data, spec, cfg, evaluate=ev, checkpoint_dir=tmp_path / "a")
+    with pytest.raises(RunInterrupted):
+        run_rounds(data, spec, cfg, evaluate=ev, checkpoint_dir=tmp_path / "b", stop_after=3)  # task 1, round 1
+    resumed = run_rounds(data, spec, cfg, evaluate=ev, checkpoint_dir=tmp_path / "b", resume=True)
+    assert _same(full.records, resumed.records)
+    assert all(torch.equal(full.final_state[k], resumed.final_state[k]) for k in full.final_state)
+    from fedcore.engine.checkpoint import load_state
+
+    a, b = load_state(tmp_path / "a").payload, load_state(tmp_path / "b").payload
+    assert a["client_states"].keys() == b["client_states"].keys()
+    for cid, st in a["client_states"].items():
+        other = b["client_states"][cid]
+        assert st["ledger"]["accountant"] == other["ledger"]["accountant"]  # the privacy ledgers
+        ma, mb = ExemplarMemory.from_state_dict(st["memory"]), ExemplarMemory.from_state_dict(other["memory"])
+        assert ma.classes == mb.classes and all(np.array_equal(u, v) for u, v in zip(ma.data(), mb.data()))
+    assert _same(a["strategy"], b["strategy"])
+
+
+def test_privacy_ledger_never_exceeds_the_budget_and_a_spent_client_stops_sending(digits):
+    # m = 2 of 3 clients a round, so a client takes part in 4 of 6 rounds on average, while its σ is
+    # calibrated for ⌈6 · 0.34⌉ = 3: the budget runs out before the run ends
+    data, spec, cfg, ev = _setup(digits, norm="group", tasks=2, rounds_per_task=3, participation=0.34,
+                                 trainer=dict(privacy="dp", rho=0.0, epsilon=0.5, sample_rate=0.5))
+    cfg = RoundConfig(**{**cfg.__dict__, "rounds": 6})
+    res = run_rounds(data, spec, cfg, evaluate=ev)
+    eps = {int(k[len("epsilon.c"):]): [] for r in res.records for k in r if re.match(r"^epsilon\.c\d+$", k)}
+    for r in res.records:
+        for cid in eps:
+            if f"epsilon.c{cid}" in r:
+                eps[cid].append(r[f"epsilon.c{cid}"])
+    assert eps and all(0 < v <= 0.5 + 1e-9 for vals in eps.values() for v in vals)
+    assert all(np.all(np.diff(vals) >= -1e-12) for vals in eps.values())  # spending only grows
+    assert any(r.get("stopped_clients", 0) > 0 for r in res.records)  # a budget this small runs out
+
+
+# ------------------------------------------------------------------------------------ server
+def _update(acc, *, new=100, total=200, stopped=False, value=1.0):
+    state = {"w": torch.full((2,), value), "task": torch.tensor(0)}
+    return ClientUpdate(state=state, num_examples=0 if stopped else new, payload={
+        "new_examples": new, "total_examples": total, "accuracy": acc, "loss": 1 - acc, "kappa": acc,
+        "stopped": stopped})
+
+
+def test_server_ignores_clients_out_of_budget_and_keeps_the_model_when_all_are():
+    s = PPFCIL()
+    g = {"w": torch.zeros(2), "task": torch.tensor(0)}
+    s.setup(g, num_clients=3, param_keys=["w"])
+    s.select(0, [0, 1, 2], num_clients=3)
+    agg = s.aggregate(g, [(0, _update(0.9, value=1.0)), (1, _update(0.5, stopped=True, value=9.0)),
+                          (2, _update(0.7, value=3.0))], num_clients=3)
+    assert 1.0 < float(agg.state["w"][0]) < 3.0 and agg.metrics["stopped_clients"] == 1
+    assert agg.per_client[0]["agg_weight"] > agg.per_client[2]["agg_weight"]  # more accurate, else equal
+    s.select(1, [0, 1, 2], num_clients=3)
+    none = s.aggregate(g, [(1, _update(0.5, stopped=True))], num_clients=3)
+    assert torch.equal(none.state["w"], g["w"])
+
+
+def test_server_state_round_trips_and_selection_picks_unseen_clients_first():
+    s = PPFCIL(max_wait=3)
+    g = {"w": torch.zeros(2), "task": torch.tensor(0)}
+    s.setup(g, num_clients=6, param_keys=["w"])
+    picked = s.select(0, [0, 1], num_clients=6)
+    s.aggregate(g, [(i, _update(0.5 + 0.1 * i)) for i in picked], num_clients=6)
+    again = s.select(1, [0, 1], num_clients=6)
+    assert not set(again) & set(picked)  # clients with no report come before any that reported
+    t = PPFCIL(max_wait=3)
+    t.setup(g, num_clients=6, param_keys=["w"])
+    t.load_state_dict(s.state_dict())
+    assert _same(t.state_dict(), s.state_dict())
+
+
+def test_evaluation_masks_unseen_classes_and_summarises_tasks():
+    recs = [{"round": 0, "task": 0, "acc.seen": 1.0, "acc.task0": 1.0},
+            {"round": 1, "task": 1, "acc.seen": 0.7, "acc.task0": 0.6, "acc.task1": 0.8}]
+    m = task_end_metrics(recs)
+    assert m["avg_inc_acc"] == pytest.approx(0.85) and m["forgetting"] == pytest.approx(0.4)
+    assert m["final_acc"] == pytest.approx(0.7)
+    spec = ModelSpec(name="dual-cnn", in_channels=1, num_classes=4)
+    torch.manual_seed(0)
+    state = spec.build().state_dict()
+    state["fc.bias"] = torch.tensor([0.0, 0.0, 100.0, 100.0])  # classes 2, 3 would win, but are not seen yet
+    x = np.zeros((4, 16, 16, 1), np.uint8)
+    out = incremental_evaluate(state, spec=spec, test=(x, np.array([0, 1, 0, 1])), task_classes=[[0, 1], [2, 3]])
+    assert out["task"] == 0 and out["acc.seen"] == pytest.approx(0.5) and "acc.task1" not in out
+    assert math.isfinite(out["worst_acc"])
