@@ -1,6 +1,6 @@
 # Two commands on a fresh machine:
 #   make run    set up .venv, then the quick default of every system on data that ships with the packages:
-#               `dvc repro adapt fedpad@quick fedpd@quick` (BPFedCTTA on MNIST digits, FedPAD and FedPD++
+#               `dvc repro adapt fedpad@quick fedpd@quick ppfcil@quick` (BPFedCTTA on MNIST digits, FedPAD, FedPD++ and PP-FCIL
 #               on three digit domains)
 #   make test   set up if needed, then run the test suite
 # and, when there is time (about 20 min on 2 cores):
@@ -19,7 +19,7 @@ export MLFLOW_ENABLE_TELEMETRY ?= false
 export DO_NOT_TRACK ?= 1
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup run private fedpad fedpd push pull test test-fast params bench clean
+.PHONY: setup run private fedpad fedpd ppfcil push pull test test-fast params bench clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -36,10 +36,11 @@ params: setup
 
 run: setup
 	@git rev-parse --git-dir >/dev/null 2>&1 || (git init -q && echo "initialised a git repo for DVC")
-	$(BIN)/dvc repro adapt fedpad@quick fedpd@quick
+	$(BIN)/dvc repro adapt fedpad@quick fedpd@quick ppfcil@quick
 	@echo; echo "BPFedCTTA (results/table.md):"; cat results/table.md; echo
 	@echo "FedPAD quick grid (results/fedpad/quick/table.md):"; cat results/fedpad/quick/table.md; echo
 	@echo "FedPD++ quick grid (results/fedpd/quick/table.md):"; cat results/fedpd/quick/table.md; echo
+	@echo "PP-FCIL quick grid (results/ppfcil/quick/table.md):"; cat results/ppfcil/quick/table.md; echo
 	@echo "Browse the runs: $(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlruns.db --host 127.0.0.1 --port 5000"
 
 private: setup
@@ -56,6 +57,11 @@ fedpd: setup
 	@git rev-parse --git-dir >/dev/null 2>&1 || (git init -q && echo "initialised a git repo for DVC")
 	$(BIN)/dvc repro fedpd@digits
 	@cat results/fedpd/digits/table.md; cat results/fedpd/digits/stats.md
+
+ppfcil: setup
+	@git rev-parse --git-dir >/dev/null 2>&1 || (git init -q && echo "initialised a git repo for DVC")
+	$(BIN)/dvc repro ppfcil@mnist ppfcil@mnist-t10 ppfcil@cifar10 ppfcil@privacy
+	@for g in mnist mnist-t10 cifar10 privacy; do echo; cat results/ppfcil/$$g/table.md; cat results/ppfcil/$$g/stats.md; done
 
 push: setup
 	$(BIN)/python -m flows.remote push $(STAGES)

@@ -51,7 +51,7 @@ def to_dict(cfg: DictConfig) -> Dict[str, Any]:
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
 
 
-ROUND_SYSTEMS = ("fedpad", "fedpd")  # the round-based systems composed under their own keys
+ROUND_SYSTEMS = ("fedpad", "fedpd", "ppfcil")  # the round-based systems composed under their own keys
 
 
 def validate(cfg: DictConfig) -> None:
@@ -175,9 +175,14 @@ def round_config(cfg: DictConfig, system: str, *, method: str, seed: int, grid_n
         raise ValueError(f"unknown {system} method {method!r}; valid names are: {', '.join(sorted(block.methods))}")
     m = OmegaConf.to_container(block.methods[method], resolve=True)
     trainer = {**OmegaConf.to_container(block.trainer, resolve=True), **(m.get("trainer_params") or {})}
-    return RoundConfig(rounds=int(g.rounds), trainer=str(m["trainer"]), trainer_params=trainer,
+    return RoundConfig(rounds=grid_rounds(g), trainer=str(m["trainer"]), trainer_params=trainer,
                        strategy=str(m["strategy"]), strategy_params=dict(m.get("strategy_params") or {}),
                        participation=float(g.participation), seed=int(seed), device=str(cfg.device))
+
+
+def grid_rounds(g: DictConfig) -> int:
+    """A grid's rounds: ``rounds``, or ``tasks × rounds_per_task`` for a class-incremental grid."""
+    return int(g.tasks) * int(g.rounds_per_task) if "tasks" in g else int(g.rounds)
 
 
 def single_round_config(cfg: DictConfig, system: str) -> RoundConfig:
@@ -185,7 +190,7 @@ def single_round_config(cfg: DictConfig, system: str) -> RoundConfig:
     block, g = cfg[system], grid(cfg, system)
     trainer = {**OmegaConf.to_container(block.trainer, resolve=True),
                **OmegaConf.to_container(cfg.trainer.params, resolve=True)}
-    return RoundConfig(rounds=int(g.rounds), trainer=str(cfg.trainer.name), trainer_params=trainer,
+    return RoundConfig(rounds=grid_rounds(g), trainer=str(cfg.trainer.name), trainer_params=trainer,
                        strategy=str(cfg.strategy.name),
                        strategy_params=dict(OmegaConf.to_container(cfg.strategy.params, resolve=True)),
                        participation=float(g.participation), seed=int(cfg.seed), device=str(cfg.device))
@@ -194,6 +199,11 @@ def single_round_config(cfg: DictConfig, system: str) -> RoundConfig:
 def is_openset(cfg: DictConfig, system: str, grid_name: str | None = None) -> bool:
     """An open-set grid names its known classes (``known``); its methods are judged by AUROC and OSCR."""
     return "known" in grid(cfg, system, grid_name)
+
+
+def is_incremental(cfg: DictConfig, system: str, grid_name: str | None = None) -> bool:
+    """A class-incremental grid names its number of tasks (``tasks``); it is judged by incremental accuracy."""
+    return "tasks" in grid(cfg, system, grid_name)
 
 
 def method_scores(cfg: DictConfig, system: str, method: str | None, trainer: str) -> List[str]:
@@ -207,7 +217,8 @@ def method_scores(cfg: DictConfig, system: str, method: str | None, trainer: str
 
 def grid_model_spec(cfg: DictConfig, system: str, grid_name: str | None = None, *, num_classes: int) -> ModelSpec:
     g = grid(cfg, system, grid_name)
-    return ModelSpec(name=str(g.model), in_channels=3, num_classes=int(num_classes), norm=str(cfg.model.norm))
+    return ModelSpec(name=str(g.model), in_channels=3, num_classes=int(num_classes),
+                     norm=str(g.get("norm") or cfg.model.norm))
 
 
 def validate_rounds(cfg: DictConfig, system: str) -> None:
@@ -222,10 +233,33 @@ def validate_rounds(cfg: DictConfig, system: str) -> None:
                              "one client")
         for method in g.methods:
             rc = round_config(cfg, system, method=str(method), seed=0, grid_name=str(name))
+            if "tasks" in g:
+                _check_incremental(system, str(name), g, str(method), rc, norm=str(g.get("norm") or cfg.model.norm))
             if "known" in g:
                 from fedcore.openset.evaluate import check_scores
 
                 check_scores(method_scores(cfg, system, str(method), rc.trainer), dummy=rc.trainer == "proser")
+
+
+def _check_incremental(system: str, name: str, g: DictConfig, method: str, rc: RoundConfig, *, norm: str) -> None:
+    """A class-incremental grid's schedule fits its data, and its private methods can be private."""
+    where = f"{system} grid {name!r}"
+    if not 1 <= int(g.tasks) <= 10:
+        raise ValueError(f"{where}: tasks={g.tasks}; the digits have 10 classes, so 1 <= tasks <= 10")
+    if int(g.rounds_per_task) < 1 or int(g.clients) < 1:
+        raise ValueError(f"{where}: rounds_per_task and clients must be >= 1, got {g.rounds_per_task}, {g.clients}")
+    if rc.trainer != "fcil":
+        raise ValueError(f"{where}: method {method!r} uses trainer {rc.trainer!r}; class-incremental grids need "
+                         "trainer fcil (its dual model and exemplars)")
+    trainer = rc.make_trainer()
+    if trainer.compress == "distil" and trainer.compress_rounds >= int(g.rounds_per_task):
+        raise ValueError(f"{where}: compress_rounds ({trainer.compress_rounds}) must be below rounds_per_task "
+                         f"({g.rounds_per_task}); each task needs a training round before it is compressed")
+    if trainer.privacy != "none" and norm == "batch":
+        raise ValueError(f"{where}: method {method!r} is private ({trainer.privacy}) but the grid's model uses "
+                         "BatchNorm, which mixes the samples of a batch; set the grid's norm: group")
+    if not str(g.model).startswith("dual-"):
+        raise ValueError(f"{where}: model {g.model!r}; the fcil trainer needs a dual model (dual-lenet, dual-cnn, ...)")
 
 
 def domains_dir(cfg: DictConfig, system: str, grid_name: str | None = None) -> Path:

@@ -12,6 +12,7 @@ Inputs are checked before any service starts, so a missing partition fails in a 
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Tuple
@@ -23,7 +24,7 @@ from prefect import flow, get_run_logger
 from prefect.futures import as_completed
 
 from fedcore.engine import RoundConfig, RoundsResult, run_rounds
-from fedcore.evaluate.plots import plot_methods, plot_openset_rounds, plot_rounds
+from fedcore.evaluate.plots import plot_incremental, plot_methods, plot_openset_rounds, plot_rounds
 from fedcore.evaluate.stats import friedman_p, friedman_ranks, wilcoxon_against
 from flows import config as C
 from flows import runtime, tracking
@@ -60,8 +61,14 @@ def _cell_outputs(res: RoundsResult, part, out: Path, title: str, score: str | N
     """rounds.json and rounds.png of one run; ``score`` (open-set runs) picks the AUROC plotted."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "rounds.json").write_text(json.dumps(res.records, indent=0, allow_nan=True) + "\n")
-    plot = (plot_rounds(res.records, list(part.domains), out, title=title) if score is None else
-            plot_openset_rounds(res.records, list(part.domains), out, score=score, title=title))
+    if res.records and "task" in res.records[-1]:
+        from fedcore.incremental.evaluate import task_end_metrics
+
+        plot = plot_incremental(res.records, task_end_metrics(res.records)["acc_matrix"], out, title=title)
+    elif score is None:
+        plot = plot_rounds(res.records, list(part.domains), out, title=title)
+    else:
+        plot = plot_openset_rounds(res.records, list(part.domains), out, score=score, title=title)
     return [plot, out / "rounds.json"]
 
 
@@ -109,9 +116,11 @@ def grid(cfg: DictConfig, system: str = "fedpad", grid_name: str | None = None, 
                 tracking.log_files(paths, artifact_path="plots")
             sm = res.summary
             opened = f", AUROC {sm['final_auroc']:.3f}" if "final_auroc" in sm else ""
+            opened += f", avg incremental {sm['avg_inc_acc']:.3f}" if "avg_inc_acc" in sm else ""
             logger.info("[%d/%d] %s seed %d: avg %.3f, worst %.3f%s (%.0fs)", i, len(cells), m, s,
                         sm["final_avg_acc"], sm["final_worst_acc"], opened, cell["seconds"])
-            rows.append({"method": m, "seed": s, "summary": sm, "seconds": cell["seconds"]})
+            rows.append({"method": m, "seed": s, "summary": sm, "seconds": cell["seconds"],
+                         "rounds": len(res.records), **_incremental_row(res.records)})
         order = {c: i for i, c in enumerate(cells)}
         return sorted(rows, key=lambda r: order[(r["method"], r["seed"])])
 
@@ -120,7 +129,11 @@ def grid(cfg: DictConfig, system: str = "fedpad", grid_name: str | None = None, 
     finally:
         runtime.shutdown_ray()
     out = results_dir(cfg, system, name)
-    if C.is_openset(cfg, system, name):
+    if C.is_incremental(cfg, system, name):
+        target = cfg[system].get("target")
+        write_incremental_report(rows, out=out, title=f"{system} {name}",
+                                 target=str(target) if target in g.methods else None)
+    elif C.is_openset(cfg, system, name):
         scores = {m: C.method_scores(cfg, system, m, configs[(m, g.seeds[0])].trainer) for m in g.methods}
         target = cfg[system].get("target")
         write_openset_report(rows, domains=list(part.domains), out=out, title=f"{system} {name}", scores=scores,
@@ -129,6 +142,17 @@ def grid(cfg: DictConfig, system: str = "fedpad", grid_name: str | None = None, 
         write_grid_report(rows, domains=list(part.domains), out=out, title=f"{system} {name}",
                           target=system if system in g.methods else None)
     return rows
+
+
+def _incremental_row(records: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """A class-incremental cell's accuracy after each task, and the most ε any of its clients spent."""
+    if not records or "task" not in records[-1]:
+        return {}
+    from fedcore.incremental.evaluate import task_end_metrics
+
+    per_client = re.compile(r"^epsilon\.c\d+$")  # epsilon.c3; epsilon.<domain> is the domain's mean
+    eps = [v for rec in records for k, v in rec.items() if per_client.match(k)]
+    return {"acc_seen": task_end_metrics(records)["acc_seen"], "max_epsilon": max(eps) if eps else None}
 
 
 def write_grid_report(rows: List[Dict[str, Any]], *, domains: List[str], out: Path, title: str,
@@ -220,6 +244,63 @@ def write_openset_report(rows: List[Dict[str, Any]], *, domains: List[str], out:
     if target is not None and len(per_block) > 1 and len({len(v) for v in per_block.values()}) == 1:
         (out / "stats.md").write_text(stats_report(per_block, target, label="AUROC",
                                                    blocks="seed × domain") + "\n")
+    else:
+        (out / "stats.md").write_text("No paired test: this grid has no target method beside others with the same "
+                                      "seeds.\n")
+    return table
+
+
+def write_incremental_report(rows: List[Dict[str, Any]], *, out: Path, title: str, target: str | None) -> str:
+    """table.md, summary.json, scores.json, stats.md and methods.png of a class-incremental grid.
+
+    Per method, mean ± std over seeds: average incremental accuracy, final accuracy, forgetting,
+    the accuracy on the seen classes after each task, round time, and (private methods) the
+    largest ε any client spent. The paired test uses seeds as blocks, on average incremental accuracy.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    agg, per_seed = [], {}
+    for m in methods:
+        rs = sorted((r for r in rows if r["method"] == m), key=lambda r: r["seed"])
+        col = {k: np.array([r["summary"].get(k, np.nan) for r in rs], dtype=float)
+               for k in ("avg_inc_acc", "final_acc", "forgetting")}
+        col["max_epsilon"] = np.array([np.nan if r.get("max_epsilon") is None else r["max_epsilon"] for r in rs])
+        seen = np.array([r["acc_seen"] for r in rs], dtype=float)
+        agg.append({"method": m, "n": len(rs), **{f"{k}_mean": float(np.nanmean(v)) if np.isfinite(v).any()
+                                                   else float("nan") for k, v in col.items()},
+                    **{f"{k}_std": float(np.nanstd(v)) if np.isfinite(v).any() else float("nan")
+                       for k, v in col.items()},
+                    "seen": seen.mean(0).tolist(),
+                    "round_s": float(np.mean([r["seconds"] / max(1, r["rounds"]) for r in rs])),
+                    "mib_per_round": float(np.mean([r["summary"]["bytes_per_round"] for r in rs])) / 2 ** 20,
+                    "seconds": float(np.mean([r["seconds"] for r in rs]))})
+        per_seed[m] = col["avg_inc_acc"].tolist()
+    seeds = max(a["n"] for a in agg)
+    tasks = len(agg[0]["seen"])
+    private = any(np.isfinite(a["max_epsilon_mean"]) for a in agg)
+    head = ("| method | avg incremental acc | final acc | forgetting | " + " | ".join(f"after task {t}" for t in
+            range(tasks)) + (" | max client ε" if private else "") + " | s/round | MiB/round | run s |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for a in agg:
+        eps = (f" | {a['max_epsilon_mean']:.2f}" if np.isfinite(a["max_epsilon_mean"]) else " | –") if private else ""
+        lines.append(f"| {a['method']} | {a['avg_inc_acc_mean']:.3f} ± {a['avg_inc_acc_std']:.3f} | "
+                     f"{a['final_acc_mean']:.3f} ± {a['final_acc_std']:.3f} | {a['forgetting_mean']:.3f} ± "
+                     f"{a['forgetting_std']:.3f} | " + " | ".join(f"{v:.3f}" for v in a["seen"])
+                     + eps + f" | {a['round_s']:.2f} | {a['mib_per_round']:.2f} | {a['seconds']:.0f} |")
+    table = "\n".join(lines)
+    (out / "table.md").write_text(f"{title}: class-incremental accuracy on the classes seen so far, mean ± std over "
+                                  f"{seeds} seed(s); each task is scored at its last round\n\n" + table + "\n")
+    (out / "summary.json").write_text(json.dumps(
+        {a["method"]: {"avg_inc_acc": a["avg_inc_acc_mean"], "avg_inc_acc_std": a["avg_inc_acc_std"],
+                       "final_acc": a["final_acc_mean"], "forgetting": a["forgetting_mean"],
+                       **({"max_epsilon": a["max_epsilon_mean"]} if np.isfinite(a["max_epsilon_mean"]) else {})}
+         for a in agg}, indent=1, sort_keys=True) + "\n")
+    (out / "scores.json").write_text(json.dumps({"avg_inc_acc_by_seed": per_seed}, indent=1) + "\n")
+    plot_methods(agg, out / "methods.png", title=f"{title}: class-incremental accuracy",
+                 bars=(("avg_inc_acc", "average incremental"), ("final_acc", "final")), ylabel="accuracy")
+    if target is not None and len(methods) > 1 and len({len(v) for v in per_seed.values()}) == 1:
+        (out / "stats.md").write_text(stats_report(per_seed, target, label="Average incremental accuracy",
+                                                   blocks="seed") + "\n")
     else:
         (out / "stats.md").write_text("No paired test: this grid has no target method beside others with the same "
                                       "seeds.\n")

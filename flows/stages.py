@@ -10,6 +10,7 @@
     python -m flows.stages rounds trainer=proto strategy=fedpad     # one FedPAD run, a task per client per round
     python -m flows.stages partition_fedpd fedpd.grid=digits && python -m flows.stages fedpd fedpd.grid=digits
     python -m flows.stages rounds_fedpd trainer=proser strategy=fedpd   # one FedPD++ run, a task per client per round
+    python -m flows.stages partition_ppfcil ppfcil.grid=digits && python -m flows.stages ppfcil ppfcil.grid=digits
 
 With ``--params`` the stage reads the file DVC tracks; without it, conf/ is composed with the
 overrides. ``adapt`` is the sweep over ``sweep.*`` that writes results/ for DVC.
@@ -196,7 +197,9 @@ def _on_cifar(stage):
 STAGES = {"partition_domains": _partition_domains, "fedpad": lambda cfg: _grid(cfg, "fedpad"),
           "fedpad_report": _fedpad_report, "rounds": _rounds,
           "partition_fedpd": lambda cfg: _partition_domains(cfg, "fedpd"), "fedpd": lambda cfg: _grid(cfg, "fedpd"),
-          "rounds_fedpd": lambda cfg: _rounds(cfg, "fedpd"), "prepare": _prepare, "partition": _partition, "pretrain": _pretrain, "adapt": _adapt,
+          "rounds_fedpd": lambda cfg: _rounds(cfg, "fedpd"),
+          "partition_ppfcil": lambda cfg: _partition_domains(cfg, "ppfcil"), "ppfcil": lambda cfg: _grid(cfg, "ppfcil"),
+          "rounds_ppfcil": lambda cfg: _rounds(cfg, "ppfcil"), "prepare": _prepare, "partition": _partition, "pretrain": _pretrain, "adapt": _adapt,
           "sweep": _adapt, "arrival": _arrival, "pretrain_private": _pretrain_private, "private": _private,
           "audit": lambda cfg: _pointing_at({"pretrain": "pretrain_private"}, lambda: _audit(cfg)),
           **{f"{name}_cifar": _on_cifar(fn) for name, fn in

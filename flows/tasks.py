@@ -137,6 +137,8 @@ def round_inputs(cfg: DictConfig, system: str, grid_name: str, part, rcfg, *, me
     None: the engine's default). An open-set grid (FedPD++, ``known`` set) trains on the known
     classes only, gives a PROSER model one dummy output more, and scores AUROC and OSCR per domain.
     """
+    if C.is_incremental(cfg, system, grid_name):
+        return incremental_inputs(cfg, system, grid_name, part, rcfg)
     if not C.is_openset(cfg, system, grid_name):
         spec = C.grid_model_spec(cfg, system, grid_name, num_classes=part.num_classes)
         return round_data(part), spec, None
@@ -160,6 +162,27 @@ def round_inputs(cfg: DictConfig, system: str, grid_name: str, part, rcfg, *, me
     evaluate = partial(openset_evaluate, spec=spec, known=view.rounds.eval_sets, unknown=view.unknown_test,
                        scores=scores, fit=fit, device=rcfg.device)
     return view.rounds, spec, evaluate
+
+
+def incremental_inputs(cfg: DictConfig, system: str, grid_name: str, part, rcfg):
+    """Class-incremental data: the partition's samples pooled, split into ``tasks`` tasks of classes (order
+    shuffled by ``seed``) and dealt to ``clients`` clients with Dirichlet(``alpha``) label skew per task.
+    The split depends on the config's ``seed`` only, so every method and training seed sees the same data."""
+    from functools import partial
+
+    from fedcore.incremental.evaluate import incremental_evaluate
+    from fedcore.incremental.schedule import incremental_view, make_schedule
+
+    g = C.grid(cfg, system, grid_name)
+    schedule = make_schedule(num_classes=part.num_classes, tasks=int(g.tasks), seed=int(cfg.seed))
+    data = incremental_view(np.concatenate(part.client_x), np.concatenate(part.client_y),
+                            np.concatenate(part.test_x), np.concatenate(part.test_y), schedule,
+                            num_clients=int(g.clients), alpha=float(g.alpha), rounds_per_task=int(g.rounds_per_task),
+                            seed=int(cfg.seed), group="+".join(part.domains))
+    spec = C.grid_model_spec(cfg, system, grid_name, num_classes=part.num_classes)
+    evaluate = partial(incremental_evaluate, spec=spec, test=data.eval_sets["test"], task_classes=data.task_classes,
+                       device=rcfg.device)
+    return data, spec, evaluate
 
 
 def round_data(part) -> RoundData:

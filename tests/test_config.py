@@ -16,7 +16,7 @@ def test_every_group_option_composes_and_builds(group, option):
 
 
 PAIRS = {"sgd": "fedavg", "prox": "fedavg", "scaffold": "scaffold", "feddyn": "feddyn", "proto": "fedpad",
-         "proser": "fedpd"}
+         "proser": "fedpd", "fcil": "ppfcil"}
 
 
 @pytest.mark.parametrize("group,option", [(g, p.stem) for g in ("trainer", "strategy")
@@ -25,7 +25,7 @@ def test_every_round_group_option_builds_a_round_config(group, option):
     """Each trainer with a strategy written for it, and each strategy with a trainer it takes."""
     trainer = option if group == "trainer" else {"fedavg": "sgd", "fedadam": "sgd", "scaffold": "scaffold",
                                                  "feddyn": "feddyn", "fedproto": "proto", "fedpad": "proto",
-                                                 "fedpd": "proser"}[option]
+                                                 "fedpd": "proser", "ppfcil": "fcil"}[option]
     strategy = PAIRS[option] if group == "trainer" else option
     cfg = C.compose([f"trainer={trainer}", f"strategy={strategy}"])
     rcfg = C.single_round_config(cfg, "fedpad")

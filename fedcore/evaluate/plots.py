@@ -210,3 +210,47 @@ def plot_openset_rounds(records: List[Dict], domains: Sequence[str], folder: str
     fig.suptitle(title)
     return save(fig, folder / "rounds.png")
 
+
+
+def plot_incremental(records: List[Dict], acc_matrix: Sequence[Sequence[float]], folder: str | Path, *,
+                     title: str = "") -> Path:
+    """Class-incremental run: the accuracy matrix (task j after task i), accuracy on the seen classes per round
+    with the task boundaries, each client's aggregation weight, and each client's privacy spending (ε)."""
+    plt = _plt()
+    import re
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    r = [rec["round"] + 1 for rec in records]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    ax = axes[0, 0]
+    acc = np.asarray(acc_matrix, dtype=float)
+    im = ax.imshow(acc, vmin=0, vmax=1, cmap="viridis")
+    for (i, j), v in np.ndenumerate(acc):
+        if np.isfinite(v):
+            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7, color="w" if v < 0.6 else "k")
+    ax.set(xlabel="accuracy on task j", ylabel="after training task i", title="accuracy matrix")
+    ax.set_xticks(range(acc.shape[1]))
+    ax.set_yticks(range(acc.shape[0]))
+    fig.colorbar(im, ax=ax, fraction=0.046)
+    ax = axes[0, 1]
+    ax.plot(r, [rec.get("acc.seen", np.nan) for rec in records], "k-", lw=2.5, label="all seen classes")
+    tasks = sorted({int(rec["task"]) for rec in records if "task" in rec})
+    for j in tasks:
+        ax.plot(r, [rec.get(f"acc.task{j}", np.nan) for rec in records], lw=1, label=f"task {j}")
+    for prev, rec in zip(records, records[1:]):
+        if rec.get("task") != prev.get("task"):
+            ax.axvline(rec["round"] + 0.5, color="grey", ls=":", lw=1)
+    ax.set(xlabel="round", ylabel="test accuracy", title="accuracy per task (dotted: a new task arrives)", ylim=(0, 1))
+    ax.legend(fontsize=7, ncol=2)
+    for ax, key, label in ((axes[1, 0], "agg_weight", "aggregation weight"), (axes[1, 1], "epsilon", "ε spent")):
+        pat = re.compile(rf"^{key}\.c(\d+)$")
+        keys = sorted({k for rec in records for k in rec if pat.match(k)}, key=lambda k: int(k.rsplit("c", 1)[1]))
+        for k in keys:
+            ax.plot(r, [rec.get(k, np.nan) for rec in records], "o", ms=3, label=k.rsplit(".", 1)[1])
+        ax.set(xlabel="round", ylabel=label, title=f"{label} per client (when selected)" if keys
+               else f"no {label} (not recorded in this run)")
+        if keys:
+            ax.legend(fontsize=6, ncol=3)
+    fig.suptitle(title)
+    return save(fig, folder / "rounds.png")

@@ -1,0 +1,78 @@
+"""PP-FCIL through the platform: config checks, the class-incremental grid flow (slow) and what it logs."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from flows import config as C
+
+
+def overrides(tmp, *extra):
+    return [f"paths.domains={tmp}/domains", f"paths.results={tmp}/results", f"paths.checkpoints={tmp}/ckpt",
+            f"flow.tracking_uri=sqlite:///{tmp}/mlruns.db", "flow.progress=false", "flow.retries=1",
+            "flow.retry_delay_seconds=0", "ppfcil.grid=quick", "ppfcil.grids.quick.max_per_domain=1000",
+            "ppfcil.grids.quick.tasks=2", "ppfcil.grids.quick.rounds_per_task=2",
+            "ppfcil.grids.quick.clients=3", "ppfcil.grids.quick.participation=0.67",
+            "ppfcil.grids.quick.methods=[finetune,ppfcil,lbdp-eps8]", "+ppfcil.grids.quick.norm=group", *extra]
+
+
+def test_the_ppfcil_experiment_composes_and_every_grid_method_builds():
+    cfg = C.compose([])
+    C.validate(cfg)
+    rc = C.round_config(cfg, "ppfcil", method="ppfcil", seed=0, grid_name="mnist")
+    assert (rc.trainer, rc.strategy, rc.rounds) == ("fcil", "ppfcil", 20)  # 5 tasks x 4 rounds
+    assert C.is_incremental(cfg, "ppfcil", "mnist") and not C.is_incremental(cfg, "fedpd", "digits")
+    assert C.round_config(cfg, "ppfcil", method="dp-eps8", seed=0, grid_name="privacy").trainer_params["privacy"] == "dp"
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["ppfcil.grids.quick.methods=[lbdp-eps8]"], "is private .* uses BatchNorm"),
+    (["+ppfcil.trainer.compress_rounds=3"], r"compress_rounds \(3\) must be below rounds_per_task \(3\)"),
+    (["ppfcil.grids.quick.model=lenet"], "needs a dual model"),
+    (["ppfcil.grids.quick.tasks=11"], "1 <= tasks <= 10"),
+    (["ppfcil.grids.quick.methods=[ppfcl]"], re.escape("unknown ppfcil method 'ppfcl';")),
+    (["+ppfcil.methods.ppfcil.trainer_params.epsilon=-1", "+ppfcil.methods.ppfcil.trainer_params.privacy=dp",
+      "+ppfcil.methods.ppfcil.trainer_params.rho=0", "+ppfcil.grids.quick.norm=group"], "epsilon must be"),
+])
+def test_bad_ppfcil_settings_are_refused_with_the_fix(extra, match):
+    with pytest.raises(ValueError, match=match):
+        C.compose(extra)
+
+
+@pytest.mark.slow
+def test_incremental_grid_writes_tables_and_logs_tasks_ledgers_and_selection(tmp_path):
+    from flows.rounds import grid, results_dir
+    from flows.stages import _partition_domains
+
+    cfg = C.compose(overrides(tmp_path))
+    _partition_domains(cfg, "ppfcil")
+    rows = grid(cfg, "ppfcil")
+    assert [(r["method"], r["seed"]) for r in rows] == [("finetune", 0), ("ppfcil", 0), ("lbdp-eps8", 0)]
+    out = results_dir(cfg, "ppfcil", "quick")
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) == {"finetune", "ppfcil", "lbdp-eps8"}
+    for row in summary.values():
+        assert 0 <= row["final_acc"] <= 1 and 0 <= row["avg_inc_acc"] <= 1
+    assert 0 < summary["lbdp-eps8"]["max_epsilon"] <= 8.0 and "max_epsilon" not in summary["ppfcil"]
+    table = (out / "table.md").read_text()
+    assert "avg incremental acc" in table and "max client ε" in table
+    for f in ("table.md", "stats.md", "methods.png", "scores.json", "cells/ppfcil-s0/rounds.png"):
+        assert (out / f).is_file(), f
+    records = json.loads((out / "cells/lbdp-eps8-s0/rounds.json").read_text())
+    assert [r["task"] for r in records] == [0, 0, 1, 1]
+    last = records[-1]
+    assert {"acc.seen", "acc.task0", "acc.task1", "weight_entropy"} <= set(last)
+    assert any(k.startswith("epsilon.c") for k in last) and any(k.startswith("sel_score.c") for k in last)
+    client = MlflowClient(C.tracking_uri(cfg))
+    exp = client.get_experiment_by_name("fedcore-ppfcil")
+    runs = {r.info.run_name: r for r in client.search_runs([exp.experiment_id], "tags.stage = 'ppfcil@quick'")}
+    assert {"finetune-s0", "ppfcil-s0", "lbdp-eps8-s0"} <= set(runs)
+    run = runs["ppfcil-s0"]
+    assert run.data.metrics["avg_inc_acc"] == pytest.approx(summary["ppfcil"]["avg_inc_acc"])
+    assert len(client.get_metric_history(run.info.run_id, "acc.seen")) == 4  # one point per round
+    ledger = [k for k in runs["lbdp-eps8-s0"].data.metrics if k.startswith("epsilon.c")]
+    assert ledger  # every client's privacy spending is in MLflow, per round
