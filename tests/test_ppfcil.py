@@ -24,6 +24,9 @@ from fedcore.train import create_trainer
 from fedcore.train.base import ClientUpdate
 
 
+PRIVATE = dict(privacy="lbdp", rho=0.0, classifier_loss="plain", exemplars="random")
+
+
 # ------------------------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
 def digits():
@@ -172,7 +175,9 @@ def test_rounds_must_cover_the_tasks(digits):
 @pytest.mark.parametrize("kw, match", [
     (dict(privacy="lbdp", rho=0.1), "private training needs rho=0"),
     (dict(memory=10, per_class=20), "larger than the memory"),
-    (dict(privacy="dp", rho=0.0, epsilon=0.0), "must be"),
+    (dict(privacy="dp", rho=0.0, epsilon=0.0), "epsilon must be a finite number > 0"),
+    (dict(privacy="dp", rho=0.0), "needs classifier_loss=plain"),
+    (dict(privacy="lbdp", rho=0.0, classifier_loss="plain"), "needs exemplars=random"),
     (dict(branches=3), "branches must be 2"),
     (dict(compres="none"), "compres"),
 ])
@@ -182,7 +187,7 @@ def test_bad_trainer_settings_are_refused_with_the_fix(kw, match):
 
 
 def test_private_training_refuses_batchnorm(digits):
-    data, spec, cfg, ev = _setup(digits, trainer=dict(privacy="lbdp", rho=0.0))
+    data, spec, cfg, ev = _setup(digits, trainer=PRIVATE)
     with pytest.raises(ValueError, match="GroupNorm"):
         run_rounds(data, spec, cfg, evaluate=ev)
 
@@ -215,7 +220,7 @@ def test_finetuning_without_replay_or_distillation_forgets(digits):
 
 def test_same_seed_same_metrics_and_resume_after_task_and_round_is_identical(digits, tmp_path):
     data, spec, cfg, ev = _setup(digits, norm="group", participation=0.67,
-                                 trainer=dict(privacy="lbdp", rho=0.0, epsilon=4.0, sample_rate=0.25))
+                                 trainer=dict(PRIVATE, epsilon=4.0, sample_rate=0.25))
     full = run_rounds(data, spec, cfg, evaluate=ev, checkpoint_dir=tmp_path / "a")
     with pytest.raises(RunInterrupted):
         run_rounds(data, spec, cfg, evaluate=ev, checkpoint_dir=tmp_path / "b", stop_after=3)  # task 1, round 1
@@ -228,7 +233,7 @@ def test_same_seed_same_metrics_and_resume_after_task_and_round_is_identical(dig
     assert a["client_states"].keys() == b["client_states"].keys()
     for cid, st in a["client_states"].items():
         other = b["client_states"][cid]
-        assert st["ledger"]["accountant"] == other["ledger"]["accountant"]  # the privacy ledgers
+        assert _same(st["ledger"], other["ledger"])  # the privacy ledgers: cost, steps, σ, ε, exhausted
         ma, mb = ExemplarMemory.from_state_dict(st["memory"]), ExemplarMemory.from_state_dict(other["memory"])
         assert ma.classes == mb.classes and all(np.array_equal(u, v) for u, v in zip(ma.data(), mb.data()))
     assert _same(a["strategy"], b["strategy"])
@@ -238,7 +243,7 @@ def test_privacy_ledger_never_exceeds_the_budget_and_a_spent_client_stops_sendin
     # m = 2 of 3 clients a round, so a client takes part in 4 of 6 rounds on average, while its σ is
     # calibrated for ⌈6 · 0.34⌉ = 3: the budget runs out before the run ends
     data, spec, cfg, ev = _setup(digits, norm="group", tasks=2, rounds_per_task=3, participation=0.34,
-                                 trainer=dict(privacy="dp", rho=0.0, epsilon=0.5, sample_rate=0.5))
+                                 trainer=dict(PRIVATE, privacy="dp", epsilon=0.5, sample_rate=0.5))
     cfg = RoundConfig(**{**cfg.__dict__, "rounds": 6})
     res = run_rounds(data, spec, cfg, evaluate=ev)
     eps = {int(k[len("epsilon.c"):]): [] for r in res.records for k in r if re.match(r"^epsilon\.c\d+$", k)}
@@ -249,6 +254,53 @@ def test_privacy_ledger_never_exceeds_the_budget_and_a_spent_client_stops_sendin
     assert eps and all(0 < v <= 0.5 + 1e-9 for vals in eps.values() for v in vals)
     assert all(np.all(np.diff(vals) >= -1e-12) for vals in eps.values())  # spending only grows
     assert any(r.get("stopped_clients", 0) > 0 for r in res.records)  # a budget this small runs out
+
+
+# ------------------------------------------------------------------------------------ one client round
+def _round(digits, *, task, round_index, state=None, client_state=None, n=None, norm="batch", **trainer):
+    """One fcil client round on 3 tasks of 2 classes, 2 rounds each (the last of each task compresses)."""
+    x, y, _, _ = digits
+    keep = np.isin(y, [2 * task, 2 * task + 1])
+    x, y = x[keep][:n], y[keep][:n]
+    spec = ModelSpec(name="dual-lenet", in_channels=1, num_classes=10, norm=norm)
+    torch.manual_seed(0)
+    model = spec.build()
+    if state is not None:
+        model.load_state_dict(state)
+    b = {"task": task, "task_classes": [[0, 1], [2, 3], [4, 5]], "rounds_per_task": 2, "round": round_index,
+         "rounds": 6, "seed": 0, "participation": 1.0}
+    t = create_trainer("fcil", **{"lr": 0.05, "local_epochs": 1, "batch_size": 16, "memory": 60, "per_class": 10,
+                                  **trainer})
+    return model, t.train(model, x, y, global_state={k: v.clone() for k, v in model.state_dict().items()}, seed=1,
+                          broadcast=b, client_state=client_state or {})
+
+
+def test_a_round_weights_distillation_by_old_over_seen_classes_and_herds_its_classes(digits):
+    model, upd = _round(digits, task=0, round_index=0)
+    mem = ExemplarMemory.from_state_dict(upd.client_state["memory"])
+    assert mem.classes == [0, 1] and len(mem) == 20 and upd.metrics["lambda"] == 0.0
+    _, upd2 = _round(digits, task=2, round_index=4, state=upd.state, client_state=upd.client_state)
+    assert upd2.metrics["lambda"] == pytest.approx(4 / 6)  # old = the schedule's tasks 0 and 1, seen = 0..5
+    assert int(upd2.state["task"]) == 2  # the model passed through task 1, which no round trained
+    assert upd2.payload["total_examples"] == upd.payload["new_examples"] + upd2.payload["new_examples"]
+
+
+def test_a_compression_round_trains_only_the_single_branch(digits):
+    _, first = _round(digits, task=0, round_index=0)
+    _, train = _round(digits, task=1, round_index=2, state=first.state, client_state=first.client_state)
+    assert train.metrics["compressing"] == 0.0
+    _, comp = _round(digits, task=1, round_index=3, state=train.state, client_state=train.client_state)
+    assert comp.metrics["compressing"] == 1.0 and int(comp.state["phase"]) == 1
+    changed = {k.split(".")[0] for k in comp.state if comp.state[k].is_floating_point()
+               and not torch.equal(comp.state[k], train.state[k])}
+    assert changed == {"single"}  # Φ_new, its BatchNorm statistics, the fusion and the classifier stay put
+
+
+def test_lbdp_takes_noise_only_steps_on_empty_poisson_batches_and_counts_them(digits):
+    _, upd = _round(digits, task=0, round_index=0, n=3, norm="group", sample_rate=0.1, **PRIVATE)
+    acct = upd.client_state["ledger"]["accountant"]
+    assert upd.metrics["steps"] == 10 == acct["steps"]  # 1 epoch / q: every step is spent, batch or not
+    assert 0 < upd.client_state["ledger"]["epsilon"] <= 8.0
 
 
 # ------------------------------------------------------------------------------------ server
@@ -271,6 +323,8 @@ def test_server_ignores_clients_out_of_budget_and_keeps_the_model_when_all_are()
     s.select(1, [0, 1, 2], num_clients=3)
     none = s.aggregate(g, [(1, _update(0.5, stopped=True))], num_clients=3)
     assert torch.equal(none.state["w"], g["w"])
+    for r in range(2, 8):  # a client out of budget is never picked again
+        assert 1 not in s.select(r, [0, 1], num_clients=3)
 
 
 def test_server_state_round_trips_and_selection_picks_unseen_clients_first():
@@ -299,5 +353,5 @@ def test_evaluation_masks_unseen_classes_and_summarises_tasks():
     state["fc.bias"] = torch.tensor([0.0, 0.0, 100.0, 100.0])  # classes 2, 3 would win, but are not seen yet
     x = np.zeros((4, 16, 16, 1), np.uint8)
     out = incremental_evaluate(state, spec=spec, test=(x, np.array([0, 1, 0, 1])), task_classes=[[0, 1], [2, 3]])
-    assert out["task"] == 0 and out["acc.seen"] == pytest.approx(0.5) and "acc.task1" not in out
+    assert out["model_task"] == 0 and out["acc.seen"] == pytest.approx(0.5) and "acc.task1" not in out
     assert math.isfinite(out["worst_acc"])

@@ -10,7 +10,9 @@ client's data so far that is new in this task (it falls as data accumulates), an
 offset (0 by default: a client whose data is all new gets tanh(1) = 0.76).
 
 Selection reads the vectors clients reported when they last took part (the server has no other
-view of a client's data); a client that has never reported is picked before any other.
+view of a client's data); a client that has never reported is picked before any other, and a
+client out of privacy budget is never picked again (with ``random`` selection it still is: the
+ablation keeps the run's seeded sample).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class PPFCIL(Strategy):
         self.counts = np.zeros(num_clients, dtype=np.int64)
         self.last_round = np.full(num_clients, -1, dtype=np.int64)
         self.waited = np.zeros(num_clients, dtype=np.int64)
+        self.spent = np.zeros(num_clients, dtype=bool)  # out of privacy budget: never picked again
         self.round = 0
         self.reasons: Dict[int, str] = {}
         self.scores = np.zeros(num_clients)
@@ -75,10 +78,14 @@ class PPFCIL(Strategy):
         if self.selection == "random":
             picked, self.reasons = list(default), {i: "random" for i in default}
             self.scores = np.zeros(num_clients)
+        elif self.spent.all():  # nobody can train: the round runs with the usual sample, and every update is empty
+            picked, self.reasons = list(default), {i: "spent" for i in default}
         else:
             self.scores = MF.mahalanobis_scores(vectors=self.vectors)
-            picked, self.reasons = MF.select_clients(scores=self.scores, m=len(default), waited=self.waited,
-                                                     max_wait=self.max_wait)
+            live = np.flatnonzero(~self.spent)
+            sub, why = MF.select_clients(scores=self.scores[live], m=min(len(default), len(live)),
+                                         waited=self.waited[live], max_wait=self.max_wait)
+            picked, self.reasons = sorted(int(live[i]) for i in sub), {int(live[i]): r for i, r in why.items()}
         self.waited += 1
         self.waited[picked] = 0
         return picked
@@ -89,6 +96,8 @@ class PPFCIL(Strategy):
         for i, u in updates:
             p = u.payload
             self.vectors[i] = [p["accuracy"], p["loss"], p["kappa"]]
+            if p.get("stopped") or u.metrics.get("budget_exhausted", 0.0) > 0:
+                self.spent[i] = True
             per_client[i] = {"sel_score": float(self.scores[i]) if math.isfinite(self.scores[i]) else -1.0,
                              "sel_forced": float(self.reasons.get(i) == "forced"),
                              "client_acc": float(p["accuracy"]), "client_kappa": float(p["kappa"])}
@@ -121,10 +130,11 @@ class PPFCIL(Strategy):
 
     def state_dict(self) -> Dict[str, Any]:
         return {"vectors": self.vectors.tolist(), "counts": self.counts.tolist(),
-                "last_round": self.last_round.tolist(), "waited": self.waited.tolist()}
+                "last_round": self.last_round.tolist(), "waited": self.waited.tolist(), "spent": self.spent.tolist()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.vectors = np.array(state["vectors"], dtype=np.float64)
         self.counts = np.array(state["counts"], dtype=np.int64)
         self.last_round = np.array(state["last_round"], dtype=np.int64)
         self.waited = np.array(state["waited"], dtype=np.int64)
+        self.spent = np.array(state["spent"], dtype=bool)

@@ -20,7 +20,8 @@ from fedcore.tensors import batches, resolve_device, to_tensor
 def incremental_evaluate(state: Dict[str, torch.Tensor], *, spec, test: Tuple[np.ndarray, np.ndarray],
                          task_classes: Sequence[Sequence[int]], device: str = "cpu") -> Dict[str, float]:
     """``acc.seen`` (= ``avg_acc``: accuracy over every seen class's test samples), ``acc.task<j>`` for each
-    task so far, ``worst_acc`` (the lowest of those) and ``task``.
+    task so far, ``worst_acc`` (the lowest of those) and ``model_task`` (the task the weights hold: behind the
+    schedule only when no client could train a whole task).
     """
     dev = resolve_device(device)
     model = spec.build().to(dev)
@@ -38,7 +39,7 @@ def incremental_evaluate(state: Dict[str, torch.Tensor], *, spec, test: Tuple[np
     for sl in batches(len(xt), 512):
         preds.append(masked(model(xt[sl]), mask).argmax(1).cpu().numpy())
     pred = np.concatenate(preds) if preds else np.zeros(0, dtype=np.int64)
-    out: Dict[str, float] = {"task": float(task), "acc.seen": float(np.mean(pred == ys)) if len(ys) else float("nan")}
+    out: Dict[str, float] = {"model_task": float(task), "acc.seen": float(np.mean(pred == ys)) if len(ys) else float("nan")}
     for j, classes in enumerate(task_classes[:task + 1]):
         sel = np.isin(ys, list(classes))
         out[f"acc.task{j}"] = float(np.mean(pred[sel] == ys[sel])) if sel.any() else float("nan")
@@ -68,8 +69,8 @@ def task_end_metrics(records: Sequence[Dict[str, float]]) -> Dict[str, object]:
     t_max = len(tasks)
     acc = np.full((t_max, t_max), np.nan)
     for i, t in enumerate(tasks):
-        for j in range(i + 1):
-            acc[i, j] = float(last[t].get(f"acc.task{j}", np.nan))
+        for j in range(i + 1):  # a task the model never reached (no client could train it) scores 0
+            acc[i, j] = float(last[t].get(f"acc.task{j}", 0.0))
     seen = [float(last[t]["acc.seen"]) for t in tasks]
     return {"avg_inc_acc": average_incremental_accuracy(acc_seen=seen), "final_acc": seen[-1],
             "forgetting": forgetting(acc=acc) if t_max > 1 else float("nan"),

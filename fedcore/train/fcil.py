@@ -111,6 +111,13 @@ class FCILTrainer(LocalTrainer):
             if rho > 0:
                 raise ValueError("private training needs rho=0: the supervised contrastive loss couples the samples "
                                  "of a batch, so clipping each sample's gradient does not bound its influence")
+            if classifier_loss == "balanced":
+                raise ValueError("private training needs classifier_loss=plain: the balanced softmax's prior is the "
+                                 "client's class counts, which every record changes, so one record would move every "
+                                 "sample's gradient")
+            if exemplars == "herding":
+                raise ValueError("private training needs exemplars=random (or none): herding picks exemplars by the "
+                                 "class mean of every record, a release the privacy ledger does not account")
         self.rho, self.kd_temperature, self.supcon_temperature = float(rho), float(kd_temperature), \
             float(supcon_temperature)
         self.classifier_loss, self.distill, self.branches = classifier_loss, bool(distill), int(branches)
@@ -138,8 +145,9 @@ class FCILTrainer(LocalTrainer):
                              "each task needs at least one training round before it is compressed")
         g = torch.Generator().manual_seed(seed)
         model.to(device)
-        if int(model.task) < task:
-            model.advance(task, compressed=self.compress == "distil", new_init=self.new_init, seed=int(b.get("seed", 0)))
+        while int(model.task) < task:  # a task no client could train (all out of budget) is passed through
+            model.advance(int(model.task) + 1, compressed=self.compress == "distil", new_init=self.new_init,
+                          seed=int(b.get("seed", 0)))
         model.fuse.fill_(int(self.branches == 2))
         within = int(b["round"]) - task * per_task
         compressing = self.compress == "distil" and bool(int(model.has_old)) \
@@ -165,6 +173,7 @@ class FCILTrainer(LocalTrainer):
         stopped = bool(ledger.get("exhausted", False))
         model.train()
         if compressing:
+            model.new.eval()  # the dual model is the teacher now: its features, and BatchNorm statistics, stay put
             params = list(model.single.parameters())  # the classifier stays: single must fit the dual model's
         else:
             params = [p for n, p in model.named_parameters()
@@ -227,7 +236,7 @@ class FCILTrainer(LocalTrainer):
 
     def _private_epochs(self, objective: "_Objective", opt, params, xt, yt, g, *, ledger, broadcast, stopped):
         from fedcore.privacy.bayesian import calibrate_sigma_bdp, calibrate_sigma_classic, create_accountant
-        from fedcore.privacy.dp import check_private_model, flatten_per_sample, per_sample_grads_functorch
+        from fedcore.privacy.dp import check_private_model
 
         check_private_model(objective.model)
         name = "bayesian" if self.privacy == "lbdp" else "classic"
@@ -245,50 +254,62 @@ class FCILTrainer(LocalTrainer):
         sigma = float(ledger.get("sigma", 0.0))
         if name == "classic" and sigma == 0.0:
             sigma = calibrate_sigma_classic(q=q, steps=planned, epsilon=self.epsilon, delta=self.delta)
-        for step in range(0 if stopped else steps_per_round):
+        sq_seen = None  # the latest sample of clipped norms: the data distribution the Bayesian cost is taken over
+        if name == "bayesian" and not stopped:
+            # data-aware noise: the σ that spends what is left of ε_total over this client's remaining planned
+            # steps, at the clipped-gradient distribution of a probe of its data (up to 64 samples)
+            probe = torch.randperm(n, generator=g)[:64].to(xt.device)
+            sq_seen = self._clipped_sq(objective, named, xt[probe], yt[probe])[0]
+            try:
+                sigma = calibrate_sigma_bdp(sq_norms=sq_seen, q=q, steps=max(1, planned - acct.steps),
+                                            epsilon=self.epsilon, delta=self.delta,
+                                            spent=acct.total_cost if acct.steps else None)
+            except ValueError:  # what is left of ε_total buys no step at any σ: the budget is spent
+                ledger["exhausted"] = True
+                stopped = True
+        for _ in range(0 if stopped else steps_per_round):
             pick = torch.rand(n, generator=g) < q  # Poisson sampling: each sample joins with probability q
-            if not bool(pick.any()):
-                continue
             idx = torch.nonzero(pick).flatten().to(xt.device)
             xb, yb = xt[idx], yt[idx]
-            aux = objective.aux(xb, yb)
-            per_sample = per_sample_grads_functorch(objective, named, objective.sample_loss, xb, aux)
-            norms = flatten_per_sample(per_sample).norm(dim=1)
-            sq = ((norms.clamp(max=self.clip_norm) / self.clip_norm) ** 2).detach().cpu().numpy()
-            if name == "bayesian" and step == 0:
-                # data-aware noise: the σ that spends what is left of ε_total over this client's remaining
-                # planned steps, at the clipped-gradient distribution of this batch
-                remaining = max(1, planned - acct.steps)
-                try:
-                    sigma = calibrate_sigma_bdp(sq_norms=sq, q=q, steps=remaining, epsilon=self.epsilon,
-                                                delta=self.delta, spent=acct.total_cost if acct.steps else None)
-                except ValueError:  # what is left of ε_total buys no step at any σ: the budget is spent
-                    ledger["exhausted"] = True
-                    break
-            cost = acct.step_cost(sq_norms=sq, q=q, sigma=sigma)
+            if len(idx):
+                sq, norms, per_sample, aux = self._clipped_sq(objective, named, xb, yb)
+                sq_seen = sq
+            cost = acct.step_cost(sq_norms=sq_seen if sq_seen is not None else np.ones(1), q=q, sigma=sigma)
             if acct.epsilon_after(cost, self.delta) > self.epsilon:
                 ledger["exhausted"] = True
                 break
-            acct.spend(cost)
-            factor = (self.clip_norm / (norms + 1e-12)).clamp(max=1.0)
+            acct.spend(cost)  # an empty batch is still a step: it releases noise, and the analysis counts it
             opt.zero_grad(set_to_none=True)
             for key, p in named.items():
-                summed = torch.einsum("b,b...->...", factor, per_sample[key])
+                summed = torch.zeros_like(p) if not len(idx) else torch.einsum(
+                    "b,b...->...", (self.clip_norm / (norms + 1e-12)).clamp(max=1.0), per_sample[key])
                 noise = torch.randn(summed.shape, generator=g).to(summed.device) * sigma * self.clip_norm
                 p.grad = (summed + noise) / expected
             opt.step()
-            with torch.no_grad():
-                total += float(objective.sample_loss(objective(xb), aux, {}).sum())
-            count += len(idx)
+            if len(idx):
+                with torch.no_grad():
+                    total += float(objective.sample_loss(objective(xb), aux, {}).sum())
+                count += len(idx)
+                sq_all.append(float(np.mean(sq)))
             steps += 1
             sigmas.append(sigma)
-            sq_all.append(float(np.mean(sq)))
         ledger.update({"accountant": acct.state_dict(), "epsilon": float(acct.epsilon(self.delta)) if acct.steps
                        else 0.0, "sigma": sigma if name == "classic" else ledger.get("sigma", 0.0)})
         metrics = {"epsilon": ledger["epsilon"], "sigma": float(np.mean(sigmas)) if sigmas else float("nan"),
                    "clipped_sq_norm": float(np.mean(sq_all)) if sq_all else float("nan"),
                    "budget_exhausted": float(bool(ledger.get("exhausted", False)))}
         return total, count, steps, ledger, metrics
+
+
+    def _clipped_sq(self, objective: "_Objective", named, xb, yb):
+        """Per-sample gradients of the batch, their norms, and their squared clipped norms ‖clip(g)‖²/C²."""
+        from fedcore.privacy.dp import flatten_per_sample, per_sample_grads_functorch
+
+        aux = objective.aux(xb, yb)
+        per_sample = per_sample_grads_functorch(objective, named, objective.sample_loss, xb, aux)
+        norms = flatten_per_sample(per_sample).norm(dim=1)
+        sq = ((norms.clamp(max=self.clip_norm) / self.clip_norm) ** 2).detach().cpu().numpy()
+        return sq, norms, per_sample, aux
 
 
 class _Objective(nn.Module):
