@@ -1,7 +1,7 @@
 # Two commands on a fresh machine:
 #   make run    set up .venv, then the quick default of every system on data that ships with the packages:
-#               `dvc repro adapt fedpad@quick fedpd@quick ppfcil@quick` (BPFedCTTA on MNIST digits, FedPAD, FedPD++ and PP-FCIL
-#               on three digit domains)
+#               `dvc repro adapt fedpad@quick fedpd@quick ppfcil@quick` (BPFedCTTA and PP-FCIL on MNIST digits,
+#               FedPAD and FedPD++ on three digit domains)
 #   make test   set up if needed, then run the test suite
 # and, when there is time (about 20 min on 2 cores):
 #   make private  the private-TTA grid (6 methods x plain/clip/DP at 4 epsilons) and the canary audit

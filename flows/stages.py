@@ -25,6 +25,8 @@ import os
 import sys
 import time
 
+import numpy as np
+
 from flows import config as C
 
 
@@ -175,6 +177,50 @@ def _fedpad_report(cfg) -> None:
     print(text)
 
 
+def _ppfcil_privacy(cfg) -> None:
+    """The privacy-utility curve of a PP-FCIL grid (``ppfcil.privacy_report``): average incremental accuracy
+    against ε_total for each accountant and clip norm, beside the noise-free reference; and the paired gap
+    between LBDP and classic DP at each (ε, C)."""
+    from fedcore.evaluate.plots import plot_privacy_utility
+    from fedcore.evaluate.stats import wilcoxon_against
+    from flows.rounds import results_dir
+
+    grid_name = str(cfg.ppfcil.privacy_report)
+    out = results_dir(cfg, "ppfcil", grid_name)
+    path = out / "scores.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing. Build it with `dvc repro ppfcil@{grid_name}`.")
+    scores = json.loads(path.read_text())["avg_inc_acc_by_seed"]
+    methods = C.grid(cfg, "ppfcil", grid_name).methods
+    curves, reference, pairs = {}, None, {}
+    for m in methods:
+        tp = C.round_config(cfg, "ppfcil", method=str(m), seed=0, grid_name=grid_name).trainer_params
+        vals = scores[str(m)]
+        point = (float(np.mean(vals)), float(np.std(vals)))
+        form = tp.get("privacy", "none")
+        if form == "none":
+            reference = point
+            continue
+        eps, clip = float(tp["epsilon"]), float(tp.get("clip_norm", 1.0))
+        label = f"{'LBDP' if form == 'lbdp' else 'classic DP'}, C = {clip:g}"
+        curves.setdefault(label, []).append((eps, *point))
+        pairs.setdefault((eps, clip), {})[form] = vals
+    plot_privacy_utility(curves, out / "privacy.png", reference=reference,
+                         title=f"PP-FCIL {grid_name}: privacy-utility")
+    lines = [f"# PP-FCIL privacy-utility ({grid_name} grid)", "",
+             "Average incremental accuracy, mean ± std over seeds; LBDP − classic DP paired over seeds.", "",
+             "| ε_total | C | LBDP | classic DP | LBDP − DP | LBDP wins |", "|---|---|---|---|---|---|"]
+    for (eps, clip), d in sorted(pairs.items()):
+        if {"lbdp", "dp"} <= set(d):
+            gap = wilcoxon_against({"lbdp": d["lbdp"], "dp": d["dp"]}, "lbdp")[0]
+            lines.append(f"| {eps:g} | {clip:g} | {np.mean(d['lbdp']):.3f} ± {np.std(d['lbdp']):.3f} | "
+                         f"{np.mean(d['dp']):.3f} ± {np.std(d['dp']):.3f} | {gap.mean_gap:+.3f} | {gap.wins}/{gap.n} |")
+    if reference is not None:
+        lines += ["", f"No noise (same objective): {reference[0]:.3f} ± {reference[1]:.3f}."]
+    (out / "privacy.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def _rounds(cfg, system: str = "fedpad") -> None:
     from flows.rounds import single
 
@@ -199,7 +245,7 @@ STAGES = {"partition_domains": _partition_domains, "fedpad": lambda cfg: _grid(c
           "partition_fedpd": lambda cfg: _partition_domains(cfg, "fedpd"), "fedpd": lambda cfg: _grid(cfg, "fedpd"),
           "rounds_fedpd": lambda cfg: _rounds(cfg, "fedpd"),
           "partition_ppfcil": lambda cfg: _partition_domains(cfg, "ppfcil"), "ppfcil": lambda cfg: _grid(cfg, "ppfcil"),
-          "rounds_ppfcil": lambda cfg: _rounds(cfg, "ppfcil"), "prepare": _prepare, "partition": _partition, "pretrain": _pretrain, "adapt": _adapt,
+          "rounds_ppfcil": lambda cfg: _rounds(cfg, "ppfcil"), "ppfcil_privacy": _ppfcil_privacy, "prepare": _prepare, "partition": _partition, "pretrain": _pretrain, "adapt": _adapt,
           "sweep": _adapt, "arrival": _arrival, "pretrain_private": _pretrain_private, "private": _private,
           "audit": lambda cfg: _pointing_at({"pretrain": "pretrain_private"}, lambda: _audit(cfg)),
           **{f"{name}_cifar": _on_cifar(fn) for name, fn in

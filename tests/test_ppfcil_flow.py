@@ -76,3 +76,27 @@ def test_incremental_grid_writes_tables_and_logs_tasks_ledgers_and_selection(tmp
     assert len(client.get_metric_history(run.info.run_id, "acc.seen")) == 4  # one point per round
     ledger = [k for k in runs["lbdp-eps8-s0"].data.metrics if k.startswith("epsilon.c")]
     assert ledger  # every client's privacy spending is in MLflow, per round
+
+
+def test_privacy_report_pairs_lbdp_with_classic_dp_at_each_epsilon_and_clip_norm(tmp_path):
+    from flows.stages import _ppfcil_privacy
+
+    cfg = C.compose([f"paths.results={tmp_path}"])
+    out = tmp_path / "ppfcil" / "privacy"
+    out.mkdir(parents=True)
+    methods = [str(m) for m in cfg.ppfcil.grids.privacy.methods]
+    fake = {m: [0.5, 0.6] for m in methods}
+    fake["lbdp-eps8"], fake["dp-eps8"] = [0.7, 0.72], [0.6, 0.61]
+    (out / "scores.json").write_text(json.dumps({"avg_inc_acc_by_seed": fake}))
+    _ppfcil_privacy(cfg)
+    text = (out / "privacy.md").read_text()
+    assert "| 8 | 1 | 0.710 ± 0.010 | 0.605 ± 0.005 | +0.105 | 2/2 |" in text
+    assert "| 1 | 10 |" in text and "No noise (same objective): 0.550 ± 0.050." in text
+    assert (out / "privacy.png").is_file()
+
+
+def test_privacy_report_names_the_stage_that_builds_its_input(tmp_path):
+    from flows.stages import _ppfcil_privacy
+
+    with pytest.raises(FileNotFoundError, match=re.escape("dvc repro ppfcil@privacy")):
+        _ppfcil_privacy(C.compose([f"paths.results={tmp_path}"]))

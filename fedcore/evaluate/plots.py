@@ -254,3 +254,23 @@ def plot_incremental(records: List[Dict], acc_matrix: Sequence[Sequence[float]],
             ax.legend(fontsize=6, ncol=3)
     fig.suptitle(title)
     return save(fig, folder / "rounds.png")
+
+
+def plot_privacy_utility(curves: Dict[str, List[Tuple[float, float, float]]], path: str | Path, *,
+                         reference: Tuple[float, float] | None = None, title: str = "",
+                         ylabel: str = "average incremental accuracy") -> Path:
+    """Utility against ε_total, one line per family (e.g. ``LBDP, C = 1``): points ``(ε, mean, std)``;
+    ``reference`` is the noise-free run's (mean, std), drawn as a band."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for label, pts in curves.items():
+        pts = sorted(pts)
+        ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o", capsize=3,
+                    label=label)
+    if reference is not None:
+        ax.axhline(reference[0], color="k", ls="--", lw=1, label="no noise")
+        ax.axhspan(reference[0] - reference[1], reference[0] + reference[1], color="k", alpha=0.08)
+    ax.set_xscale("log")
+    ax.set(xlabel="ε_total per client (δ = 1e-5)", ylabel=ylabel, title=title)
+    ax.legend(fontsize=8)
+    return save(fig, Path(path))
