@@ -23,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,7 @@ from fedcore.engine import ModelSpec, RoundConfig, run_rounds  # noqa: E402
 from fedcore.engine.checkpoint import load_state  # noqa: E402
 from fedcore.engine.rounds import train_step  # noqa: E402
 from fedcore.engine.spec import init_state  # noqa: E402
+from fedcore.incremental.evaluate import incremental_evaluate  # noqa: E402
 from fedcore.incremental.exemplars import ExemplarMemory  # noqa: E402
 from fedcore.incremental.schedule import incremental_view, make_schedule  # noqa: E402
 
@@ -73,7 +75,8 @@ def main() -> None:
     states = {}
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        full = run_rounds(data, dual, cfg, checkpoint_dir=tmp,
+        full = run_rounds(data, dual, cfg, checkpoint_dir=tmp, evaluate=partial(
+                              incremental_evaluate, spec=dual, test=data.eval_sets["test"], task_classes=data.task_classes),
                           on_round=lambda rec, st: states.setdefault(rec["round"], st))
         run_s = time.perf_counter() - t0
         clients = list(load_state(Path(tmp)).payload["client_states"].values())
@@ -101,7 +104,8 @@ def main() -> None:
     gn_state = init_state(dual_gn, 0)
     for name, form in (("ppfcil, LBDP round (task 0)", "lbdp"), ("ppfcil, classic DP round (task 0)", "dp")):
         rows.append((name, time_step(args.repeat, global_state=gn_state, spec=dual_gn, x=x, y=y, trainer="fcil",
-                                     trainer_params={**TRAIN, "rho": 0.0, "privacy": form, "epsilon": 8.0},
+                                     trainer_params={**TRAIN, "rho": 0.0, "privacy": form, "epsilon": 8.0,
+                                                     "classifier_loss": "plain", "exemplars": "random"},
                                      broadcast={**b, "round": 0, "task": 0}, seed=1, device="cpu",
                                      client_state={})))
     base = rows[0][1]

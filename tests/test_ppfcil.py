@@ -355,3 +355,10 @@ def test_evaluation_masks_unseen_classes_and_summarises_tasks():
     out = incremental_evaluate(state, spec=spec, test=(x, np.array([0, 1, 0, 1])), task_classes=[[0, 1], [2, 3]])
     assert out["model_task"] == 0 and out["acc.seen"] == pytest.approx(0.5) and "acc.task1" not in out
     assert math.isfinite(out["worst_acc"])
+
+
+def test_a_staged_run_scored_by_the_default_evaluation_still_returns_its_records(digits):
+    data, spec, cfg, _ = _setup(digits, tasks=2, rounds_per_task=1, trainer=dict(compress="none"))
+    cfg = RoundConfig(**{**cfg.__dict__, "rounds": 2})
+    res = run_rounds(data, spec, cfg)  # accuracy on the whole test set, no acc.seen: no incremental summary
+    assert len(res.records) == 2 and "avg_inc_acc" not in res.summary and "final_acc.test" in res.summary

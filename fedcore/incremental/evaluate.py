@@ -55,13 +55,14 @@ def task_end_metrics(records: Sequence[Dict[str, float]]) -> Dict[str, object]:
     matrix is ``acc.task<j>`` then, and a_t is ``acc.seen``. Returns ``avg_inc_acc`` (the mean of
     a_t over tasks: average incremental accuracy), ``final_acc`` (a_{T−1}), ``forgetting``
     (Chaudhry et al.; NaN with one task), ``acc_seen`` and ``acc_matrix`` (lists, for reports).
-    A run stopped before its last task is summarised over the tasks it finished.
+    A run stopped before its last task is summarised over the tasks it finished; records not scored by
+    :func:`incremental_evaluate` give an empty summary.
     """
     from fedcore.incremental.metrics import average_incremental_accuracy, forgetting
 
     last: Dict[int, Dict[str, float]] = {}
     for rec in records:
-        if "task" in rec:
+        if "task" in rec and "acc.seen" in rec:  # scored by incremental_evaluate (not the engine's default)
             last[int(rec["task"])] = rec
     tasks = sorted(last)
     if not tasks:
