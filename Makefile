@@ -81,6 +81,7 @@ bench: setup
 	$(BIN)/python benchmarks/dp_step.py
 	$(BIN)/python benchmarks/rounds.py
 	$(BIN)/python benchmarks/fedpd_align.py
+	$(BIN)/python benchmarks/ppfcil.py
 
 clean:
 	rm -rf data/prepared data/partitions data/domains models models_group results checkpoints mlruns mlruns.db

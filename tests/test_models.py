@@ -19,7 +19,7 @@ def test_models_build_with_every_norm(name, channels, size, norm):
 
 
 def test_unknown_names_list_valid_ones():
-    with pytest.raises(ValueError, match="valid names are: cnn, lenet, resnet18, resnet20"):
+    with pytest.raises(ValueError, match="valid names are: cnn, dual-cnn, dual-lenet, dual-resnet18, dual-resnet20, lenet, resnet18, resnet20"):
         create_model("vgg", in_channels=1, num_classes=10)
     with pytest.raises(ValueError, match="valid names are: batch, group, layer"):
         create_model("cnn", in_channels=1, num_classes=10, norm="instance")

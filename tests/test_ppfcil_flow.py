@@ -91,7 +91,8 @@ def test_privacy_report_pairs_lbdp_with_classic_dp_at_each_epsilon_and_clip_norm
     _ppfcil_privacy(cfg)
     text = (out / "privacy.md").read_text()
     assert "| 8 | 1 | 0.710 ± 0.010 | 0.605 ± 0.005 | +0.105 | 2/2 |" in text
-    assert "| 1 | 10 |" in text and "No noise (same objective): 0.550 ± 0.050." in text
+    assert "| 8 | 10 | 0.550 ± 0.050 | 0.550 ± 0.050 | +0.000 | 0/2 |" in text
+    assert "No noise (same objective): 0.550 ± 0.050." in text
     assert (out / "privacy.png").is_file()
 
 
