@@ -373,12 +373,13 @@ def client_submit(data, *, retries: int = 0, retry_delay_seconds: float = 0.0, n
                   fault: Tuple[int, Path] | None = None):
     """The round engine's ``submit`` inside a flow: one named Prefect task per client per round, run on Ray.
 
-    Data moves once: each client's arrays go to Ray's object store when this is built, the
-    global state once per round; tasks receive references, not arrays. ``fault=(round, folder)``
+    Data moves once: each client's arrays (of each task, for data that arrives in tasks) go to
+    Ray's object store the first time they are needed, the global state once per round; tasks
+    receive references, not arrays. ``fault=(round, folder)``
     makes client 0's task fail once in that round (tests of retries).
     """
     task = train_client_ray_task.with_options(retries=retries, retry_delay_seconds=retry_delay_seconds)
-    refs = {i: (runtime.put(x), runtime.put(y)) for i, (x, y) in enumerate(zip(data.client_x, data.client_y))}
+    refs: Dict[Tuple[int, int], Any] = {}  # (client, task) -> its arrays in Ray's store, put once
     shared: Dict[int, Any] = {}
 
     def ref_of(obj):
@@ -390,7 +391,10 @@ def client_submit(data, *, retries: int = 0, retry_delay_seconds: float = 0.0, n
     def submit(fn, **kw):
         i, r = kw["client_id"], kw["round_index"]
         marker = str(fault[1] / f"fault-round{r}.marker") if fault and r == fault[0] and i == 0 else None
-        kw["x"], kw["y"] = refs[i]
+        key = (i, int(kw["broadcast"].get("task", 0)))  # data in tasks: the engine passes this task's slice
+        if key not in refs:
+            refs[key] = (runtime.put(kw["x"]), runtime.put(kw["y"]))
+        kw["x"], kw["y"] = refs[key]
         kw["global_state"] = ref_of(kw["global_state"])
         named = task.with_options(task_run_name=f"round-{r:03d}-client-{i:02d}-{data.client_group[i]}")
         return named.submit(fault_marker=marker, num_gpus=num_gpus, **kw)

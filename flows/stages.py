@@ -10,7 +10,7 @@
     python -m flows.stages rounds trainer=proto strategy=fedpad     # one FedPAD run, a task per client per round
     python -m flows.stages partition_fedpd fedpd.grid=digits && python -m flows.stages fedpd fedpd.grid=digits
     python -m flows.stages rounds_fedpd trainer=proser strategy=fedpd   # one FedPD++ run, a task per client per round
-    python -m flows.stages partition_ppfcil ppfcil.grid=digits && python -m flows.stages ppfcil ppfcil.grid=digits
+    python -m flows.stages partition_ppfcil ppfcil.grid=mnist && python -m flows.stages ppfcil ppfcil.grid=mnist
 
 With ``--params`` the stage reads the file DVC tracks; without it, conf/ is composed with the
 overrides. ``adapt`` is the sweep over ``sweep.*`` that writes results/ for DVC.
