@@ -50,8 +50,9 @@ private: setup
 
 fedpad: setup
 	@git rev-parse --git-dir >/dev/null 2>&1 || (git init -q && echo "initialised a git repo for DVC")
-	$(BIN)/dvc repro fedpad@digits fedpad@digits_gamma fedpad@pacs
-	@for g in digits digits_gamma pacs; do echo; cat results/fedpad/$$g/table.md; cat results/fedpad/$$g/stats.md; done
+	$(BIN)/dvc repro fedpad@digits fedpad@digits_gamma fedpad@pacs fedpad@digits_6211 fedpad@digits_part20 \
+		fedpad@digits_part50 fedpad@digits_double
+	@for g in digits digits_gamma pacs digits_6211 digits_part20 digits_part50 digits_double; do echo; cat results/fedpad/$$g/table.md; cat results/fedpad/$$g/stats.md; done
 
 fedpd: setup
 	@git rev-parse --git-dir >/dev/null 2>&1 || (git init -q && echo "initialised a git repo for DVC")
