@@ -56,13 +56,17 @@ def timed_run(data, spec, cfg, **kw):
 
 
 def run_flow(kind: str, data, spec, cfg, tracking_uri: str):
+    """One flow run; returns (result, total s, start-up s, mean s of rounds 2-R).
+
+    Start-up is everything before the first round starts: Ray and a Prefect server when they are
+    not up yet, the flow run's creation, the MLflow run.
+    """
     import mlflow
     from prefect import flow
 
     from flows import runtime, tracking
     from flows.config import ROOT
     from flows.rounds import client_submit
-    from flows.tasks import train_client_task
 
     t0 = time.perf_counter()
     if kind == "naive":
@@ -75,12 +79,12 @@ def run_flow(kind: str, data, spec, cfg, tracking_uri: str):
         tracking.setup(tracking_uri, "bench-rounds")
         if kind == "naive":
             def submit(fn, **kw):
-                return train_client_task.submit(**kw)
+                return naive_task().submit(**kw)
         else:
             submit = client_submit(data)
         with mlflow.start_run(run_name=kind):
             startup = time.perf_counter() - t0
-            res, _, per_round = _run_logged(data, spec, cfg, submit)
+            res, per_round = _run_logged(data, spec, cfg, submit)
         return res, startup, per_round
 
     try:
@@ -90,22 +94,36 @@ def run_flow(kind: str, data, spec, cfg, tracking_uri: str):
     return res, time.perf_counter() - t0, startup, per_round
 
 
+def naive_task():
+    """The naive design, kept here for comparison: a Prefect task that runs on a Ray worker, arrays in its arguments."""
+    from prefect import task
+    from prefect.cache_policies import NO_CACHE
+
+    from fedcore.engine import train_step
+
+    return task(name="train-client-on-ray", cache_policy=NO_CACHE)(train_step)
+
+
 def _run_logged(data, spec, cfg, submit):
+    """As ``flows.rounds.single`` does it: each round logged (a nested run) on a background thread."""
     from flows import tracking
 
     marks = []
+    log = tracking.BackgroundRoundLog()
 
     def on_round(rec, st):
-        tracking.log_rounds([rec], nested=True)
+        log(rec)
         marks.append(time.perf_counter())
 
     res = run_rounds(data, spec, cfg, submit=submit, on_round=on_round)
-    return res, None, float(np.mean(np.diff(marks)))
+    log.close()
+    return res, float(np.mean(np.diff(marks)))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--skip-naive", action="store_true", help="leave out the naive design's row (about a minute)")
     args = ap.parse_args()
     data, spec, cfg = workload()
     print(f"workload: FedAvg, {len(data.client_x)} clients x {cfg.rounds} rounds x 1 epoch, "
@@ -113,6 +131,9 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench-rounds-"))
     uri = f"sqlite:///{tmp}/mlruns.db"
     rows = []
+    variants = (("naive", "flow, Prefect task on Ray (naive), cold"),
+                ("lean", "flow, driver task -> Ray, cold (starts Prefect + Ray)"),
+                ("up", "flow, driver task -> Ray, Prefect + Ray up, warm workers"))
     for rep in range(args.repeat):
         torch.set_num_threads(1)
         base, wall1, per_round1 = timed_run(data, spec, cfg)
@@ -120,13 +141,30 @@ def main() -> int:
         _, wall, per_round = timed_run(data, spec, cfg)
         rows.append(("plain loop", rep, wall, 0.0, per_round))
         rows.append(("plain loop, 1 thread (the reference weights)", rep, wall1, 0.0, per_round1))
-        for kind, label in (("naive", "flow, Prefect task on Ray"), ("lean", "flow, driver task -> Ray")):
-            res, wall_f, startup, per_round_f = run_flow(kind, data, spec, cfg, uri)
+        for kind, label in variants:
+            if args.skip_naive and kind == "naive":
+                continue
+            if kind == "up":  # a long-lived Ray and Prefect server, as a deployment has; one run warms the workers
+                import ray
+
+                from flows import runtime
+                from flows.config import ROOT
+
+                url = runtime.ensure_prefect_api()
+                ray.init(**runtime.ray_init_kwargs(num_cpus=2, prefect_api_url=url, root=ROOT))
+                run_flow("lean", data, spec, cfg, uri)
+            res, wall_f, startup, per_round_f = run_flow("naive" if kind == "naive" else "lean", data, spec, cfg, uri)
+            if kind == "up":
+                ray.shutdown()
             for k in base.final_state:
                 if not torch.equal(base.final_state[k], res.final_state[k]):
                     print(f"FAIL: {label} gave different weights ({k})")
                     return 1
             rows.append((label, rep, wall_f, startup, per_round_f))
+            if kind != "up":
+                from flows import runtime
+
+                runtime.stop_prefect_api()  # the next cold run starts its own
     print("\n| run | repeat | total s | start-up s | per round s (2-5) | total ratio | per-round ratio |")
     print("|---|---|---|---|---|---|---|")
     for label, rep, wall, startup, per_round in rows:

@@ -27,7 +27,7 @@ from flows import config as C
 from flows import runtime, tracking
 from flows.tasks import (  # noqa: F401 - the paths and loaders are part of this module's interface
     _ckpt_dir,
-    adapt_client_task,
+    adapt_client_ray_task,
     cell_name,
     load_inputs,
     load_partition,
@@ -36,12 +36,17 @@ from flows.tasks import (  # noqa: F401 - the paths and loaders are part of this
     prepared_path,
     run_cell_task,
     source_model_path,
-    train_client_task,
 )
 
 
 def _runner(cfg: DictConfig):
+    """For tasks that are whole units of work (a sweep cell): a Prefect task on a Ray worker."""
     return runtime.make_task_runner(address=cfg.flow.ray_address, num_cpus=int(cfg.flow.num_cpus), root=C.ROOT)
+
+
+def _driver_runner(cfg: DictConfig):
+    """For sub-second client steps: Prefect tasks in driver threads whose bodies run the step on Ray."""
+    return runtime.make_driver_runner(address=cfg.flow.ray_address, num_cpus=int(cfg.flow.num_cpus), root=C.ROOT)
 
 
 def _gpus(cfg: DictConfig) -> float:
@@ -61,15 +66,16 @@ def pretrain(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> Pa
 
     partition = load_partition(cfg, written=written)  # before any service starts: a bad input fails fast
 
-    @flow(name="source-pretraining", task_runner=_runner(cfg), log_prints=True)
+    @flow(name="source-pretraining", task_runner=_driver_runner(cfg), log_prints=True)
     def source_pretraining() -> str:
+        from flows.rounds import client_submit
+
         logger = get_run_logger()
         spec, pcfg = C.model_spec(cfg), C.pretrain_config(cfg)
         tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
-
-        def submit(fn, **kw):
-            with runtime.task_resources(num_gpus=_gpus(cfg)):
-                return train_client_task.submit(**kw)
+        data = source_round_data(partition)
+        submit = client_submit(data, retries=int(cfg.flow.retries),
+                               retry_delay_seconds=float(cfg.flow.retry_delay_seconds), num_gpus=_gpus(cfg))
 
         with mlflow.start_run(run_name=f"pretrain-{cfg.data.name}-{cfg.model.name}"):
             mlflow.set_tags({**tracking.lineage_tags(seed=pcfg.seed, prepared=prepared_path(cfg),
@@ -77,15 +83,21 @@ def pretrain(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> Pa
             # the round-based systems' grids are not this run's settings
             mlflow.log_params(tracking.flatten({k: v for k, v in C.to_dict(cfg).items()
                                                 if k not in ("sweep", *C.ROUND_SYSTEMS)}))
+            log = tracking.BackgroundRoundLog()  # MLflow writes overlap the next round
 
             def on_round(record, state):
                 logger.info("round %d/%d train_loss=%.4f source_test=%.3f", record["round"] + 1, pcfg.rounds,
                             record["train_loss"], record["acc.source_test"])
-                tracking.log_round(record["round"], {"train_loss": record["train_loss"],
-                                                     "source_test_acc": record["acc.source_test"]})
+                log(record)
 
-            state = run_rounds(source_round_data(partition), spec, pcfg, submit=submit, on_round=on_round,
-                               progress=bool(cfg.flow.progress), desc="FedAvg rounds").final_state
+            try:
+                result = run_rounds(data, spec, pcfg, submit=submit, on_round=on_round,
+                                    progress=bool(cfg.flow.progress), desc="FedAvg rounds")
+            except BaseException:
+                log.close(raise_errors=False)
+                raise
+            log.close()
+            state = result.final_state
             model = spec.build()
             model.load_state_dict(state)
             from fedcore.evaluate import accuracy
@@ -159,29 +171,62 @@ def _start_experiment_run(cfg: DictConfig, acfg, spec: ModelSpec):
     return run
 
 
+def _faults(cfg: DictConfig, folder: Path) -> Dict[str, Any]:
+    """The test faults the config asks for: ``{"fault"|"crash": (step index, marker folder)}``."""
+    out = {}
+    if cfg.flow.inject_fault is not None:
+        out["fault"] = (int(cfg.flow.inject_fault), folder)
+    if cfg.flow.get("inject_crash") is not None:
+        out["crash"] = (int(cfg.flow.inject_crash), folder)
+    return out
+
+
+def arrival_submit(*, threads: int = 1, retries: int = 0, retry_delay_seconds: float = 0.0, num_gpus: float = 0.0,
+                   fault: Mapping[str, Any] | None = None):
+    """The arrival engine's ``submit`` inside a flow: one named Prefect task per arrival, run on Ray.
+
+    The task lives in a driver thread and its body runs the adaptation on a Ray worker (about
+    30 ms of Prefect per task, against about 250 ms for a Prefect task on Ray). Data moves once:
+    each client's stream and hold-out, and the source samples, go to Ray's object store the first
+    time they are needed; a task receives references. Arrivals are sequential, so the running
+    task may use ``threads`` CPUs. ``fault``: see :func:`_faults` (tests of retries).
+    """
+    task = adapt_client_ray_task.with_options(retries=retries, retry_delay_seconds=retry_delay_seconds)
+    refs: Dict[Any, Any] = {}
+
+    def ref(key, value):
+        if key not in refs:
+            refs[key] = (value, runtime.put(value))  # keeps value alive, so an id() key stays unique
+        return refs[key][1]
+
+    def submit(fn, **kw):
+        a, client = kw["arrival"], kw["client"]
+        markers = {f"{kind}_marker": str(folder / f"{kind}-{a}.marker")
+                   for kind, (at, folder) in (fault or {}).items() if at == a}
+        kw["client"] = ref(("client", id(client)), client)
+        if kw.get("source_x") is not None:
+            kw["source_x"] = ref(("source", id(kw["source_x"])), kw["source_x"])
+        named = task.with_options(task_run_name=f"arrival-{a:03d}-client-{client.client_id:02d}-{client.corruption}")
+        return named.submit(threads=threads, num_gpus=num_gpus, **markers, **kw)
+
+    return submit
+
+
 def arrival(cfg: DictConfig) -> ArrivalsResult:
     """Sequential arrival: an adaptation task per client on Ray; merge, evaluate, checkpoint, log."""
 
     partition, spec, source = load_inputs(cfg)  # before any service starts
 
-    @flow(name="sequential-arrival", task_runner=_runner(cfg), log_prints=True)
+    @flow(name="sequential-arrival", task_runner=_driver_runner(cfg), log_prints=True)
     def sequential_arrival() -> ArrivalsResult:
         logger = get_run_logger()
         acfg = C.arrival_config(cfg)
         ckpt = _ckpt_dir(cfg, cell_name(acfg))
         tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
-        adapt = adapt_client_task.with_options(retries=int(cfg.flow.retries),
-                                               retry_delay_seconds=float(cfg.flow.retry_delay_seconds))
-
         # Arrivals are sequential: the one running client task may use every CPU of a node.
-        threads = min(int(cfg.flow.num_cpus), runtime.largest_node_cpus())
-
-        def submit(fn, **kw):
-            fault = None
-            if cfg.flow.inject_fault is not None and kw["arrival"] == int(cfg.flow.inject_fault):
-                fault = str(ckpt / f"fault-{kw['arrival']}.marker")
-            with runtime.task_resources(num_gpus=_gpus(cfg), num_cpus=threads):
-                return adapt.submit(fault_marker=fault, threads=threads, **kw)
+        submit = arrival_submit(threads=min(int(cfg.flow.num_cpus), runtime.largest_node_cpus()),
+                                retries=int(cfg.flow.retries), retry_delay_seconds=float(cfg.flow.retry_delay_seconds),
+                                num_gpus=_gpus(cfg), fault=_faults(cfg, ckpt))
 
         def on_arrival(record, st, res):
             if record.get("privacy_refused"):

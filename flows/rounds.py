@@ -338,22 +338,26 @@ def single(cfg: DictConfig, system: str = "fedpad") -> RoundsResult:
     def rounds_flow() -> RoundsResult:
         logger = get_run_logger()
         tracking.setup(C.tracking_uri(cfg), f"fedcore-{system}")
-        fault = None if cfg.flow.inject_fault is None else (int(cfg.flow.inject_fault), ckpt)
         submit = client_submit(data, retries=int(cfg.flow.retries),
                                retry_delay_seconds=float(cfg.flow.retry_delay_seconds), num_gpus=_gpus(cfg),
-                               fault=fault)
+                               fault=_faults(cfg, ckpt))
 
         def on_round(record, state):
             logger.info("round %d/%d: avg %.3f, worst %.3f, clients %s", record["round"] + 1, rcfg.rounds,
                         record["avg_acc"], record["worst_acc"], record["clients"])
-            tracking.log_rounds([record], nested=True)
+            log(record)
 
         with _start_cell_run(cfg, system, name, label, rcfg, part):
             t0 = time.perf_counter()
-            res = run_rounds(data, spec, rcfg, submit=submit, evaluate=evaluate, checkpoint_dir=ckpt,
-                             resume=bool(cfg.flow.resume),
-                             stop_after=cfg.flow.stop_after, on_round=on_round, progress=bool(cfg.flow.progress),
-                             desc=f"{label} rounds")
+            log = tracking.BackgroundRoundLog()  # MLflow writes overlap the next round
+            try:
+                res = run_rounds(data, spec, rcfg, submit=submit, evaluate=evaluate, checkpoint_dir=ckpt,
+                                 resume=bool(cfg.flow.resume), stop_after=cfg.flow.stop_after, on_round=on_round,
+                                 progress=bool(cfg.flow.progress), desc=f"{label} rounds")
+            except BaseException:
+                log.close(raise_errors=False)  # the run's own error is the one to report
+                raise
+            log.close()
             mlflow.log_metrics(res.summary)
             mlflow.log_metric("run_seconds", time.perf_counter() - t0)
             paths = _cell_outputs(res, part, results_dir(cfg, system, name) / "single" / f"{label}-s{rcfg.seed}",
@@ -370,13 +374,13 @@ def single(cfg: DictConfig, system: str = "fedpad") -> RoundsResult:
 
 
 def client_submit(data, *, retries: int = 0, retry_delay_seconds: float = 0.0, num_gpus: float = 0.0,
-                  fault: Tuple[int, Path] | None = None):
+                  fault: Mapping[str, Tuple[int, Path]] | None = None):
     """The round engine's ``submit`` inside a flow: one named Prefect task per client per round, run on Ray.
 
     Data moves once: each client's arrays (of each task, for data that arrives in tasks) go to
     Ray's object store the first time they are needed, the global state once per round; tasks
-    receive references, not arrays. ``fault=(round, folder)``
-    makes client 0's task fail once in that round (tests of retries).
+    receive references, not arrays. ``fault={"fault"|"crash": (round, folder)}`` makes client 0's
+    task fail once, or its worker die once, in that round (tests of retries).
     """
     task = train_client_ray_task.with_options(retries=retries, retry_delay_seconds=retry_delay_seconds)
     refs: Dict[Tuple[int, int], Any] = {}  # (client, task) -> its arrays in Ray's store, put once
@@ -390,14 +394,15 @@ def client_submit(data, *, retries: int = 0, retry_delay_seconds: float = 0.0, n
 
     def submit(fn, **kw):
         i, r = kw["client_id"], kw["round_index"]
-        marker = str(fault[1] / f"fault-round{r}.marker") if fault and r == fault[0] and i == 0 else None
+        markers = {f"{kind}_marker": str(folder / f"{kind}-round{r}.marker")
+                   for kind, (at, folder) in (fault or {}).items() if at == r and i == 0}
         key = (i, int(kw["broadcast"].get("task", 0)))  # data in tasks: the engine passes this task's slice
         if key not in refs:
             refs[key] = (runtime.put(kw["x"]), runtime.put(kw["y"]))
         kw["x"], kw["y"] = refs[key]
         kw["global_state"] = ref_of(kw["global_state"])
         named = task.with_options(task_run_name=f"round-{r:03d}-client-{i:02d}-{data.client_group[i]}")
-        return named.submit(fault_marker=marker, num_gpus=num_gpus, **kw)
+        return named.submit(num_gpus=num_gpus, **markers, **kw)
 
     return submit
 
@@ -406,3 +411,9 @@ def _gpus(cfg: DictConfig) -> float:
     from flows.federation import _gpus as gpus
 
     return gpus(cfg)
+
+
+def _faults(cfg: DictConfig, folder: Path):
+    from flows.federation import _faults as faults
+
+    return faults(cfg, folder)

@@ -26,34 +26,42 @@ from flows import integrity
 # ------------------------------------------------------------------------------------ tasks
 
 
-def _maybe_fail(fault_marker: str | None) -> None:
-    """Injected fault for tests: fail the first attempt only (a marker file remembers it)."""
+def _maybe_fail(fault_marker: str | None, crash_marker: str | None = None) -> None:
+    """Injected faults for tests, on the first attempt only (a marker file remembers it).
+
+    ``fault_marker``: the step raises (Prefect retries the task). ``crash_marker``: the worker
+    process kills itself by PID with SIGKILL mid-task, as a dying node would (Ray reruns the task).
+    """
+    if crash_marker and not Path(crash_marker).exists():
+        import os
+        import signal
+
+        Path(crash_marker).parent.mkdir(parents=True, exist_ok=True)
+        Path(crash_marker).write_text(f"worker {os.getpid()} killed once\n")
+        os.kill(os.getpid(), signal.SIGKILL)
     if fault_marker and not Path(fault_marker).exists():
         Path(fault_marker).parent.mkdir(parents=True, exist_ok=True)
         Path(fault_marker).write_text("failed once\n")
         raise RuntimeError(f"injected fault ({fault_marker}); Prefect should retry this task")
 
 
-@task(name="train-client", cache_policy=NO_CACHE)
-def train_client_task(global_state: Dict[str, torch.Tensor], spec: ModelSpec, x: np.ndarray, y: np.ndarray,
-                      trainer: str, trainer_params: Dict[str, Any], broadcast: Dict[str, Any],
-                      client_state: Dict[str, Any], seed: int, device: str, client_id: int, round_index: int,
-                      fault_marker: str | None = None) -> ClientUpdate:
-    """One client's local round (any trainer), on a Ray worker."""
-    _maybe_fail(fault_marker)
-    return train_step(global_state=global_state, spec=spec, x=x, y=y, trainer=trainer, trainer_params=trainer_params,
-                      broadcast=broadcast, client_state=client_state, seed=seed, device=device, client_id=client_id,
-                      round_index=round_index)
+def _adapt_or_fail(*, fault_marker: str | None = None, crash_marker: str | None = None, threads: int = 1,
+                   **kw) -> AdaptResult:
+    """What the Ray worker runs for an arrival (the injected faults fire in the worker)."""
+    _maybe_fail(fault_marker, crash_marker)
+    torch.set_num_threads(threads)  # arrivals are sequential: the one running task may use every CPU
+    return adapt_client(**kw)
 
 
 @task(name="adapt-client", cache_policy=NO_CACHE)
-def adapt_client_task(global_state: Dict[str, torch.Tensor], spec: ModelSpec, client: Any, cfg: Any, seed: int,
-                      arrival: int, source_x: np.ndarray | None = None, refused: bool = False,
-                      fault_marker: str | None = None, threads: int = 1) -> AdaptResult:
-    _maybe_fail(fault_marker)
-    torch.set_num_threads(threads)  # arrivals are sequential: the one running task may use every CPU
-    return adapt_client(global_state=global_state, spec=spec, client=client, cfg=cfg, seed=seed, arrival=arrival,
-                        source_x=source_x, refused=refused)
+def adapt_client_ray_task(*, threads: int = 1, num_gpus: float = 0.0, **kw) -> AdaptResult:
+    """One arriving client's adaptation: a Prefect task in the driver whose body runs it on a Ray worker.
+
+    ``client``, ``source_x`` and ``global_state`` may be Ray ObjectRefs (put once, resolved on the worker).
+    """
+    from flows import runtime
+
+    return runtime.ray_call(_adapt_or_fail, num_cpus=threads, num_gpus=num_gpus, threads=threads, **kw)
 
 
 @task(name="run-cell", cache_policy=NO_CACHE)
@@ -74,21 +82,22 @@ def run_cell_task(cfg_dict: Dict[str, Any], method: str, aggregator: str, seed: 
             "seconds": time.perf_counter() - t0}
 
 
-def _train_step_or_fail(*, fault_marker: str | None = None, **kw) -> ClientUpdate:
-    """What the Ray worker runs for a driver-side client task (the injected fault fires in the worker)."""
-    _maybe_fail(fault_marker)
+def _train_step_or_fail(*, fault_marker: str | None = None, crash_marker: str | None = None,
+                        **kw) -> ClientUpdate:
+    """What the Ray worker runs for a driver-side client task (the injected faults fire in the worker)."""
+    _maybe_fail(fault_marker, crash_marker)
     return train_step(**kw)
 
 
 @task(name="train-client", cache_policy=NO_CACHE)
-def train_client_ray_task(*, fault_marker: str | None = None, num_gpus: float = 0.0, **kw) -> ClientUpdate:
+def train_client_ray_task(*, num_gpus: float = 0.0, **kw) -> ClientUpdate:
     """One client's local round: a Prefect task in the driver whose body runs the step on a Ray worker.
 
     Array and state arguments may be Ray ObjectRefs (put once, resolved by Ray on the worker).
     """
     from flows import runtime
 
-    return runtime.ray_call(_train_step_or_fail, num_gpus=num_gpus, fault_marker=fault_marker, **kw)
+    return runtime.ray_call(_train_step_or_fail, num_gpus=num_gpus, **kw)
 
 
 @task(name="round-cell", cache_policy=NO_CACHE)

@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Mapping
+from typing import Any, Callable, Dict, Iterable, List, Mapping
 
 import mlflow
 import numpy as np
@@ -130,25 +130,28 @@ def log_arrival(record: Mapping[str, Any], *, parent: "mlflow.entities.Run | Non
     client.set_terminated(child.info.run_id)
 
 
-class BackgroundArrivalLog:
-    """Logs arrivals in order on one background thread, so the flow never waits on the tracking store.
+class BackgroundLog:
+    """Logs records in order on one background thread, so the flow never waits on the tracking store.
 
-    Call it with each record; :meth:`close` waits for the queue to drain and re-raises the first
-    logging error (after the flow's own checkpoint is safe, so nothing computed is lost).
+    ``log_one(record, parent=..., client=...)`` writes one record (:func:`log_arrival`, or
+    :func:`log_round_record`) with explicit run ids. Call the object with each record;
+    :meth:`close` waits for the queue to drain and re-raises the first logging error (after the
+    flow's own checkpoint is safe, so nothing computed is lost).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, log_one: Callable[..., None], *, what: str = "a record") -> None:
+        self._log_one, self._what = log_one, what
         self._parent, self._client = mlflow.active_run(), mlflow.MlflowClient()
         self._queue: "queue.Queue[Mapping[str, Any] | None]" = queue.Queue()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="mlflow-arrivals", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="mlflow-records", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while (record := self._queue.get()) is not None:
             if self._error is None:
                 try:
-                    log_arrival(record, parent=self._parent, client=self._client)
+                    self._log_one(record, parent=self._parent, client=self._client)
                 except BaseException as exc:  # noqa: BLE001 - kept and re-raised by close()
                     self._error = exc
 
@@ -160,15 +163,40 @@ class BackgroundArrivalLog:
         self._thread.join()
         if self._error is not None:
             if raise_errors:
-                raise RuntimeError(f"logging an arrival to MLflow failed: {self._error}") from self._error
-            logging.getLogger(__name__).warning("logging an arrival to MLflow failed: %s", self._error)
+                raise RuntimeError(f"logging {self._what} to MLflow failed: {self._error}") from self._error
+            logging.getLogger(__name__).warning("logging %s to MLflow failed: %s", self._what, self._error)
 
 
-def log_round(r: int, metrics: Mapping[str, float]) -> None:
-    mlflow.log_metrics(dict(metrics), step=r)
-    with mlflow.start_run(run_name=f"round-{r:03d}", nested=True):
-        mlflow.set_tag("round", str(r))
-        mlflow.log_metrics(dict(metrics), step=r)
+def BackgroundArrivalLog() -> BackgroundLog:  # noqa: N802 - the arrival flow's logger
+    return BackgroundLog(log_arrival, what="an arrival")
+
+
+def BackgroundRoundLog() -> BackgroundLog:  # noqa: N802 - the round flows' logger
+    return BackgroundLog(log_round_record, what="a round")
+
+
+def log_round_record(record: Mapping[str, Any], *, parent: "mlflow.entities.Run | None" = None,
+                     client: "mlflow.MlflowClient | None" = None) -> None:
+    """One round: its metrics on the parent with step = round, and a nested run ``round-<r>`` that holds them.
+
+    Explicit run ids, as :func:`log_arrival`: safe on another thread than the one that started ``parent``.
+    """
+    from mlflow.entities import Metric
+    from mlflow.tracking.context import registry as context
+
+    parent = parent or mlflow.active_run()
+    client = client or mlflow.MlflowClient()
+    step, now = int(record["round"]), int(time.time() * 1000)
+    metrics = [Metric(k, v, now, step) for k, v in round_metrics(record).items()]
+    for i in range(0, len(metrics), 900):  # MLflow takes at most 1000 metrics per batch
+        client.log_batch(parent.info.run_id, metrics=metrics[i:i + 900])
+    tags = {"round": str(step), "clients": json.dumps(record["clients"]),
+            "refused_clients": json.dumps(record.get("refused", [])), "mlflow.parentRunId": parent.info.run_id}
+    child = client.create_run(parent.info.experiment_id, run_name=f"round-{step:03d}",
+                              tags=context.resolve_tags(tags))
+    for i in range(0, len(metrics), 900):
+        client.log_batch(child.info.run_id, metrics=metrics[i:i + 900])
+    client.set_terminated(child.info.run_id)
 
 
 def round_metrics(record: Mapping[str, Any]) -> Dict[str, float]:
@@ -181,17 +209,15 @@ def log_rounds(records: Iterable[Mapping[str, Any]], *, nested: bool = False) ->
     """Every round's metrics on the active run with step = round, in batches; nested runs per round if asked."""
     from mlflow.entities import Metric
 
+    if nested:
+        for rec in records:
+            log_round_record(rec)
+        return
     run, client = mlflow.active_run(), mlflow.MlflowClient()
     now = int(time.time() * 1000)
     batch = [Metric(k, v, now, int(rec["round"])) for rec in records for k, v in round_metrics(rec).items()]
     for i in range(0, len(batch), 900):  # MLflow takes at most 1000 metrics per batch
         client.log_batch(run.info.run_id, metrics=batch[i:i + 900])
-    if nested:
-        for rec in records:
-            with mlflow.start_run(run_name=f"round-{int(rec['round']):03d}", nested=True):
-                mlflow.set_tags({"round": str(rec["round"]), "clients": json.dumps(rec["clients"]),
-                                 "refused_clients": json.dumps(rec.get("refused", []))})
-                mlflow.log_metrics(round_metrics(rec), step=int(rec["round"]))
 
 
 def log_model(spec: ModelSpec, state: Dict[str, torch.Tensor], *, registered_name: str | None,

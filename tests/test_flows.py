@@ -60,12 +60,14 @@ def test_arrival_flow_logs_lineage_metrics_artifacts_and_model(tiny):
         assert torch.equal(v, res.final_state[k]), k
 
 
-def test_failed_client_task_is_retried_and_metrics_unchanged(tiny):
+def test_failed_and_killed_client_tasks_are_rerun_and_metrics_unchanged(tiny):
+    """Arrival 2's task raises once (Prefect retries it); arrival 1's Ray worker is killed by PID mid-task (Ray reruns it)."""
     clean = F.arrival(cfg_for(tiny, "flow.experiment=retry-clean", "aggregator=fedavg"))
     cfg = cfg_for(tiny, "flow.experiment=retry-fault", "aggregator=fedavg", "flow.inject_fault=2",
-                  "paths.checkpoints=" + str(tiny["tmp"] / "ckpt-fault"))
+                  "flow.inject_crash=1", "paths.checkpoints=" + str(tiny["tmp"] / "ckpt-fault"))
     faulty = F.arrival(cfg)
     assert list(Path(cfg.paths.checkpoints).rglob("fault-2.marker")), "the injected fault never fired"
+    assert list(Path(cfg.paths.checkpoints).rglob("crash-1.marker")), "the worker was never killed"
     assert faulty.summary == clean.summary
 
 

@@ -84,12 +84,15 @@ def test_round_flow_equals_the_plain_driver_and_logs_every_round(quick):
 
 
 @pytest.mark.slow
-def test_a_failed_client_task_is_retried_with_unchanged_results(quick):
+def test_failed_and_killed_client_tasks_are_rerun_with_unchanged_results(quick):
+    """Round 1's client-0 task raises once (Prefect retries it); round 0's worker is killed by PID (Ray reruns it)."""
     from flows.rounds import single
 
-    cfg = C.compose(rounds_overrides(quick["tmp"], "flow.inject_fault=1", f"paths.checkpoints={quick['tmp']}/ckpt2"))
+    cfg = C.compose(rounds_overrides(quick["tmp"], "flow.inject_fault=1", "flow.inject_crash=0",
+                                     f"paths.checkpoints={quick['tmp']}/ckpt2"))
     res = single(cfg, "fedpad")
     assert list((quick["tmp"] / "ckpt2").rglob("fault-round1.marker")), "the injected fault never fired"
+    assert list((quick["tmp"] / "ckpt2").rglob("crash-round0.marker")), "the worker was never killed"
     assert strip(res.records) == strip(quick["plain"].records)
 
 
