@@ -1,6 +1,6 @@
 # Two commands on a fresh machine:
 #   make run    set up .venv, then the quick default of every system on data that ships with the packages:
-#               `dvc repro adapt fedpad@quick fedpd@quick ppfcil@quick` (BPFedCTTA and PP-FCIL on MNIST digits,
+#               `dvc repro adapt@mnist fedpad@quick fedpd@quick ppfcil@quick` (BPFedCTTA and PP-FCIL on MNIST digits,
 #               FedPAD and FedPD++ on three digit domains)
 #   make test   set up if needed, then run the test suite
 # and, when there is time (about 20 min on 2 cores):
@@ -8,7 +8,7 @@
 # Sharing a run between clones or machines (README: Sharing a run):
 #   make push   every output dvc.lock records -> the DVC remote (FEDCORE_DVC_REMOTE, default ../fedcore-dvc-remote)
 #   make pull   on another clone: fetch, check every md5 against dvc.lock, restore; rebuilds nothing
-#   STAGES="adapt fedpad@quick" limits either to those stages
+#   STAGES="adapt@mnist fedpad@quick" limits either to those stages
 SHELL := /bin/bash
 PY ?= python3
 VENV := .venv
@@ -36,7 +36,7 @@ params: setup
 
 run: setup
 	@git rev-parse --git-dir >/dev/null 2>&1 || (git init -q && echo "initialised a git repo for DVC")
-	$(BIN)/dvc repro adapt fedpad@quick fedpd@quick ppfcil@quick
+	$(BIN)/dvc repro adapt@mnist fedpad@quick fedpd@quick ppfcil@quick
 	@echo; echo "BPFedCTTA (results/table.md):"; cat results/table.md; echo
 	@echo "FedPAD quick grid (results/fedpad/quick/table.md):"; cat results/fedpad/quick/table.md; echo
 	@echo "FedPD++ quick grid (results/fedpd/quick/table.md):"; cat results/fedpd/quick/table.md; echo

@@ -1,9 +1,9 @@
 """Orchestration overhead: the default sequential experiment, plain loop vs Prefect + Ray + MLflow.
 
     python benchmarks/overhead.py [hydra overrides...]
-    python benchmarks/overhead.py --cifar     # the CIFAR-10-C experiment (`dvc repro pretrain_cifar` first)
+    python benchmarks/overhead.py --cifar     # the CIFAR-10-C variant (`dvc repro pretrain@cifar10` first)
 
-Needs the default experiment's inputs (`make run` or `dvc repro pretrain`). Prints wall time
+Needs the default experiment's inputs (`make run` or `dvc repro pretrain@mnist`). Prints wall time
 and peak resident memory (driver plus every Ray/Prefect process it spawned) of each, and the
 ratios, for the flow started cold and with its services (Prefect server, Ray) already up.
 """
@@ -79,10 +79,10 @@ def main(overrides: list[str]) -> None:
     from flows import runtime
 
     cifar = "--cifar" in overrides
-    cfg = C.compose(["flow.progress=false", "flow.experiment=benchmark-overhead"]
+    variant = ["variant=cifar10"] if cifar else []
+    cfg = C.compose(["flow.progress=false", "flow.experiment=benchmark-overhead", *variant]
                     + [o for o in overrides if o != "--cifar"])
     if cifar:
-        cfg = C.cifar_experiment(cfg)
         cfg.flow.experiment = "benchmark-overhead-cifar10"
     partition, spec, source = F.load_inputs(cfg)
     acfg = C.arrival_config(cfg)

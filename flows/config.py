@@ -4,6 +4,9 @@ Three ways in, one source of truth:
 * ``python -m flows.run arrival method=tent aggregator=ugsa`` composes conf/ with Hydra overrides;
 * ``dvc repro`` runs the stages on ``params.yaml``, which is conf/ composed with no overrides;
 * ``dvc exp run -S method=tent`` (DVC's Hydra integration) recomposes params.yaml from conf/.
+
+Either way the selected variant (``variant``; conf/experiment/bpfedctta.yaml and dptta.yaml) is then
+laid over the root config.
 """
 
 from __future__ import annotations
@@ -22,19 +25,21 @@ CONF_DIR = ROOT / "conf"
 PARAMS = ROOT / "params.yaml"
 
 
-def compose(overrides: List[str] | None = None) -> DictConfig:
-    """conf/config.yaml composed with Hydra ``overrides`` (e.g. ``["method=tent", "seed=1"]``)."""
+def compose(overrides: List[str] | None = None, *, lay_variant: bool = True) -> DictConfig:
+    """conf/config.yaml composed with Hydra ``overrides`` (e.g. ``["method=tent", "seed=1"]``), the selected
+    variant laid over it; ``lay_variant=False`` gives the composition itself (what params.yaml holds)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = hydra_compose(config_name="config", overrides=list(overrides or []))
     validate(cfg)
-    return cfg
+    return with_variant(cfg) if lay_variant else cfg
 
 
 def load(params_file: str | Path | None = None, overrides: List[str] | None = None) -> DictConfig:
-    """``params.yaml`` (what DVC tracks) plus dot-list overrides; without a file, compose conf/."""
+    """``params.yaml`` (what DVC tracks) plus dot-list overrides, the selected variant laid over it;
+    without a file, compose conf/."""
     if params_file is None:
         return compose(overrides)
     path = Path(params_file)
@@ -44,7 +49,7 @@ def load(params_file: str | Path | None = None, overrides: List[str] | None = No
     if overrides:
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
     validate(cfg)
-    return cfg
+    return with_variant(cfg)
 
 
 def to_dict(cfg: DictConfig) -> Dict[str, Any]:
@@ -52,10 +57,22 @@ def to_dict(cfg: DictConfig) -> Dict[str, Any]:
 
 
 ROUND_SYSTEMS = ("fedpad", "fedpd", "ppfcil")  # the round-based systems composed under their own keys
+VARIANT_SYSTEMS = ("bpfedctta", "dptta")  # the systems whose variants are laid over the root config
+VARIANT_BLOCKS = ("data", "model", "pretrain")  # every variant names these: DVC tracks them beside the root's
 
 
 def validate(cfg: DictConfig) -> None:
     """Reject impossible values with a message that says what would be valid."""
+    _validate_run(cfg)
+    for system in ROUND_SYSTEMS:
+        if system in cfg:
+            validate_rounds(cfg, system)
+    if any(system in cfg for system in VARIANT_SYSTEMS):
+        validate_variants(cfg)
+
+
+def _validate_run(cfg: DictConfig) -> None:
+    """The blocks one run reads: data, pretraining, arrival and the sweep's privacy forms."""
     d = cfg.data
     if d.stream_order not in ("shuffled", "class_sorted"):
         raise ValueError(f"data.stream_order={d.stream_order!r}; valid values are: shuffled, class_sorted")
@@ -69,11 +86,7 @@ def validate(cfg: DictConfig) -> None:
         raise ValueError(f"data.severity must be in 1..5, got {d.severity}")
     pretrain_config(cfg)
     arrival_config(cfg)  # checks method, aggregator, lr, gamma, beta, passes, privacy
-    for system in ROUND_SYSTEMS:
-        if system in cfg:
-            validate_rounds(cfg, system)
     forms = list(cfg.sweep.get("privacy", None) or []) if "sweep" in cfg else []
-    forms += list(cfg.private.privacy) if "private" in cfg else []
     for form in forms:  # a bad sweep form fails here, before any stage starts work
         PrivacyConfig.from_dict(privacy_form(cfg, str(form)))
 
@@ -132,29 +145,66 @@ def arrival_config(cfg: DictConfig, *, method: str | None = None, aggregator: st
     )
 
 
-def private_grid(cfg: DictConfig) -> DictConfig:
-    """``cfg`` turned into the private-TTA grid's config (the ``private`` block applied)."""
-    p = cfg.private
-    out = OmegaConf.merge(cfg, {"model": {"norm": p.norm}, "paths": {"models": p.models, "results": p.results},
-                                "pretrain": {"local_epochs": int(p.local_epochs)},
-                                "sweep": {"methods": list(p.methods), "aggregators": list(p.aggregators),
-                                          "privacy": list(p.privacy)}})
-    validate(out)
+# ------------------------------------------------------------------------------------ variants
+def variants(cfg: DictConfig) -> Dict[str, str]:
+    """Every variant's name and the system it belongs to (``<system>.variants.<name>``)."""
+    return {str(name): system for system in VARIANT_SYSTEMS if system in cfg for name in cfg[system].variants}
+
+
+def variant_system(cfg: DictConfig, name: str) -> str:
+    """The system a variant belongs to; an unknown name fails with the valid ones."""
+    known = variants(cfg)
+    if name not in known:
+        raise ValueError(f"unknown variant {name!r}; valid names are: {', '.join(sorted(known))}")
+    return known[name]
+
+
+def with_variant(cfg: DictConfig, name: str | None = None) -> DictConfig:
+    """``cfg`` with a variant laid over it (default: the selected one, ``cfg.variant``): a key the variant
+    sets replaces the root's, a key it leaves out keeps the root's. ``cfg`` itself is left as it was."""
+    if "variant" not in cfg:  # a config from before variants, or a hand-made one: nothing to lay over
+        return cfg
+    name = str(cfg.variant if name is None else name)
+    overlay = cfg[variant_system(cfg, name)].variants[name]
+    out = OmegaConf.merge(cfg, overlay)
+    out.variant = name
     return out
 
 
-def cifar_experiment(cfg: DictConfig) -> DictConfig:
-    """``cfg`` turned into the CIFAR-10-C experiment's config (the ``cifar`` block applied)."""
-    c = cfg.cifar
-    out = cfg.copy()
-    out.data = _group("data", str(c.data))
-    out.model = OmegaConf.merge(_group("model", str(c.model)), {"norm": cfg.model.norm})
-    out = OmegaConf.merge(out, {"paths": {"prepared": c.prepared, "partitions": c.partitions, "models": c.models,
-                                          "results": c.results},
-                                "pretrain": {"rounds": int(c.rounds)}, "adapt": {"passes": int(c.passes)},
-                                "flow": {"experiment": c.experiment}})
-    validate(out)
-    return out
+def validate_variants(cfg: DictConfig) -> None:
+    """Variant names are unique, the selected one exists, and each variant names the blocks DVC tracks, sets
+    only keys the root config has, and yields a valid run."""
+    seen: Dict[str, str] = {}
+    for system in VARIANT_SYSTEMS:
+        for name in cfg[system].variants if system in cfg else []:
+            if str(name) in seen:
+                raise ValueError(f"variant {name!r} is defined by both {seen[str(name)]} and {system} "
+                                 f"(conf/experiment/{system}.yaml); rename one")
+            seen[str(name)] = system
+    if "variant" in cfg:
+        variant_system(cfg, str(cfg.variant))
+    for name, system in seen.items():
+        overlay = cfg[system].variants[name]
+        missing = [b for b in VARIANT_BLOCKS if b not in overlay]
+        if missing:
+            raise ValueError(f"variant {name!r} (conf/experiment/{system}.yaml) lacks {', '.join(missing)}: DVC "
+                             f"tracks each variant's {', '.join(VARIANT_BLOCKS)}; write e.g. `{missing[0]}: {{}}` "
+                             "to keep the root's")
+        _check_overlay(overlay, cfg, f"variant {name!r} (conf/experiment/{system}.yaml)", "")
+        _validate_run(with_variant(cfg, name))
+
+
+def _check_overlay(overlay: Any, root: Any, where: str, prefix: str) -> None:
+    """Every key a variant sets is a key of the root config (a typo would otherwise add a key nothing reads)."""
+    if not isinstance(overlay, DictConfig):
+        return
+    for key, value in overlay.items():
+        path = f"{prefix}{key}"
+        if not isinstance(root, DictConfig) or key not in root:
+            valid = ", ".join(str(k) for k in root) if isinstance(root, DictConfig) else "none (not a block)"
+            raise ValueError(f"{where} sets {path}, which the root config does not have; "
+                             f"keys there: {valid}")
+        _check_overlay(value, root[key], where, f"{path}.")
 
 
 # ------------------------------------------------------------------------------------ round-based systems

@@ -22,7 +22,7 @@ from prefect import flow, get_run_logger, task
 from flows import config as C
 from flows import integrity
 
-PIPELINE = ["prepare", "partition", "pretrain", "adapt"]
+PIPELINE = ["prepare@mnist", "partition@mnist", "pretrain@mnist", "adapt@mnist"]  # the default variant's stages
 PARTITION_STAGE = {"fedpad": "partition_domains", "fedpd": "partition_fedpd"}
 
 

@@ -12,7 +12,7 @@ HEADER = "# Generated from conf/ by `make params`: edit conf/, not this file.\n"
 
 
 def render() -> str:
-    return HEADER + OmegaConf.to_yaml(compose([]))
+    return HEADER + OmegaConf.to_yaml(compose([], lay_variant=False))
 
 
 if __name__ == "__main__":

@@ -368,7 +368,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m flows.remote", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("command", choices=["push", "pull", "where"])
-    ap.add_argument("stages", nargs="*", help="stage names as in dvc.lock, e.g. adapt fedpad@quick (default: all)")
+    ap.add_argument("stages", nargs="*", help="stage names as in dvc.lock, e.g. adapt@mnist fedpad@quick (default: all)")
     ap.add_argument("--root", default=".", help="the repository (default: the current directory)")
     args = ap.parse_args(argv)
     root = Path(args.root).resolve()

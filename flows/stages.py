@@ -3,9 +3,9 @@
     python -m flows.stages prepare|partition|pretrain|adapt [--params params.yaml] [overrides...]
     python -m flows.stages arrival method=tent aggregator=ugsa      # one experiment, Hydra overrides
     python -m flows.stages sweep 'sweep.methods=[bn,tent]' 'sweep.privacy=[plain,dp-eps5]'
-    python -m flows.stages pretrain_private && python -m flows.stages private   # the private-TTA grid
-    python -m flows.stages audit          # canary membership audit of the private form
-    python -m flows.stages prepare_cifar   # likewise partition_cifar, pretrain_cifar, adapt_cifar: CIFAR-10-C
+    python -m flows.stages prepare variant=cifar10   # likewise partition, pretrain, adapt: CIFAR-10-C
+    python -m flows.stages pretrain variant=private && python -m flows.stages adapt variant=private   # private-TTA grid
+    python -m flows.stages audit variant=private     # canary membership audit of the private form
     python -m flows.stages partition_domains fedpad.grid=digits && python -m flows.stages fedpad fedpad.grid=digits
     python -m flows.stages rounds trainer=proto strategy=fedpad     # one FedPAD run, a task per client per round
     python -m flows.stages partition_fedpd fedpd.grid=digits && python -m flows.stages fedpd fedpd.grid=digits
@@ -13,7 +13,8 @@
     python -m flows.stages partition_ppfcil ppfcil.grid=mnist && python -m flows.stages ppfcil ppfcil.grid=mnist
 
 With ``--params`` the stage reads the file DVC tracks; without it, conf/ is composed with the
-overrides. ``adapt`` is the sweep over ``sweep.*`` that writes results/ for DVC.
+overrides. Either way the selected ``variant`` (mnist, the default, cifar10 or private) is laid over the
+config. ``adapt`` is the sweep over ``sweep.*`` that writes results/ for DVC.
 """
 
 from __future__ import annotations
@@ -98,11 +99,17 @@ def _adapt(cfg, written=None) -> list:
 
 
 def _audit(cfg) -> None:
-    """The canary audit: empirical ε lower bounds beside the accountant's ε (results/private/audit.*)."""
+    """The canary audit of a DP-TTA variant's model: empirical ε lower bounds beside the accountant's ε
+    (results/private/audit.*)."""
+    if C.variant_system(cfg, str(cfg.variant)) != "dptta":
+        raise ValueError(f"the canary audit runs on a DP-TTA variant's private model, not on variant {cfg.variant!r}; "
+                         f"add variant=<{'|'.join(sorted(cfg.dptta.variants))}> (conf/experiment/dptta.yaml)")
+    from omegaconf import OmegaConf
+
     from flows.federation import audit
 
-    rows = audit(C.private_grid(cfg))
-    out = C.resolve_path(cfg.private.results)
+    rows = audit(OmegaConf.merge({"audit": cfg.dptta.audit}, cfg))  # flows.federation.audit reads cfg.audit
+    out = C.resolve_path(cfg.paths.results)
     out.mkdir(parents=True, exist_ok=True)
     (out / "audit.json").write_text(json.dumps(rows, indent=1) + "\n")
     lines = ["| form | sigma | accountant ε | empirical ε lower bound | AUC |", "|---|---|---|---|---|"]
@@ -113,15 +120,37 @@ def _audit(cfg) -> None:
     print("\n".join(lines))
 
 
-def _pointing_at(renames: dict, run):
-    """Run ``run()``; a missing-input error then names this variant's stages (pretrain -> pretrain_cifar)."""
+STEP_PATHS = {"prepare": "prepared", "partition": "partitions", "pretrain": "models"}  # the paths.<key> each writes
+
+
+def _stage_writing(cfg, step: str) -> tuple:
+    """The DVC stage that builds this run's input of ``step`` (its ``paths.<key>``), and that stage's variant:
+    the selected variant's own ``<step>@<variant>``, else, for a variant without one that reads the root's
+    folder, the stage of a variant that does too (the private variant reads ``partition@mnist``'s)."""
+    import yaml
+
+    key, variant = STEP_PATHS[step], str(cfg.variant)
+    foreach = yaml.safe_load((C.ROOT / "dvc.yaml").read_text())["stages"].get(step, {}).get("foreach") or {}
+
+    def reads_root(name: str) -> bool:
+        return key not in cfg[C.variant_system(cfg, name)].variants[name].get("paths", {})
+
+    if variant not in foreach and reads_root(variant):
+        variant = next((str(v) for v in foreach if str(v) in C.variants(cfg) and reads_root(str(v))), variant)
+    return f"{step}@{variant}", variant
+
+
+def _pointing_at(cfg, run):
+    """Run ``run()``; a missing-input error then names the stage that builds the input for this variant
+    (``dvc repro pretrain`` -> ``dvc repro pretrain@cifar10``)."""
     try:
         return run()
     except (FileNotFoundError, ValueError) as exc:
         msg = str(exc)
-        for old, new in renames.items():
-            msg = msg.replace(f"dvc repro {old}`", f"dvc repro {new}`").replace(f"flows.stages {old}`",
-                                                                             f"flows.stages {new}`")
+        for step in STEP_PATHS:
+            stage, variant = _stage_writing(cfg, step)
+            msg = msg.replace(f"dvc repro {step}`", f"dvc repro {stage}`").replace(
+                f"flows.stages {step}`", f"flows.stages {step} variant={variant}`")
         if msg == str(exc):
             raise
         raise type(exc)(msg) from exc
@@ -227,17 +256,9 @@ def _rounds(cfg, system: str = "fedpad") -> None:
     print(json.dumps(single(cfg, system).summary, indent=1))
 
 
-def _pretrain_private(cfg) -> None:
-    _pretrain(C.private_grid(cfg))
-
-
-def _private(cfg) -> None:
-    _pointing_at({"pretrain": "pretrain_private"}, lambda: _adapt(C.private_grid(cfg)))
-
-
-def _on_cifar(stage):
-    names = {s: f"{s}_cifar" for s in ("prepare", "partition", "pretrain")}
-    return lambda cfg: _pointing_at(names, lambda: stage(C.cifar_experiment(cfg)))
+def _on_variant(step):
+    """A step of a variant's pipeline: its missing-input errors name that variant's stages."""
+    return lambda cfg: _pointing_at(cfg, lambda: step(cfg))
 
 
 STAGES = {"partition_domains": _partition_domains, "fedpad": lambda cfg: _grid(cfg, "fedpad"),
@@ -245,11 +266,10 @@ STAGES = {"partition_domains": _partition_domains, "fedpad": lambda cfg: _grid(c
           "partition_fedpd": lambda cfg: _partition_domains(cfg, "fedpd"), "fedpd": lambda cfg: _grid(cfg, "fedpd"),
           "rounds_fedpd": lambda cfg: _rounds(cfg, "fedpd"),
           "partition_ppfcil": lambda cfg: _partition_domains(cfg, "ppfcil"), "ppfcil": lambda cfg: _grid(cfg, "ppfcil"),
-          "rounds_ppfcil": lambda cfg: _rounds(cfg, "ppfcil"), "ppfcil_privacy": _ppfcil_privacy, "prepare": _prepare, "partition": _partition, "pretrain": _pretrain, "adapt": _adapt,
-          "sweep": _adapt, "arrival": _arrival, "pretrain_private": _pretrain_private, "private": _private,
-          "audit": lambda cfg: _pointing_at({"pretrain": "pretrain_private"}, lambda: _audit(cfg)),
-          **{f"{name}_cifar": _on_cifar(fn) for name, fn in
-             (("prepare", _prepare), ("partition", _partition), ("pretrain", _pretrain), ("adapt", _adapt))}}
+          "rounds_ppfcil": lambda cfg: _rounds(cfg, "ppfcil"), "ppfcil_privacy": _ppfcil_privacy,
+          **{name: _on_variant(fn) for name, fn in (("prepare", _prepare), ("partition", _partition),
+                                                     ("pretrain", _pretrain), ("adapt", _adapt), ("sweep", _adapt),
+                                                     ("arrival", _arrival), ("audit", _audit))}}
 
 
 def main(argv=None) -> int:

@@ -1,4 +1,4 @@
-"""The CIFAR-10-C experiment's config and stages (composition only; no CIFAR data needed)."""
+"""The CIFAR-10-C variant's config and stages (composition only; no CIFAR data needed)."""
 
 import pytest
 
@@ -6,39 +6,63 @@ from flows import config as C
 from flows import federation as F
 from flows.stages import main
 
-
-def test_cifar_block_selects_cifar10_resnet20_and_its_own_paths():
-    base = C.compose([])
-    cfg = C.cifar_experiment(base)
-    assert (cfg.data.name, cfg.model.name, cfg.model.norm) == ("cifar10", "resnet20", base.model.norm)
-    assert cfg.data.severity == 5 and len(cfg.data.corruptions) == 10
-    assert cfg.pretrain.rounds == base.cifar.rounds and cfg.adapt.passes == base.cifar.passes
-    assert cfg.flow.experiment == base.cifar.experiment
-    # nothing it writes lands where the default experiment's DVC outputs are
-    assert F.prepared_path(cfg).parent != F.prepared_path(base).parent
-    assert not str(F.partition_dir(cfg)).startswith(str(F.partition_dir(base).parent) + "/")
-    assert F.source_model_path(cfg).parent != F.source_model_path(base).parent
-    assert C.resolve_path(cfg.paths.results) != C.resolve_path(base.paths.results)
-    assert base.data.name == "mnist5k"  # the base config is left as it was
+PATHS = "bpfedctta.variants.cifar10.paths"
 
 
-def test_cifar_stages_name_their_own_stage_when_inputs_are_missing(tmp_path, capsys):
-    over = [f"cifar.prepared={tmp_path}/p", f"cifar.partitions={tmp_path}/q", f"cifar.models={tmp_path}/m"]
-    assert main(["partition_cifar", *over]) == 2
-    assert "dvc repro prepare_cifar`" in capsys.readouterr().err
-    assert main(["adapt_cifar", *over]) == 2
-    assert "dvc repro partition_cifar`" in capsys.readouterr().err
+@pytest.fixture(scope="module")
+def base():
+    return C.compose([])
+
+
+@pytest.fixture(scope="module")
+def cifar():
+    return C.compose(["variant=cifar10"])
+
+
+def test_cifar_variant_selects_cifar10(cifar):
+    assert cifar.data.name == "cifar10"
+
+
+def test_cifar_variant_selects_resnet20(cifar):
+    assert cifar.model.name == "resnet20"
+
+
+def test_cifar_variant_keeps_the_roots_norm(base, cifar):
+    assert cifar.model.norm == base.model.norm
+
+
+def test_cifar_variant_runs_at_severity_5(cifar):
+    assert cifar.data.severity == 5
+
+
+def test_cifar_variant_runs_the_seed_papers_10_corruptions(cifar):
+    assert len(cifar.data.corruptions) == 10
+
+
+@pytest.mark.parametrize("where", [
+    lambda cfg: F.prepared_path(cfg).parent,
+    lambda cfg: F.partition_dir(cfg).parent,
+    lambda cfg: F.source_model_path(cfg).parent,
+    lambda cfg: C.resolve_path(cfg.paths.results),
+], ids=["prepared", "partitions", "models", "results"])
+def test_nothing_it_writes_lands_where_the_default_variants_outputs_are(base, cifar, where):
+    assert where(cifar) != where(base)
+
+
+def test_cifar_stages_name_their_own_stage_when_prepared_data_is_missing(tmp_path, capsys):
+    over = ["variant=cifar10", f"{PATHS}.prepared={tmp_path}/p", f"{PATHS}.partitions={tmp_path}/q"]
+    assert main(["partition", *over]) == 2
+    assert "dvc repro prepare@cifar10` (or `python -m flows.stages prepare variant=cifar10`)" in capsys.readouterr().err
+
+
+def test_cifar_stages_name_their_own_stage_when_partitions_are_missing(tmp_path, capsys):
+    over = ["variant=cifar10", f"{PATHS}.partitions={tmp_path}/q", f"{PATHS}.models={tmp_path}/m"]
+    assert main(["adapt", *over]) == 2
+    assert "dvc repro partition@cifar10`" in capsys.readouterr().err
 
 
 def test_missing_cifar_files_name_what_to_do(tmp_path, capsys):
-    assert main(["prepare_cifar", f"paths.data_root={tmp_path}", f"cifar.prepared={tmp_path}/p"]) == 2
+    assert main(["prepare", "variant=cifar10", f"paths.data_root={tmp_path}", f"{PATHS}.prepared={tmp_path}/p"]) == 2
     err = capsys.readouterr().err
-    assert "cifar10-jpeg.zip" in err and "cifar-10-batches-py" in err
-
-
-@pytest.mark.parametrize("stage", ["prepare_cifar", "partition_cifar", "pretrain_cifar", "adapt_cifar"])
-def test_every_cifar_stage_is_in_the_dvc_pipeline(stage):
-    import yaml
-
-    stages = yaml.safe_load((C.ROOT / "dvc.yaml").read_text())["stages"]
-    assert stages[stage]["cmd"] == f"python -m flows.stages {stage} --params params.yaml"
+    assert "cifar10-jpeg.zip" in err
+    assert "cifar-10-batches-py" in err

@@ -118,9 +118,10 @@ def test_audit_stage_bounds_stay_below_the_accountant(tiny_gn, tmp_path):
 
     from flows.stages import _audit
 
-    cfg = cfg_for(tiny_gn, "flow.experiment=audit-test", f"private.models={tmp_path}/m",
-                  f"private.results={tmp_path}/r", "audit.trials=40", "audit.epsilons=[1,20]")
-    _save_source(C.private_grid(cfg), tiny_gn["source"], tiny_gn["spec"])
+    cfg = cfg_for(tiny_gn, "flow.experiment=audit-test", "variant=private",
+                  f"dptta.variants.private.paths.models={tmp_path}/m", f"dptta.variants.private.paths.results={tmp_path}/r",
+                  "dptta.audit.trials=40", "dptta.audit.epsilons=[1,20]")
+    _save_source(cfg, tiny_gn["source"], tiny_gn["spec"])
     _audit(cfg)
     rows = json.loads((tmp_path / "r" / "audit.json").read_text())
     assert [r["form"] for r in rows] == ["clip", "dp-eps1", "dp-eps20"]

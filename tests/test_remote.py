@@ -345,5 +345,5 @@ def test_a_real_stage_round_trips_through_the_remote(base, tmp_path, monkeypatch
 @pytest.mark.parametrize("target", ["push", "pull"])
 def test_make_targets_run_the_wrapper(target):
     # `make -n` prints the recipe without running it (nor the set-up it depends on)
-    out = sh("make", "-n", target, "STAGES=adapt fedpad@quick", cwd=ROOT).stdout
-    assert f"python -m flows.remote {target} adapt fedpad@quick" in out
+    out = sh("make", "-n", target, "STAGES=adapt@mnist fedpad@quick", cwd=ROOT).stdout
+    assert f"python -m flows.remote {target} adapt@mnist fedpad@quick" in out

@@ -37,7 +37,7 @@ def test_impossible_privacy_settings_on_the_command_line(overrides, message, cap
 
 def test_missing_prepared_data_names_the_stage(tmp_path, capsys):
     assert main(["partition", *tiny_overrides(tmp_path)]) == 2
-    assert "dvc repro prepare" in capsys.readouterr().err
+    assert "dvc repro prepare@mnist`" in capsys.readouterr().err
 
 
 def test_missing_params_file_names_the_fix(tmp_path, capsys):
