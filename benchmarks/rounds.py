@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fedcore.engine import ModelSpec, RoundConfig, RoundData, run_rounds  # noqa: E402
+from fedcore.engine import ModelSpec, RoundConfig, RoundData, run_now, run_rounds, train_step  # noqa: E402
 
 
 def workload() -> tuple[RoundData, ModelSpec, RoundConfig]:
@@ -66,7 +66,7 @@ def run_flow(kind: str, data, spec, cfg, tracking_uri: str):
 
     from flows import runtime, tracking
     from flows.config import ROOT
-    from flows.rounds import client_submit
+    from flows.rounds import round_submit
 
     t0 = time.perf_counter()
     if kind == "naive":
@@ -77,14 +77,17 @@ def run_flow(kind: str, data, spec, cfg, tracking_uri: str):
     @flow(name=f"bench-rounds-{kind}", task_runner=runner)
     def bench():
         tracking.setup(tracking_uri, "bench-rounds")
+        submit, submit_round = run_now, None
         if kind == "naive":
             def submit(fn, **kw):
                 return naive_task().submit(**kw)
+        elif kind == "client":
+            submit = client_task_submit(data)
         else:
-            submit = client_submit(data)
+            submit_round = round_submit(data)
         with mlflow.start_run(run_name=kind):
             startup = time.perf_counter() - t0
-            res, per_round = _run_logged(data, spec, cfg, submit)
+            res, per_round = _run_logged(data, spec, cfg, submit, submit_round)
         return res, startup, per_round
 
     try:
@@ -95,16 +98,42 @@ def run_flow(kind: str, data, spec, cfg, tracking_uri: str):
 
 
 def naive_task():
-    """The naive design, kept here for comparison: a Prefect task that runs on a Ray worker, arrays in its arguments."""
+    """Design 1, kept here for comparison: a Prefect task that runs on a Ray worker, arrays in its arguments."""
     from prefect import task
     from prefect.cache_policies import NO_CACHE
-
-    from fedcore.engine import train_step
 
     return task(name="train-client-on-ray", cache_policy=NO_CACHE)(train_step)
 
 
-def _run_logged(data, spec, cfg, submit):
+def client_task_submit(data):
+    """Design 2, kept here for comparison: a Prefect task per client in a driver thread, whose body runs the
+    step on Ray; data put once."""
+    from prefect import task
+    from prefect.cache_policies import NO_CACHE
+
+    from flows import runtime
+    from flows.tasks import _train_step_or_fail
+
+    @task(name="train-client", cache_policy=NO_CACHE)
+    def client_task(**kw):
+        return runtime.ray_call(_train_step_or_fail, **kw)
+
+    refs, shared = {}, {}
+
+    def submit(fn, **kw):
+        i = kw["client_id"]
+        if i not in refs:
+            refs[i] = (runtime.put(kw["x"]), runtime.put(kw["y"]))
+        if id(kw["global_state"]) not in shared:
+            shared.clear()
+            shared[id(kw["global_state"])] = (kw["global_state"], runtime.put(kw["global_state"]))
+        kw.update(x=refs[i][0], y=refs[i][1], global_state=shared[id(kw["global_state"])][1])
+        return client_task.with_options(task_run_name=f"round-{kw['round_index']:03d}-client-{i:02d}").submit(**kw)
+
+    return submit
+
+
+def _run_logged(data, spec, cfg, submit, submit_round):
     """As ``flows.rounds.single`` does it: each round logged (a nested run) on a background thread."""
     from flows import tracking
 
@@ -115,7 +144,7 @@ def _run_logged(data, spec, cfg, submit):
         log(rec)
         marks.append(time.perf_counter())
 
-    res = run_rounds(data, spec, cfg, submit=submit, on_round=on_round)
+    res = run_rounds(data, spec, cfg, submit=submit, submit_round=submit_round, on_round=on_round)
     log.close()
     return res, float(np.mean(np.diff(marks)))
 
@@ -125,15 +154,21 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--skip-naive", action="store_true", help="leave out the naive design's row (about a minute)")
     args = ap.parse_args()
+    import ray
+
+    from flows import runtime
+    from flows.config import ROOT
+
     data, spec, cfg = workload()
     print(f"workload: FedAvg, {len(data.client_x)} clients x {cfg.rounds} rounds x 1 epoch, "
           f"{sum(p.numel() for p in spec.build().parameters()):,} parameters, {sum(map(len, data.client_y))} images")
     tmp = Path(tempfile.mkdtemp(prefix="bench-rounds-"))
     uri = f"sqlite:///{tmp}/mlruns.db"
     rows = []
-    variants = (("naive", "flow, Prefect task on Ray (naive), cold"),
-                ("lean", "flow, driver task -> Ray, cold (starts Prefect + Ray)"),
-                ("up", "flow, driver task -> Ray, Prefect + Ray up, warm workers"))
+    variants = (("naive", "naive", "1. a Prefect task per client on Ray (RayTaskRunner), cold", False),
+                ("client", "client", "2. a driver-side Prefect task per client that calls Ray, Prefect + Ray up", True),
+                ("lean", "round", "3. a Prefect task per round, clients as Ray tasks (the flows), cold", False),
+                ("up", "round", "3. the same, Prefect + Ray up, warm workers", True))
     for rep in range(args.repeat):
         torch.set_num_threads(1)
         base, wall1, per_round1 = timed_run(data, spec, cfg)
@@ -141,30 +176,22 @@ def main() -> int:
         _, wall, per_round = timed_run(data, spec, cfg)
         rows.append(("plain loop", rep, wall, 0.0, per_round))
         rows.append(("plain loop, 1 thread (the reference weights)", rep, wall1, 0.0, per_round1))
-        for kind, label in variants:
-            if args.skip_naive and kind == "naive":
+        for key, kind, label, up in variants:
+            if args.skip_naive and key == "naive":
                 continue
-            if kind == "up":  # a long-lived Ray and Prefect server, as a deployment has; one run warms the workers
-                import ray
-
-                from flows import runtime
-                from flows.config import ROOT
-
+            if up:  # a long-lived Ray and Prefect server, as a deployment has; one run warms the workers
                 url = runtime.ensure_prefect_api()
                 ray.init(**runtime.ray_init_kwargs(num_cpus=2, prefect_api_url=url, root=ROOT))
-                run_flow("lean", data, spec, cfg, uri)
-            res, wall_f, startup, per_round_f = run_flow("naive" if kind == "naive" else "lean", data, spec, cfg, uri)
-            if kind == "up":
+                run_flow(kind, data, spec, cfg, uri)
+            res, wall_f, startup, per_round_f = run_flow(kind, data, spec, cfg, uri)
+            if up:
                 ray.shutdown()
             for k in base.final_state:
                 if not torch.equal(base.final_state[k], res.final_state[k]):
                     print(f"FAIL: {label} gave different weights ({k})")
                     return 1
             rows.append((label, rep, wall_f, startup, per_round_f))
-            if kind != "up":
-                from flows import runtime
-
-                runtime.stop_prefect_api()  # the next cold run starts its own
+            runtime.stop_prefect_api()  # the next cold run starts its own
     print("\n| run | repeat | total s | start-up s | per round s (2-5) | total ratio | per-round ratio |")
     print("|---|---|---|---|---|---|---|")
     for label, rep, wall, startup, per_round in rows:

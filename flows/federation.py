@@ -68,14 +68,14 @@ def pretrain(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> Pa
 
     @flow(name="source-pretraining", task_runner=_driver_runner(cfg), log_prints=True)
     def source_pretraining() -> str:
-        from flows.rounds import client_submit
+        from flows.rounds import round_submit
 
         logger = get_run_logger()
         spec, pcfg = C.model_spec(cfg), C.pretrain_config(cfg)
         tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
         data = source_round_data(partition)
-        submit = client_submit(data, retries=int(cfg.flow.retries),
-                               retry_delay_seconds=float(cfg.flow.retry_delay_seconds), num_gpus=_gpus(cfg))
+        submit_round = round_submit(data, retries=int(cfg.flow.retries),
+                                    retry_delay_seconds=float(cfg.flow.retry_delay_seconds), num_gpus=_gpus(cfg))
 
         with mlflow.start_run(run_name=f"pretrain-{cfg.data.name}-{cfg.model.name}"):
             mlflow.set_tags({**tracking.lineage_tags(seed=pcfg.seed, prepared=prepared_path(cfg),
@@ -91,7 +91,7 @@ def pretrain(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> Pa
                 log(record)
 
             try:
-                result = run_rounds(data, spec, pcfg, submit=submit, on_round=on_round,
+                result = run_rounds(data, spec, pcfg, submit_round=submit_round, on_round=on_round,
                                     progress=bool(cfg.flow.progress), desc="FedAvg rounds")
             except BaseException:
                 log.close(raise_errors=False)

@@ -117,17 +117,47 @@ def make_driver_runner(*, address: str | None, num_cpus: int, root: Path, max_wo
 _REMOTES: Dict[Tuple[Callable, float, float], Any] = {}
 
 
-def ray_call(fn: Callable, /, *, num_cpus: float = 1, num_gpus: float = 0, **kwargs) -> Any:
-    """Run ``fn(**kwargs)`` as a Ray task and wait for it (ObjectRef arguments are resolved by Ray).
+def ray_start(fn: Callable, /, *, num_cpus: float = 1, num_gpus: float = 0, **kwargs) -> Any:
+    """Start ``fn(**kwargs)`` as a Ray task; returns its ObjectRef (ObjectRef arguments are resolved by Ray).
 
-    The remote function is built once per (fn, resources), not per call.
+    The remote function is built once per (fn, resources), not per call. A task whose worker
+    dies is rerun by Ray (up to 3 times); an exception raised by ``fn`` is not retried here.
     """
     import ray
 
     key = (fn, float(num_cpus), float(num_gpus))
     if key not in _REMOTES:
         _REMOTES[key] = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=3)(fn)
-    return ray.get(_REMOTES[key].remote(**kwargs))
+    return _REMOTES[key].remote(**kwargs)
+
+
+def ray_call(fn: Callable, /, *, num_cpus: float = 1, num_gpus: float = 0, **kwargs) -> Any:
+    """:func:`ray_start` and wait for the result."""
+    import ray
+
+    return ray.get(ray_start(fn, num_cpus=num_cpus, num_gpus=num_gpus, **kwargs))
+
+
+def ray_as_completed(refs: List[Any]) -> Iterator[Tuple[int, Any]]:
+    """``(index, result)`` of each ObjectRef in ``refs`` as it finishes; a task's error is raised when it arrives."""
+    import ray
+
+    index = {ref: i for i, ref in enumerate(refs)}
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        yield index[done[0]], ray.get(done[0])
+
+
+def ray_cancel(refs: List[Any]) -> None:
+    """Cancel Ray tasks that have not finished (finished ones are left alone)."""
+    import ray
+
+    for ref in refs:
+        try:
+            ray.cancel(ref)
+        except Exception:  # noqa: BLE001 - already finished or gone: nothing to cancel
+            pass
 
 
 def put(value: Any) -> Any:

@@ -89,15 +89,35 @@ def _train_step_or_fail(*, fault_marker: str | None = None, crash_marker: str | 
     return train_step(**kw)
 
 
-@task(name="train-client", cache_policy=NO_CACHE)
-def train_client_ray_task(*, num_gpus: float = 0.0, **kw) -> ClientUpdate:
-    """One client's local round: a Prefect task in the driver whose body runs the step on a Ray worker.
+@task(name="train-round", cache_policy=NO_CACHE)
+def train_round_task(*, calls: List[Dict[str, Any]], names: List[str], num_gpus: float = 0.0,
+                     markers: Mapping[int, Mapping[str, str]] | None = None) -> List[ClientUpdate]:
+    """One round's client steps: a Prefect task in the driver that runs each client's step as a Ray task.
 
+    The clients train in parallel on the Ray workers; each one's completion is logged (the Prefect
+    UI shows the round's progress client by client). A client whose worker dies is rerun by Ray;
+    a client step that raises fails the round task, the round's other steps are cancelled, and a
+    Prefect retry reruns the round (same seeds and inputs, so the same updates).
     Array and state arguments may be Ray ObjectRefs (put once, resolved by Ray on the worker).
+    ``markers``: injected faults by call index (tests).
     """
+    from prefect import get_run_logger
+
     from flows import runtime
 
-    return runtime.ray_call(_train_step_or_fail, num_gpus=num_gpus, **kw)
+    logger = get_run_logger()
+    refs = [runtime.ray_start(_train_step_or_fail, num_gpus=num_gpus, **dict((markers or {}).get(j, {})), **kw)
+            for j, kw in enumerate(calls)]
+    out: List[ClientUpdate | None] = [None] * len(refs)
+    try:
+        for n, (j, upd) in enumerate(runtime.ray_as_completed(refs), 1):
+            out[j] = upd
+            logger.info("%s done (%d/%d): %d examples, train loss %.4f", names[j], n, len(refs), upd.num_examples,
+                        upd.metrics.get("train_loss", float("nan")))
+    except BaseException:
+        runtime.ray_cancel(refs)
+        raise
+    return out
 
 
 @task(name="round-cell", cache_policy=NO_CACHE)

@@ -116,21 +116,22 @@ def test_the_flow_submit_ships_each_clients_data_of_the_current_task_once(monkey
         def with_options(self, **kw):
             return self
 
-        def submit(self, **kw):
-            submitted.append(kw)
+        def __call__(self, *, calls, **kw):
+            submitted.extend(calls)
+            return [None] * len(calls)
 
-    monkeypatch.setattr(R, "train_client_ray_task", FakeTask())
+    monkeypatch.setattr(R, "train_round_task", FakeTask())
     monkeypatch.setattr(R.runtime, "put", lambda obj: put.append(obj) or ("ref", len(put) - 1))
     x = np.arange(8).reshape(8, 1, 1, 1)
     y = np.array([0, 0, 1, 1, 2, 2, 3, 3])
     data = RoundData(client_x=[x], client_y=[y], client_group=["all"], eval_sets={},
                      client_task=[np.array([0, 0, 0, 0, 1, 1, 1, 1])], task_classes=[[0, 1], [2, 3]],
                      rounds_per_task=2)
-    submit = R.client_submit(data)
+    submit_round = R.round_submit(data)
     for r in range(4):
         xs, ys = data.client_data(0, r)
-        submit(None, client_id=0, round_index=r, x=xs, y=ys, global_state={"w": r},
-               broadcast={"task": data.task_of(r)})
+        submit_round(None, [dict(client_id=0, round_index=r, x=xs, y=ys, global_state={"w": r},
+                                 broadcast={"task": data.task_of(r)})])
     arrays = [p for p in put if isinstance(p, np.ndarray)]
     assert [a.tolist() for a in arrays if a.ndim == 1] == [[0, 0, 1, 1], [2, 2, 3, 3]]  # labels: once per task
     assert submitted[0]["y"] == submitted[1]["y"] != submitted[2]["y"] == submitted[3]["y"]

@@ -29,9 +29,10 @@ from fedcore.engine.rounds import (
     train_step,
 )
 from fedcore.engine.spec import ModelSpec, init_state, load_network, save_network
-from fedcore.engine.submit import Done, Submit, run_now
+from fedcore.engine.submit import Done, Submit, SubmitRound, run_now
 
 __all__ = ["AdaptResult", "ArrivalConfig", "ArrivalsResult", "ServerState", "adapt_client", "evaluate_global",
            "run_arrivals", "source_pool", "summarise", "CheckpointError", "RunInterrupted", "load_state", "save_state",
            "RoundConfig", "RoundData", "RoundsResult", "evaluate_sets", "run_rounds", "source_round_data",
-           "train_step", "ModelSpec", "init_state", "load_network", "save_network", "Done", "Submit", "run_now"]
+           "train_step", "ModelSpec", "init_state", "load_network", "save_network", "Done", "Submit", "SubmitRound",
+           "run_now"]

@@ -27,7 +27,7 @@ from fedcore.aggregate.functions import State
 from fedcore.aggregate.strategies import STRATEGIES, Aggregated, Strategy, create_strategy
 from fedcore.engine.checkpoint import RunInterrupted, load_state, save_state
 from fedcore.engine.spec import ModelSpec, init_state
-from fedcore.engine.submit import Submit, run_now
+from fedcore.engine.submit import Submit, SubmitRound, run_now
 from fedcore.evaluate import accuracy
 from fedcore.models import check_feature_layer
 from fedcore.tensors import resolve_device
@@ -192,7 +192,8 @@ RoundHook = Callable[[Dict[str, Any], State], None]
 
 
 def run_rounds(data: RoundData, spec: ModelSpec, cfg: RoundConfig, *, init: State | None = None,
-               submit: Submit = run_now, evaluate: Callable[[State], Dict[str, float]] | None = None,
+               submit: Submit = run_now, submit_round: SubmitRound | None = None,
+               evaluate: Callable[[State], Dict[str, float]] | None = None,
                checkpoint_dir: str | Path | None = None, resume: bool = False, stop_after: int | None = None,
                on_round: RoundHook | None = None, progress: bool = False, desc: str | None = None) -> RoundsResult:
     """Synchronous federated training for ``cfg.rounds`` rounds.
@@ -201,6 +202,10 @@ def run_rounds(data: RoundData, spec: ModelSpec, cfg: RoundConfig, *, init: Stat
     ----------
     init:
         Starting weights; default: the network initialised under ``cfg.seed``.
+    submit, submit_round:
+        How the client steps run: ``submit(train_step, **call)`` per client (default: at once, in
+        this process), or ``submit_round(train_step, calls)`` with the whole round's calls, which
+        returns one future per call in order (a flow that orchestrates a round as one unit).
     evaluate:
         ``state -> metrics`` after every round; default: accuracy on ``data.eval_sets``.
     checkpoint_dir, resume, stop_after:
@@ -248,12 +253,17 @@ def run_rounds(data: RoundData, spec: ModelSpec, cfg: RoundConfig, *, init: Stat
         if data.staged:
             broadcast.update(task=data.task_of(r), task_classes=data.task_classes,
                              rounds_per_task=int(data.rounds_per_task))
-        futures = [(i, submit(train_step, global_state=state, spec=spec, x=data.client_data(i, r)[0],
-                              y=data.client_data(i, r)[1],
-                              trainer=cfg.trainer, trainer_params=dict(cfg.trainer_params), broadcast=broadcast,
+        calls = []
+        for i in selected:
+            x, y = data.client_data(i, r)
+            calls.append(dict(global_state=state, spec=spec, x=x, y=y, trainer=cfg.trainer,
+                              trainer_params=dict(cfg.trainer_params), broadcast=broadcast,
                               client_state=client_states.get(i, {}), seed=cfg.client_seed(r, i), device=cfg.device,
                               client_id=i, round_index=r))
-                   for i in selected]
+        if submit_round is not None:
+            futures = list(zip(selected, submit_round(train_step, calls)))
+        else:
+            futures = [(i, submit(train_step, **kw)) for i, kw in zip(selected, calls)]
         updates: List[Tuple[int, ClientUpdate]] = []
         refused: List[int] = []
         for i, fut in futures:

@@ -7,7 +7,7 @@ task on Ray. Both drivers therefore run the same step functions in the same orde
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Dict, List
 
 
 class Done:
@@ -25,3 +25,5 @@ def run_now(fn: Callable, **kwargs) -> Done:
 
 
 Submit = Callable[..., Any]
+# submit_round(fn, calls) -> one future per call: a driver that runs a whole round of client steps as one unit
+SubmitRound = Callable[[Callable, List[Dict[str, Any]]], List[Any]]
