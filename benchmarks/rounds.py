@@ -1,20 +1,20 @@
 """Round overhead: FedAvg, 10 clients x 5 rounds x 1 local epoch, plain loop vs Prefect + Ray + MLflow.
 
     python benchmarks/rounds.py            # the issue's workload: LeNet (118k parameters), 4,000 MNIST digits
-    python benchmarks/rounds.py --repeat 2
+    python benchmarks/rounds.py --repeat 2 --skip-naive
 
 Every variant runs the same ``fedcore.engine.run_rounds`` loop in this process. The flows run each
-client task on one Ray CPU, so they must give bit-identical weights to the plain loop run with one
-torch thread, or the benchmark fails; the timing baseline is the plain loop with every CPU. Printed per variant: total wall (start-up
-included), the start-up alone, the mean time of rounds 2-5, and both as ratios to the plain loop.
+client step on one Ray CPU, so they must give bit-identical weights to the plain loop run with one
+torch thread, or the benchmark fails; the timing baseline is the plain loop with every CPU. Printed per
+variant: total wall (start-up included), the start-up alone (until the first round starts), the mean
+time of rounds 2-5, and both as ratios to the plain loop. Three designs are compared:
 
-* ``plain``: the plain driver (``run_now``), torch with every CPU.
-* ``flow, Prefect task on Ray``: a Prefect task per client on prefect-ray's RayTaskRunner (arrays
-  and state shipped with every task): the naive design.
-* ``flow, driver task -> Ray``: what ``flows.rounds.single`` uses: a Prefect task per client in a
-  driver thread whose body runs the step on Ray, with client data put in Ray's store once and
-  the global state once per round.
-Both flows log every round to MLflow (a nested run and the round's metrics), as the real flow does.
+1. a Prefect task per client on prefect-ray's RayTaskRunner, arrays shipped with every task (naive);
+2. a Prefect task per client in a driver thread whose body runs the step on Ray, data put once;
+3. a Prefect task per round whose clients run as Ray tasks, data put once: what the flows use
+   (``flows.rounds.round_submit``), started cold and with Prefect and Ray already up.
+Every flow logs each round to MLflow (a nested run and the round's metrics) on a background thread,
+as the real flows do.
 """
 
 from __future__ import annotations
@@ -153,6 +153,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--skip-naive", action="store_true", help="leave out the naive design's row (about a minute)")
+    ap.add_argument("--paired", type=int, default=5, metavar="N",
+                    help="then time N back-to-back (plain loop, flow) pairs with Prefect and Ray up (0: skip)")
     args = ap.parse_args()
     import ray
 
@@ -198,6 +200,24 @@ def main() -> int:
         b = next(r for r in rows if r[0] == "plain loop" and r[1] == rep)
         print(f"| {label} | {rep} | {wall:.1f} | {startup:.1f} | {per_round:.2f} | {wall / b[2]:.2f} | "
               f"{per_round / b[4]:.2f} |")
+    if args.paired:
+        # This machine's speed drifts by 20-40% over minutes, more than the effect measured: so the
+        # deployment case is also timed as pairs (plain loop, then the flow, back to back) and each
+        # pair gives one ratio.
+        url = runtime.ensure_prefect_api()
+        ray.init(**runtime.ray_init_kwargs(num_cpus=2, prefect_api_url=url, root=ROOT))
+        run_flow("round", data, spec, cfg, uri)
+        pairs = []
+        for _ in range(args.paired):
+            _, wall, per_round = timed_run(data, spec, cfg)
+            _, wall_f, _, per_round_f = run_flow("round", data, spec, cfg, uri)
+            pairs.append((wall_f / wall, per_round_f / per_round))
+        ray.shutdown()
+        runtime.stop_prefect_api()
+        print(f"\npaired (Prefect + Ray up, warm workers; plain loop then flow, {args.paired} pairs): total ratio "
+              + ", ".join(f"{t:.2f}" for t, _ in pairs) + f" (median {np.median([t for t, _ in pairs]):.2f}); "
+              "per-round ratio " + ", ".join(f"{r:.2f}" for _, r in pairs)
+              + f" (median {np.median([r for _, r in pairs]):.2f})")
     print("\nAll flow runs gave bit-identical weights to the one-thread plain loop.")
     return 0
 

@@ -58,7 +58,7 @@ def _gpus(cfg: DictConfig) -> float:
 
 
 def pretrain(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> Path:
-    """FedAvg source pretraining on the round engine: a training task per client per round on Ray.
+    """FedAvg source pretraining on the round engine: a Prefect task per round, its clients as Ray tasks.
 
     ``written``: md5s of inputs the calling flow wrote itself (:func:`flows.integrity.record`);
     otherwise the partition is checked against ``dvc.lock``.
@@ -213,7 +213,7 @@ def arrival_submit(*, threads: int = 1, retries: int = 0, retry_delay_seconds: f
 
 
 def arrival(cfg: DictConfig) -> ArrivalsResult:
-    """Sequential arrival: an adaptation task per client on Ray; merge, evaluate, checkpoint, log."""
+    """Sequential arrival: a Prefect task per arriving client, run on Ray; merge, evaluate, checkpoint, log."""
 
     partition, spec, source = load_inputs(cfg)  # before any service starts
 

@@ -3,8 +3,8 @@
 * :func:`grid` runs every (method, seed) cell of a grid concurrently on Ray (a task per cell,
   each the plain round driver), logs each cell to MLflow as it ends, and writes the table,
   the statistics and the plots that DVC tracks.
-* :func:`single` runs one experiment with a Prefect task per client per round on Ray: the
-  same :func:`fedcore.engine.run_rounds` loop, driven through the flow's ``submit``.
+* :func:`single` runs one experiment with a Prefect task per round whose clients run as Ray tasks: the
+  same :func:`fedcore.engine.run_rounds` loop, driven through the flow's ``submit_round``.
 
 Inputs are checked before any service starts, so a missing partition fails in a second.
 """
@@ -324,7 +324,7 @@ def stats_report(scores: Dict[str, List[float]], target: str, *, label: str = "W
 
 
 def single(cfg: DictConfig, system: str = "fedpad") -> RoundsResult:
-    """One experiment (``trainer`` x ``strategy`` groups) with a Prefect task per client per round on Ray."""
+    """One experiment (``trainer`` x ``strategy`` groups): a Prefect task per round, its clients as Ray tasks."""
     name = str(cfg[system].grid)
     part = load_domain_partition(cfg, system, name)  # before any service starts
     rcfg = C.single_round_config(cfg, system)

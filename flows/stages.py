@@ -7,9 +7,9 @@
     python -m flows.stages pretrain variant=private && python -m flows.stages adapt variant=private   # private-TTA grid
     python -m flows.stages audit variant=private     # canary membership audit of the private form
     python -m flows.stages partition_domains fedpad.grid=digits && python -m flows.stages fedpad fedpad.grid=digits
-    python -m flows.stages rounds trainer=proto strategy=fedpad     # one FedPAD run, a task per client per round
+    python -m flows.stages rounds trainer=proto strategy=fedpad     # one FedPAD run, a Prefect task per round
     python -m flows.stages partition_fedpd fedpd.grid=digits && python -m flows.stages fedpd fedpd.grid=digits
-    python -m flows.stages rounds_fedpd trainer=proser strategy=fedpd   # one FedPD++ run, a task per client per round
+    python -m flows.stages rounds_fedpd trainer=proser strategy=fedpd   # one FedPD++ run, a Prefect task per round
     python -m flows.stages partition_ppfcil ppfcil.grid=mnist && python -m flows.stages ppfcil ppfcil.grid=mnist
 
 With ``--params`` the stage reads the file DVC tracks; without it, conf/ is composed with the
