@@ -118,16 +118,12 @@ def client_task_submit(data):
     def client_task(**kw):
         return runtime.ray_call(_train_step_or_fail, **kw)
 
-    refs, shared = {}, {}
+    arrays, states = runtime.PutOnce(), runtime.PutOnce(keep=1)
 
     def submit(fn, **kw):
         i = kw["client_id"]
-        if i not in refs:
-            refs[i] = (runtime.put(kw["x"]), runtime.put(kw["y"]))
-        if id(kw["global_state"]) not in shared:
-            shared.clear()
-            shared[id(kw["global_state"])] = (kw["global_state"], runtime.put(kw["global_state"]))
-        kw.update(x=refs[i][0], y=refs[i][1], global_state=shared[id(kw["global_state"])][1])
+        kw.update(x=arrays((i, "x"), kw["x"]), y=arrays((i, "y"), kw["y"]),
+                  global_state=states(id(kw["global_state"]), kw["global_state"]))
         return client_task.with_options(task_run_name=f"round-{kw['round_index']:03d}-client-{i:02d}").submit(**kw)
 
     return submit

@@ -192,12 +192,7 @@ def arrival_submit(*, threads: int = 1, retries: int = 0, retry_delay_seconds: f
     task may use ``threads`` CPUs. ``fault``: see :func:`_faults` (tests of retries).
     """
     task = adapt_client_ray_task.with_options(retries=retries, retry_delay_seconds=retry_delay_seconds)
-    refs: Dict[Any, Any] = {}
-
-    def ref(key, value):
-        if key not in refs:
-            refs[key] = (value, runtime.put(value))  # keeps value alive, so an id() key stays unique
-        return refs[key][1]
+    ref = runtime.PutOnce()
 
     def submit(fn, **kw):
         a, client = kw["arrival"], kw["client"]

@@ -386,14 +386,8 @@ def round_submit(data, *, retries: int = 0, retry_delay_seconds: float = 0.0, nu
     once, in that round (tests of retries).
     """
     task = train_round_task.with_options(retries=retries, retry_delay_seconds=retry_delay_seconds)
-    refs: Dict[Tuple[int, int], Any] = {}  # (client, task) -> its arrays in Ray's store, put once
-    shared: Dict[int, Any] = {}
-
-    def ref_of(obj):
-        if id(obj) not in shared:
-            shared.clear()
-            shared[id(obj)] = (obj, runtime.put(obj))  # keeps obj alive, so its id stays unique
-        return shared[id(obj)][1]
+    arrays = runtime.PutOnce()  # (client, task, "x"|"y") -> that client's arrays of that task
+    states = runtime.PutOnce(keep=1)  # the round's global state
 
     def submit_round(fn, calls):
         r = int(calls[0]["round_index"])
@@ -401,9 +395,8 @@ def round_submit(data, *, retries: int = 0, retry_delay_seconds: float = 0.0, nu
         for j, kw in enumerate(calls):
             i = int(kw["client_id"])
             key = (i, int(kw["broadcast"].get("task", 0)))  # data in tasks: the engine passes this task's slice
-            if key not in refs:
-                refs[key] = (runtime.put(kw["x"]), runtime.put(kw["y"]))
-            shipped.append({**kw, "x": refs[key][0], "y": refs[key][1], "global_state": ref_of(kw["global_state"])})
+            shipped.append({**kw, "x": arrays((*key, "x"), kw["x"]), "y": arrays((*key, "y"), kw["y"]),
+                            "global_state": states(id(kw["global_state"]), kw["global_state"])})
             names.append(f"round {r} client {i} ({data.client_group[i]})")
             found = {f"{kind}_marker": str(folder / f"{kind}-round{r}.marker")
                      for kind, (at, folder) in (fault or {}).items() if at == r and i == 0}

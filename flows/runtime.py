@@ -160,6 +160,26 @@ def ray_cancel(refs: List[Any]) -> None:
             pass
 
 
+class PutOnce:
+    """Values moved to Ray's object store once each, then passed to tasks by reference.
+
+    ``refs(key, value)`` puts ``value`` the first time ``key`` is seen and returns its ObjectRef.
+    The value is kept alive with its ref, so an ``id()`` key stays unique. ``keep``: hold at most
+    this many (the oldest is dropped), e.g. 1 for a global state that changes every round.
+    """
+
+    def __init__(self, keep: int | None = None) -> None:
+        self._refs: Dict[Any, Tuple[Any, Any]] = {}
+        self._keep = keep
+
+    def __call__(self, key: Any, value: Any) -> Any:
+        if key not in self._refs:
+            if self._keep is not None and len(self._refs) >= self._keep:
+                del self._refs[next(iter(self._refs))]
+            self._refs[key] = (value, put(value))
+        return self._refs[key][1]
+
+
 def put(value: Any) -> Any:
     """``ray.put``: an object moved to the store once, then passed to many tasks by reference."""
     import ray

@@ -205,14 +205,11 @@ def round_metrics(record: Mapping[str, Any]) -> Dict[str, float]:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "round"}
 
 
-def log_rounds(records: Iterable[Mapping[str, Any]], *, nested: bool = False) -> None:
-    """Every round's metrics on the active run with step = round, in batches; nested runs per round if asked."""
+def log_rounds(records: Iterable[Mapping[str, Any]]) -> None:
+    """Every round's metrics on the active run with step = round, in batches (a nested run per round:
+    :func:`log_round_record`)."""
     from mlflow.entities import Metric
 
-    if nested:
-        for rec in records:
-            log_round_record(rec)
-        return
     run, client = mlflow.active_run(), mlflow.MlflowClient()
     now = int(time.time() * 1000)
     batch = [Metric(k, v, now, int(rec["round"])) for rec in records for k, v in round_metrics(rec).items()]
