@@ -24,7 +24,7 @@ from fedcore.data import Partition
 from fedcore.engine import ArrivalsResult, ModelSpec, run_arrivals, run_rounds, source_round_data
 from fedcore.evaluate.plots import plot_arrivals, plot_privacy
 from flows import config as C
-from flows import runtime, tracking
+from flows import model_registry, runtime, tracking
 from flows.tasks import (  # noqa: F401 - the paths and loaders are part of this module's interface
     _ckpt_dir,
     adapt_client_ray_task,
@@ -126,7 +126,7 @@ def _log_experiment(cfg: DictConfig, acfg, res: ArrivalsResult, *, spec: ModelSp
     if not live:
         for rec in records:
             tracking.log_arrival(rec)
-    mlflow.log_metrics({f"final_{k}": v for k, v in res.summary.items()})
+    mlflow.log_metrics(summary_metrics(res.summary))
     out = C.resolve_path(cfg.paths.results) / "cells" / cell_name(acfg)
     plots = plot_arrivals(records, acc, [t.corruption for t in partition.targets], out,
                           title=f"{acfg.method}+{acfg.aggregator} ({acfg.form})")
@@ -143,12 +143,30 @@ def _log_experiment(cfg: DictConfig, acfg, res: ArrivalsResult, *, spec: ModelSp
     from fedcore.tensors import to_tensor
 
     example = to_tensor(partition.source_test_x[:2]).numpy()
-    tracking.log_model(spec, res.final_state, registered_name=cfg.flow.register_model or None, example=example)
+    model_uri = tracking.log_model(spec, res.final_state, example=example)
+    name = model_registry.model_name(cfg)
+    if name and model_registry.wanted(cfg, (acfg.method, acfg.aggregator, acfg.form, acfg.seed),
+                                      model_registry.configured_cell(cfg)):
+        metric = str(cfg.flow.champion_metric)
+        model_registry.register(
+            model_uri, name=name, run_id=mlflow.active_run().info.run_id, summary=summary_metrics(res.summary),
+            metric=metric, aliases=list(cfg.flow.get("aliases") or []),
+            description=model_registry.describe(
+                f"{acfg.method}+{acfg.aggregator} ({acfg.form}), seed {acfg.seed}, on {cfg.data.name}",
+                summary_metrics(res.summary), metric))
 
 
-def _start_experiment_run(cfg: DictConfig, acfg, spec: ModelSpec):
+def summary_metrics(summary: Mapping[str, float]) -> Dict[str, float]:
+    """A run's summary as MLflow metrics, each named once with ``final_`` (``final_avg_online_acc``,
+    ``final_avg_holdout_acc``): the per-arrival series keep their plain names."""
+    return {k if k.startswith("final_") else f"final_{k}": float(v) for k, v in summary.items()}
+
+
+def _start_experiment_run(cfg: DictConfig, acfg, spec: ModelSpec, *, started_ms: int | None = None):
+    """The experiment's parent run, active. ``started_ms``: when the experiment began, for a run
+    created after it ended (a sweep cell); its end time is set by the caller."""
     form = "" if acfg.form == "plain" else f" {acfg.form}"
-    run = mlflow.start_run(run_name=f"{acfg.method}+{acfg.aggregator}{form}-s{acfg.seed}")
+    run = tracking.start_run(f"{acfg.method}+{acfg.aggregator}{form}-s{acfg.seed}", started_ms=started_ms)
     params = {k: v for k, v in C.to_dict(cfg).items() if k not in ("sweep", "method", "aggregator", "privacy",
                                                                   "private")}
     params.update({"method": {"name": acfg.method, **acfg.method_params},
@@ -211,6 +229,7 @@ def arrival(cfg: DictConfig) -> ArrivalsResult:
     """Sequential arrival: a Prefect task per arriving client, run on Ray; merge, evaluate, checkpoint, log."""
 
     partition, spec, source = load_inputs(cfg)  # before any service starts
+    model_registry.check(cfg)
 
     @flow(name="sequential-arrival", task_runner=_driver_runner(cfg), log_prints=True)
     def sequential_arrival() -> ArrivalsResult:
@@ -260,6 +279,7 @@ def sweep(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> List[
     """
 
     partition, spec, _ = load_inputs(cfg, written=written)  # before any service starts
+    model_registry.check(cfg)
 
     @flow(name="sweep", task_runner=_runner(cfg), log_prints=True)
     def sweep_flow() -> List[Dict[str, Any]]:
@@ -286,8 +306,10 @@ def sweep(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> List[
             res = fut.result()
             acfg = C.arrival_config(cfg, method=res["method"], aggregator=res["aggregator"], seed=res["seed"],
                                     form=res["form"])
-            with _start_experiment_run(cfg, acfg, spec):
+            with _start_experiment_run(cfg, acfg, spec, started_ms=res["started_ms"]) as run:
                 _log_experiment(cfg, acfg, res["result"], spec=spec, partition=partition, live=False)
+                mlflow.log_metric("run_seconds", res["seconds"])
+            tracking.end_run_at(run.info.run_id, res["ended_ms"])
             s = res["result"].summary
             logger.info("[%d/%d] %s+%s %s seed %d: online %.3f, final hold-out %.3f, forgetting %+.3f (%.1fs)", i,
                         len(cells), res["method"], res["aggregator"], res["form"], res["seed"], s["avg_online_acc"],

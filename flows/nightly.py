@@ -55,6 +55,7 @@ def nightly(overrides: Optional[List[str]] = None, push: bool = True) -> dict:
 
     logger = get_run_logger()
     cfg = C.compose(list(overrides or []))
+    cfg.flow.aliases = [*cfg.flow.aliases, "nightly"]  # the registered version of a scheduled run
     _prepare(cfg)
     _partition(cfg)
     written = integrity.record(partition_dir(cfg))

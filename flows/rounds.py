@@ -39,8 +39,9 @@ def results_dir(cfg: DictConfig, system: str, grid_name: str) -> Path:
     return C.resolve_path(cfg.paths.results) / system / grid_name
 
 
-def _start_cell_run(cfg: DictConfig, system: str, grid_name: str, method: str, rcfg: RoundConfig, part):
-    run = mlflow.start_run(run_name=f"{method}-s{rcfg.seed}")
+def _start_cell_run(cfg: DictConfig, system: str, grid_name: str, method: str, rcfg: RoundConfig, part, *,
+                    started_ms: int | None = None):
+    run = tracking.start_run(f"{method}-s{rcfg.seed}", started_ms=started_ms)
     g = C.to_dict(cfg)[system]["grids"][grid_name]
     mlflow.log_params(tracking.flatten({"system": system, "grid": grid_name, "method": method,
                                         "trainer": {"name": rcfg.trainer, **rcfg.trainer_params},
@@ -93,6 +94,7 @@ def grid(cfg: DictConfig, system: str = "fedpad", grid_name: str | None = None, 
     def grid_flow() -> List[Dict[str, Any]]:
         logger = get_run_logger()
         tracking.setup(C.tracking_uri(cfg), f"fedcore-{system}")
+        target = _target_method(cfg, system, g)
         cfg_dict = C.to_dict(cfg)
         futures = [run_round_cell_task.with_options(retries=int(cfg.flow.retries), task_run_name=f"{name}-{m}-s{s}")
                    .submit(cfg_dict=cfg_dict, system=system, grid_name=name, method=m, seed=s, written=written)
@@ -106,7 +108,7 @@ def grid(cfg: DictConfig, system: str = "fedpad", grid_name: str | None = None, 
         for i, fut in enumerate(done, 1):
             cell = fut.result()
             m, s, res = cell["method"], cell["seed"], cell["result"]
-            with _start_cell_run(cfg, system, name, m, configs[(m, s)], part):
+            with _start_cell_run(cfg, system, name, m, configs[(m, s)], part, started_ms=cell["started_ms"]) as run:
                 tracking.log_rounds(res.records)
                 mlflow.log_metrics(res.summary)
                 mlflow.log_metric("run_seconds", cell["seconds"])
@@ -114,6 +116,8 @@ def grid(cfg: DictConfig, system: str = "fedpad", grid_name: str | None = None, 
                                       title=f"{system} {name}: {m} (seed {s})",
                                       score=_headline_score(cfg, system, name, m, configs[(m, s)].trainer))
                 tracking.log_files(paths, artifact_path="plots")
+                _register(cfg, system, name, cell, target=(target, g.seeds[0]))
+            tracking.end_run_at(run.info.run_id, cell["ended_ms"])
             sm = res.summary
             opened = f", AUROC {sm['final_auroc']:.3f}" if "final_auroc" in sm else ""
             opened += f", avg incremental {sm['avg_inc_acc']:.3f}" if "avg_inc_acc" in sm else ""
@@ -142,6 +146,37 @@ def grid(cfg: DictConfig, system: str = "fedpad", grid_name: str | None = None, 
         write_grid_report(rows, domains=list(part.domains), out=out, title=f"{system} {name}",
                           target=system if system in g.methods else None)
     return rows
+
+
+def _target_method(cfg: DictConfig, system: str, g) -> str:
+    """The method a grid is about: ``<system>.target`` (FedPD++, PP-FCIL), else the system's own name."""
+    target = str(cfg[system].get("target") or system)
+    return target if target in g.methods else str(g.methods[-1])
+
+
+def _register(cfg: DictConfig, system: str, grid_name: str, cell: Mapping[str, Any], *, target) -> None:
+    """Log the cell's final model and register it as ``<system>-<grid>`` when the config names the cell.
+
+    With ``flow.register=configured`` that is the grid's target method at its first seed, so a grid
+    of 30 cells logs and registers one model (logging a model costs a second or two per cell);
+    ``all`` logs and registers every cell.
+    """
+    from flows import model_registry
+
+    name = model_registry.model_name(cfg, system)
+    if not name or not model_registry.wanted(cfg, (cell["method"], cell["seed"]), target):
+        return
+    if cfg.flow.get("register_model") is None:
+        name = f"{system}-{grid_name}"  # a grid is a protocol: its versions compare only with each other
+    res = cell["result"]
+    # the system's headline: incremental accuracy (PP-FCIL), AUROC (FedPD++), worst-domain accuracy (FedPAD)
+    metric = next(m for m in ("avg_inc_acc", "final_auroc", "final_worst_acc", *res.summary) if m in res.summary)
+    uri = tracking.log_model(cell["spec"], res.final_state, example=cell["example"])
+    model_registry.register(uri, name=name, run_id=mlflow.active_run().info.run_id, summary=res.summary,
+                            metric=metric, aliases=list(cfg.flow.get("aliases") or []),
+                            description=model_registry.describe(
+                                f"{cell['method']}, seed {cell['seed']}, {system} grid {grid_name}", res.summary,
+                                metric))
 
 
 def _incremental_row(records: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -338,6 +373,7 @@ def single(cfg: DictConfig, system: str = "fedpad") -> RoundsResult:
     def rounds_flow() -> RoundsResult:
         logger = get_run_logger()
         tracking.setup(C.tracking_uri(cfg), f"fedcore-{system}")
+        target = _target_method(cfg, system, g)
         submit_round = round_submit(data, retries=int(cfg.flow.retries),
                                     retry_delay_seconds=float(cfg.flow.retry_delay_seconds), num_gpus=_gpus(cfg),
                                     fault=_faults(cfg, ckpt))

@@ -19,6 +19,7 @@ from prefect.cache_policies import NO_CACHE
 
 from fedcore.data import Partition
 from fedcore.engine import AdaptResult, ModelSpec, RoundData, adapt_client, run_arrivals, run_rounds, train_step
+from fedcore.tensors import to_tensor
 from fedcore.train import ClientUpdate
 from flows import config as C
 from flows import integrity
@@ -75,11 +76,11 @@ def run_cell_task(cfg_dict: Dict[str, Any], method: str, aggregator: str, seed: 
     acfg = C.arrival_config(cfg, method=method, aggregator=aggregator, seed=seed, form=form)
     partition, spec, source = load_inputs(cfg, written=written)
     ckpt = _ckpt_dir(cfg, cell_name(acfg))
-    t0 = time.perf_counter()
+    t0, started_ms = time.perf_counter(), int(time.time() * 1000)
     res = run_arrivals(partition, spec, source, acfg, checkpoint_dir=ckpt, resume=bool(cfg.flow.resume),
                        stop_after=cfg.flow.stop_after)
     return {"method": method, "aggregator": aggregator, "seed": seed, "form": acfg.form, "result": res,
-            "seconds": time.perf_counter() - t0}
+            "seconds": time.perf_counter() - t0, "started_ms": started_ms, "ended_ms": int(time.time() * 1000)}
 
 
 def _train_step_or_fail(*, fault_marker: str | None = None, crash_marker: str | None = None,
@@ -130,10 +131,12 @@ def run_round_cell_task(cfg_dict: Dict[str, Any], system: str, grid_name: str, m
     part = load_domain_partition(cfg, system, grid_name, written=written)
     data, spec, evaluate = round_inputs(cfg, system, grid_name, part, rcfg, method=method)
     ckpt = C.resolve_path(cfg.paths.checkpoints) / system / grid_name / f"{method}-s{seed}"
-    t0 = time.perf_counter()
+    t0, started_ms = time.perf_counter(), int(time.time() * 1000)
     res = run_rounds(data, spec, rcfg, evaluate=evaluate, checkpoint_dir=ckpt, resume=bool(cfg.flow.resume),
                      stop_after=cfg.flow.stop_after)
-    return {"method": method, "seed": seed, "result": res, "seconds": time.perf_counter() - t0}
+    return {"method": method, "seed": seed, "result": res, "seconds": time.perf_counter() - t0,
+            "started_ms": started_ms, "ended_ms": int(time.time() * 1000), "spec": spec,
+            "example": to_tensor(data.client_x[0][:2]).numpy()}  # the registered model's signature
 
 
 # ------------------------------------------------------------------------------------ helpers

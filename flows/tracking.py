@@ -31,7 +31,7 @@ import torch
 from fedcore.data import sha256_file
 from fedcore.engine import ModelSpec, load_network, save_network
 from fedcore.engine.spec import SPEC_FILE, WEIGHTS_FILE
-from flows import integrity
+from flows import artifact_store, integrity
 from flows.config import ROOT
 
 MODEL_NAME = "global_model"  # the logged model's name in its run
@@ -40,8 +40,40 @@ MODEL_SHA256_TAG = "global_model.sha256."  # + file name: the run tag the regist
 
 
 def setup(uri: str, experiment: str) -> None:
+    """Track into ``uri`` under ``experiment``.
+
+    In a local SQLite store a new experiment keeps its artifacts beside the database, addressed
+    relative to it (:mod:`flows.artifact_store`), so a copied or moved project still opens them.
+    """
+    from mlflow.exceptions import MlflowException
+
     mlflow.set_tracking_uri(uri)
+    if artifact_store.is_local_sqlite(uri):
+        artifact_store.register()
+        if mlflow.get_experiment_by_name(experiment) is None:
+            try:
+                mlflow.create_experiment(experiment, artifact_location=artifact_store.location(experiment))
+            except MlflowException:  # another process created it first
+                pass
     mlflow.set_experiment(experiment)
+
+
+def start_run(run_name: str, *, started_ms: int | None = None) -> "mlflow.ActiveRun":
+    """``mlflow.start_run``, but a run logged after its work ended may give the time the work began
+    (``started_ms``, epoch milliseconds), so its duration in the UI is the experiment's."""
+    if started_ms is None:
+        return mlflow.start_run(run_name=run_name)
+    from mlflow.tracking.context import registry as context
+
+    exp = mlflow.tracking.fluent._get_experiment_id()
+    run = mlflow.MlflowClient().create_run(exp, start_time=int(started_ms), run_name=run_name,
+                                           tags=context.resolve_tags({}))
+    return mlflow.start_run(run_id=run.info.run_id)
+
+
+def end_run_at(run_id: str, ended_ms: int) -> None:
+    """Give a finished run the time its work ended (after ``with start_run(...)`` closed it)."""
+    mlflow.MlflowClient().set_terminated(run_id, end_time=int(ended_ms))
 
 
 _PARAM_KEY = re.compile(r"[^\w\-. /]")  # MLflow keys allow word characters, - . space and / only
@@ -217,9 +249,11 @@ def log_rounds(records: Iterable[Mapping[str, Any]]) -> None:
         client.log_batch(run.info.run_id, metrics=batch[i:i + 900])
 
 
-def log_model(spec: ModelSpec, state: Dict[str, torch.Tensor], *, registered_name: str | None,
-              example: np.ndarray) -> None:
-    """Log the final global model on the active run as data only, and register it.
+def log_model(spec: ModelSpec, state: Dict[str, torch.Tensor], *, example: np.ndarray) -> str:
+    """Log the final global model on the active run as data only; return its ``models:/`` URI.
+
+    Registering a version is a separate step (:mod:`flows.model_registry`): a sweep logs every
+    cell's model but registers only the ones its config names.
 
     The logged model is an MLflow pyfunc whose loader is this module (from the installed
     package, never from the artifact store) and whose data is the network's ``spec.json``
@@ -233,10 +267,10 @@ def log_model(spec: ModelSpec, state: Dict[str, torch.Tensor], *, registered_nam
         mlflow.set_tags({MODEL_SHA256_TAG + f: sha256_file(folder / f) for f in (SPEC_FILE, WEIGHTS_FILE)})
         with torch.no_grad():
             logits = load_network(folder)(torch.as_tensor(example)).numpy()
-        mlflow.pyfunc.log_model(name=MODEL_NAME, loader_module=__name__, data_path=str(folder),
-                                registered_model_name=registered_name, input_example=example,
-                                signature=infer_signature(example, logits),
-                                pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "fedcore"])
+        info = mlflow.pyfunc.log_model(name=MODEL_NAME, loader_module=__name__, data_path=str(folder),
+                                       input_example=example, signature=infer_signature(example, logits),
+                                       pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "fedcore"])
+    return info.model_uri
 
 
 def load_registered(name: str, version: int | str = "latest", *, tracking_uri: str | None = None
@@ -246,7 +280,7 @@ def load_registered(name: str, version: int | str = "latest", *, tracking_uri: s
     Parameters
     ----------
     name:
-        The registered model, e.g. ``"fedcore-global"`` (``flow.register_model``).
+        The registered model, e.g. ``"bpfedctta-mnist5k"`` (:func:`flows.model_registry.model_name`).
     version:
         A version number, ``"latest"``, or an alias such as ``"champion"``.
     tracking_uri:
@@ -261,7 +295,7 @@ def load_registered(name: str, version: int | str = "latest", *, tracking_uri: s
     Examples
     --------
     >>> from flows.tracking import load_registered
-    >>> model = load_registered("fedcore-global", 3, tracking_uri="sqlite:///mlruns.db")
+    >>> model = load_registered("bpfedctta-mnist5k", "champion", tracking_uri="sqlite:///mlruns.db")
     >>> logits = model(x)  # x: (N, C, H, W), normalised like the training data
     """
     client = mlflow.MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
@@ -294,7 +328,8 @@ def _model_version(client: "mlflow.MlflowClient", name: str, version: int | str)
     if version == "latest":
         versions = client.search_model_versions(f"name='{name}'")
         if not versions:
-            raise ValueError(f"no registered model {name!r}; register one with flow.register_model={name}")
+            raise ValueError(f"no registered model {name!r}; a sweep registers its configured cell as "
+                             f"<system>-<data> (or flow.register_model={name})")
         return max(versions, key=lambda v: int(v.version))
     return client.get_model_version_by_alias(name, str(version))
 

@@ -59,7 +59,7 @@ def test_nightly_deployment_has_cron_and_runs_through_a_worker(prefect_server, t
     assert "30 2 * * *" in rounds and "fedpad" in rounds
 
     overrides = tiny_overrides(tmp_path) + ["pretrain.rounds=2", "adapt.passes=1", "sweep.methods=[bn]",
-                                            "sweep.aggregators=[ugsa]", "flow.experiment=nightly-test"]
+                                            "sweep.aggregators=[ugsa]", "method=bn", "flow.experiment=nightly-test"]
     run = prefect("deployment", "run", "nightly-federation/nightly-sweep", "--params",
                   json.dumps({"overrides": overrides}), env=env).stdout
     prefect("worker", "start", "--pool", "fedcore-process", "--run-once", env=env, timeout=900)
@@ -67,3 +67,13 @@ def test_nightly_deployment_has_cron_and_runs_through_a_worker(prefect_server, t
     nightly = [r for r in runs if r["deployment_id"] and r["name"] in run]
     assert nightly and nightly[0]["state_type"] == "COMPLETED", (run, [(r["name"], r["state_type"]) for r in runs])
     assert (tmp_path / "results" / "cells" / "bn-ugsa-s0" / "accuracy_matrix.png").is_file()
+    # the configured cell (method=bn, ugsa) is registered as <system>-<data>, with the nightly alias
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlruns.db")
+    nightly_version = client.get_model_version_by_alias("bpfedctta-digits", "nightly")
+    assert nightly_version.tags["method"] == "bn" and nightly_version.tags["aggregator"] == "ugsa"
+    assert client.get_model_version_by_alias("bpfedctta-digits", "champion").version == nightly_version.version
+    parent = client.get_run(nightly_version.run_id)
+    # the sweep cell's run was created after the cell ended: it still spans the cell's own time
+    assert abs((parent.info.end_time - parent.info.start_time) / 1000 - parent.data.metrics["run_seconds"]) < 0.5

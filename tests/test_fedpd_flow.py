@@ -72,6 +72,9 @@ def test_open_set_grid_writes_auroc_tables_and_logs_alignment_per_round(tmp_path
     assert run.data.metrics["final_auroc"] == pytest.approx(summary["fedpd++"]["auroc"])
     history = client.get_metric_history(run.info.run_id, "transport_entropy")
     assert len(history) == 2  # one point per round
+    versions = client.search_model_versions("name='fedpd-quick'")
+    assert [(v.tags["method"], v.tags["champion_metric"]) for v in versions] == [("fedpd++", "final_auroc")]
+    assert versions[0].run_id == run.info.run_id
 
 
 def test_method_names_mlflow_refuses_in_keys_are_logged_under_safe_keys(tmp_path):

@@ -50,12 +50,20 @@ def test_arrival_flow_logs_lineage_metrics_artifacts_and_model(tiny):
     for name in ("online_accuracy.png", "accuracy_matrix.png", "weight_drift.png", "gate_weights.png"):
         assert f"plots/{name}" in arts
     assert "checkpoints/server_state.pt" in arts
-    versions = [v for v in client.search_model_versions(f"name='{cfg.flow.register_model}'")
-                if v.run_id == run.info.run_id]
-    assert versions
+    assert run.data.metrics["final_avg_holdout_acc"] == pytest.approx(res.summary["final_avg_holdout_acc"])
+    assert not any(k.startswith("final_final") for k in run.data.metrics)
+    assert run.info.end_time - run.info.start_time > 1000  # the parent spans the experiment
+    name = "bpfedctta-digits"  # <system>-<data>: the configured cell (bpa+ugsa) is registered
+    versions = [v for v in client.search_model_versions(f"name='{name}'") if v.run_id == run.info.run_id]
+    assert len(versions) == 1
+    v = versions[0]
+    assert (v.tags["method"], v.tags["aggregator"], v.tags["privacy_form"], v.tags["seed"]) == ("bpa", "ugsa", "plain", "0")
+    assert v.tags["data_sha256"] == run.data.tags["data_sha256"] and v.tags["git_commit"] == run.data.tags["git_commit"]
+    assert float(v.tags["metric.final_avg_holdout_acc"]) == pytest.approx(res.summary["final_avg_holdout_acc"], abs=1e-5)
+    assert "bpa+ugsa (plain), seed 0, on digits" in v.description
     from flows.tracking import load_registered
 
-    model = load_registered(cfg.flow.register_model, versions[0].version, tracking_uri=C.tracking_uri(cfg))
+    model = load_registered(name, "champion", tracking_uri=C.tracking_uri(cfg))
     for k, v in model.state_dict().items():
         assert torch.equal(v, res.final_state[k]), k
 

@@ -76,6 +76,11 @@ def test_incremental_grid_writes_tables_and_logs_tasks_ledgers_and_selection(tmp
     assert len(client.get_metric_history(run.info.run_id, "acc.seen")) == 4  # one point per round
     ledger = [k for k in runs["lbdp-eps8-s0"].data.metrics if k.startswith("epsilon.c")]
     assert ledger  # every client's privacy spending is in MLflow, per round
+    versions = client.search_model_versions("name='ppfcil-quick'")
+    assert [(v.tags["method"], v.tags["champion_metric"]) for v in versions] == [("ppfcil", "avg_inc_acc")]
+    from flows.tracking import load_registered
+
+    assert load_registered("ppfcil-quick", "champion", tracking_uri=C.tracking_uri(cfg)) is not None
 
 
 def test_privacy_report_pairs_lbdp_with_classic_dp_at_each_epsilon_and_clip_norm(tmp_path):

@@ -114,3 +114,11 @@ def test_grid_flow_writes_the_table_statistics_plots_and_one_run_per_cell(quick)
     exp = client.get_experiment_by_name("fedcore-fedpad")
     runs = {r.info.run_name for r in client.search_runs([exp.experiment_id], "tags.stage = 'fedpad@quick'")}
     assert {"fedavg-s0", "fedpad-s0"} <= runs
+    # the grid's target method (fedpad, seed 0) is the one registered model version, as fedpad-quick
+    versions = client.search_model_versions("name='fedpad-quick'")
+    assert [(v.tags["method"], v.tags["seed"]) for v in versions] == [("fedpad", "0")]
+    assert versions[0].tags["champion_metric"] == "final_worst_acc"
+    assert client.get_model_version_by_alias("fedpad-quick", "champion").version == versions[0].version
+    from flows.tracking import load_registered
+
+    assert load_registered("fedpad-quick", "champion", tracking_uri=C.tracking_uri(cfg)) is not None

@@ -1,0 +1,137 @@
+"""The tracking store moves with the project, and the Model Registry holds what a user would deploy."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from fedcore.engine import ModelSpec
+from flows import artifact_store, model_registry, tracking
+
+SPEC = ModelSpec(name="cnn", num_classes=10, in_channels=1, norm="batch")
+
+
+def _state(seed: int):
+    torch.manual_seed(seed)
+    return SPEC.build().state_dict()
+
+
+def _log_and_register(project: Path, experiment: str, *, seed: int, acc: float, aliases=()):
+    """One run in ``project``'s store: a text artifact, the model, and (maybe) a registry version."""
+    tracking.setup(f"sqlite:///{project}/mlruns.db", experiment)
+    with mlflow.start_run(run_name=f"cell-s{seed}") as run:
+        mlflow.set_tags({"method": "bpa", "aggregator": "ugsa", "privacy_form": "plain", "seed": str(seed),
+                         "git_commit": "abc123", "data_sha256": "d" * 64})
+        note = project / f"note-{seed}.txt"
+        note.write_text(f"seed {seed}\n")
+        mlflow.log_artifact(str(note), artifact_path="plots")
+        uri = tracking.log_model(SPEC, _state(seed), example=np.zeros((2, 1, 16, 16), np.float32))
+        version = model_registry.register(uri, name="bpfedctta-digits", run_id=run.info.run_id,
+                                          summary={"final_avg_holdout_acc": acc, "final_avg_online_acc": acc - 0.1},
+                                          metric="final_avg_holdout_acc", aliases=aliases,
+                                          description=f"bpa+ugsa seed {seed}")
+    return run.info.run_id, version
+
+
+def test_a_moved_project_opens_its_artifacts_and_models_and_writes_into_its_own_folder(tmp_path):
+    old = tmp_path / "old"
+    old.mkdir()
+    run_id, version = _log_and_register(old, "store-test", seed=0, acc=0.7)
+    exp = MlflowClient().get_experiment_by_name("store-test")
+    assert exp.artifact_location == "fedcore-project:/mlartifacts/store-test"
+    assert (old / "mlartifacts" / "store-test" / run_id / "artifacts" / "plots" / "note-0.txt").is_file()
+
+    new = tmp_path / "moved"
+    shutil.move(str(old), str(new))
+    # A fresh process, as a user opening the moved project would be: MLflow finds the scheme by entry point.
+    script = f"""
+import json, mlflow, sys
+from pathlib import Path
+uri = "sqlite:///{new}/mlruns.db"
+client = mlflow.MlflowClient(uri)
+local = mlflow.artifacts.download_artifacts(run_id="{run_id}", artifact_path="plots/note-0.txt",
+                                            tracking_uri=uri, dst_path="{tmp_path}/dl")
+assert "flows.tracking" not in sys.modules, "the entry point alone must resolve the scheme"
+from flows.tracking import load_registered
+model = load_registered("bpfedctta-digits", "champion", tracking_uri=uri)
+mlflow.set_tracking_uri(uri)
+mlflow.set_experiment("store-test")
+with mlflow.start_run() as run:
+    mlflow.log_text("written after the move", "after.txt")
+print(json.dumps({{"note": Path(local).read_text(), "run": run.info.run_id,
+                  "keys": sorted(model.state_dict())}}))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["note"] == "seed 0\n"
+    assert got["keys"] == sorted(_state(0))
+    assert (new / "mlartifacts" / "store-test" / got["run"] / "artifacts" / "after.txt").is_file()
+    assert not old.exists(), "nothing may be written back into the folder the project came from"
+
+
+def test_the_ui_server_resolves_the_store_from_its_backend_uri(tmp_path, monkeypatch):
+    monkeypatch.setattr(mlflow, "get_tracking_uri", lambda: "http://127.0.0.1:1")
+    monkeypatch.setenv("_MLFLOW_SERVER_FILE_STORE", f"sqlite:///{tmp_path}/mlruns.db")
+    repo = artifact_store.ProjectArtifactRepository("fedcore-project:/mlartifacts/x/r1/artifacts")
+    assert Path(repo.artifact_dir) == tmp_path / "mlartifacts" / "x" / "r1" / "artifacts"
+    monkeypatch.delenv("_MLFLOW_SERVER_FILE_STORE")
+    with pytest.raises(Exception, match="relative to a local SQLite tracking store"):
+        artifact_store.ProjectArtifactRepository("fedcore-project:/mlartifacts/x/r1/artifacts")
+
+
+def test_champion_moves_only_to_a_better_version_and_other_aliases_always_move(tmp_path):
+    results = [(0, 0.70), (1, 0.65), (2, 0.72)]
+    versions = [_log_and_register(tmp_path, "registry-test", seed=s, acc=a, aliases=["nightly"])[1]
+                for s, a in results]
+    client = MlflowClient()
+    champion = client.get_model_version_by_alias("bpfedctta-digits", "champion")
+    assert champion.version == versions[2].version  # 0.72 beat 0.70; 0.65 did not move it (ties: below)
+    assert client.get_model_version_by_alias("bpfedctta-digits", "nightly").version == versions[2].version
+    first = client.get_model_version("bpfedctta-digits", versions[0].version)
+    assert first.tags["metric.final_avg_holdout_acc"] == "0.7" and first.tags["seed"] == "0"
+    assert first.tags["git_commit"] == "abc123" and first.tags["data_sha256"] == "d" * 64
+    assert first.description == "bpa+ugsa seed 0"
+
+
+def test_a_champion_history_is_replayed_exactly():
+    """The alias rule on its own: strictly better moves it; ties and NaN do not."""
+    class Store:
+        champion = None
+
+        def get_model_version_by_alias(self, name, alias):
+            from mlflow.exceptions import MlflowException
+
+            if self.champion is None:
+                raise MlflowException("no alias")
+            return type("V", (), {"tags": {"metric.m": str(self.champion)}})()
+
+    store, moves = Store(), []
+    for value in (0.5, 0.5, float("nan"), 0.4, 0.6):
+        moved = model_registry._beats_champion(store, "n", "m", value)
+        if moved:
+            store.champion = value
+        moves.append(moved)
+    assert moves == [True, False, False, False, True]
+
+
+def test_unknown_register_mode_or_champion_metric_fails_before_any_work():
+    from flows import config as C
+
+    with pytest.raises(ValueError, match="flow.register 'some'.*configured, all, none"):
+        model_registry.check(C.compose(["flow.register=some"]))
+    with pytest.raises(ValueError, match="flow.champion_metric 'forgetting'"):
+        model_registry.check(C.compose(["flow.champion_metric=forgetting"]))
+    assert model_registry.model_name(C.compose([])) == "bpfedctta-mnist5k"
+    assert model_registry.model_name(C.compose(["variant=private"])) == "dptta-mnist5k"
+    assert model_registry.model_name(C.compose(["variant=cifar10"])) == "bpfedctta-cifar10"
+    assert model_registry.model_name(C.compose(["flow.register=none"])) is None
