@@ -19,7 +19,7 @@ export MLFLOW_ENABLE_TELEMETRY ?= false
 export DO_NOT_TRACK ?= 1
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup run private fedpad fedpd ppfcil push pull test test-fast params bench clean
+.PHONY: setup browser run private fedpad fedpd ppfcil push pull test test-fast params bench clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -71,7 +71,17 @@ push: setup
 pull: setup
 	$(BIN)/python -m flows.remote pull $(STAGES)
 
-test: setup
+# The browser check of the MLflow and Prefect UIs (tests/test_ui.py) needs Chromium, from the system's
+# packages: installed here when we are root with apt-get; otherwise that one test is skipped, with the reason.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing chromium (apt) for the browser check"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium \
+	      >/dev/null) || echo "could not install chromium: tests/test_ui.py will be skipped"; \
+	  else echo "no chromium, and not root: tests/test_ui.py will be skipped (apt-get install chromium)"; fi; }
+
+test: setup browser
 	$(BIN)/python -m pytest -q
 
 test-fast: setup
