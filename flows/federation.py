@@ -28,7 +28,9 @@ from flows import runtime, tracking
 from flows.tasks import (  # noqa: F401 - the paths and loaders are part of this module's interface
     _ckpt_dir,
     adapt_client_ray_task,
+    arrival_checkpoints,
     cell_name,
+    check_checkpoints,
     load_inputs,
     load_partition,
     load_source,
@@ -36,6 +38,7 @@ from flows.tasks import (  # noqa: F401 - the paths and loaders are part of this
     prepared_path,
     run_cell_task,
     source_model_path,
+    sweep_cells,
 )
 
 
@@ -211,6 +214,7 @@ def arrival(cfg: DictConfig) -> ArrivalsResult:
     """Sequential arrival: a Prefect task per arriving client, run on Ray; merge, evaluate, checkpoint, log."""
 
     partition, spec, source = load_inputs(cfg)  # before any service starts
+    check_checkpoints(arrival_checkpoints(cfg), resume=bool(cfg.flow.resume))  # likewise
 
     @flow(name="sequential-arrival", task_runner=_driver_runner(cfg), log_prints=True)
     def sequential_arrival() -> ArrivalsResult:
@@ -260,6 +264,7 @@ def sweep(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> List[
     """
 
     partition, spec, _ = load_inputs(cfg, written=written)  # before any service starts
+    check_checkpoints(arrival_checkpoints(cfg, sweep_cells(cfg)), resume=bool(cfg.flow.resume))  # likewise
 
     @flow(name="sweep", task_runner=_runner(cfg), log_prints=True)
     def sweep_flow() -> List[Dict[str, Any]]:

@@ -28,7 +28,8 @@ from fedcore.evaluate.plots import plot_incremental, plot_methods, plot_openset_
 from fedcore.evaluate.stats import friedman_p, friedman_ranks, wilcoxon_against
 from flows import config as C
 from flows import runtime, tracking
-from flows.tasks import load_domain_partition, round_inputs, run_round_cell_task, train_round_task
+from flows.tasks import (check_checkpoints, load_domain_partition, round_cell_dir, round_inputs,
+                         run_round_cell_task, train_round_task)
 
 
 def _runner(cfg: DictConfig):
@@ -88,6 +89,8 @@ def grid(cfg: DictConfig, system: str = "fedpad", grid_name: str | None = None, 
     part = load_domain_partition(cfg, system, name, written=written)  # before any service starts
     cells = [(str(m), int(s)) for s in g.seeds for m in g.methods]
     configs = {(m, s): C.round_config(cfg, system, method=m, seed=s, grid_name=name) for m, s in cells}
+    check_checkpoints({round_cell_dir(cfg, system, name, m, s): rc.fingerprint() for (m, s), rc in configs.items()},
+                      resume=bool(cfg.flow.resume))  # before any service starts, as the partition
 
     @flow(name=f"{system}-grid", task_runner=_runner(cfg), log_prints=True)
     def grid_flow() -> List[Dict[str, Any]]:
@@ -331,6 +334,7 @@ def single(cfg: DictConfig, system: str = "fedpad") -> RoundsResult:
     data, spec, evaluate = round_inputs(cfg, system, name, part, rcfg)
     label = f"{rcfg.trainer}+{rcfg.strategy}"
     ckpt = C.resolve_path(cfg.paths.checkpoints) / system / name / f"single-{label}-s{rcfg.seed}"
+    check_checkpoints({ckpt: rcfg.fingerprint()}, resume=bool(cfg.flow.resume))  # before any service starts
 
     runner = runtime.make_driver_runner(address=cfg.flow.ray_address, num_cpus=int(cfg.flow.num_cpus), root=C.ROOT)
 

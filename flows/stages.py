@@ -287,10 +287,12 @@ def main(argv=None) -> int:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from fedcore.engine.checkpoint import CheckpointError
+
     try:
         cfg = C.load(args.params, args.overrides)
         STAGES[args.stage](cfg)
-    except (ValueError, FileNotFoundError, HydraException, OmegaConfBaseException) as exc:
+    except (ValueError, FileNotFoundError, CheckpointError, HydraException, OmegaConfBaseException) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

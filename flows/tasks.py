@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, List, Mapping
+from typing import Any, Dict, List, Mapping, Tuple
 
 import numpy as np
 import torch
@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from fedcore.adapt import GRADIENT_METHODS
 from fedcore.data import Partition
 from fedcore.engine import AdaptResult, ModelSpec, RoundData, adapt_client, run_arrivals, run_rounds, train_step
 from fedcore.train import ClientUpdate
@@ -129,7 +130,7 @@ def run_round_cell_task(cfg_dict: Dict[str, Any], system: str, grid_name: str, m
     rcfg = C.round_config(cfg, system, method=method, seed=seed, grid_name=grid_name)
     part = load_domain_partition(cfg, system, grid_name, written=written)
     data, spec, evaluate = round_inputs(cfg, system, grid_name, part, rcfg, method=method)
-    ckpt = C.resolve_path(cfg.paths.checkpoints) / system / grid_name / f"{method}-s{seed}"
+    ckpt = round_cell_dir(cfg, system, grid_name, method, seed)
     t0 = time.perf_counter()
     res = run_rounds(data, spec, rcfg, evaluate=evaluate, checkpoint_dir=ckpt, resume=bool(cfg.flow.resume),
                      stop_after=cfg.flow.stop_after)
@@ -242,6 +243,57 @@ def cell_name(acfg) -> str:
 
 def _ckpt_dir(cfg: DictConfig, cell: str) -> Path:
     return C.resolve_path(cfg.paths.checkpoints) / f"{cfg.data.name}-{cfg.model.name}-{cfg.model.norm}" / cell
+
+
+def round_cell_dir(cfg: DictConfig, system: str, grid_name: str, method: str, seed: int) -> Path:
+    """A round-based grid cell's checkpoint folder."""
+    return C.resolve_path(cfg.paths.checkpoints) / system / grid_name / f"{method}-s{seed}"
+
+
+def sweep_cells(cfg: DictConfig) -> List[Tuple[str, str, str, int]]:
+    """The sweep's (method, aggregator, privacy form, seed) cells, in the order they are submitted.
+
+    A method without gradients (source, bn) has no private form: it runs once, plain, as a reference.
+    """
+    forms = list(cfg.sweep.get("privacy", None) or ["plain"])
+    return [(str(m), str(a), str(f), int(s)) for s in cfg.sweep.seeds for m in cfg.sweep.methods for f in forms
+            for a in cfg.sweep.aggregators if m in GRADIENT_METHODS or C.privacy_form(cfg, f).get("mode") == "off"]
+
+
+def arrival_checkpoints(cfg: DictConfig, cells: List[Tuple[str, str, str, int]] | None = None) -> Dict[Path, str]:
+    """``{checkpoint folder: config fingerprint}`` of the arrival runs ``cells`` (default: the configured run)."""
+    acfgs = ([C.arrival_config(cfg)] if cells is None else
+             [C.arrival_config(cfg, method=m, aggregator=a, form=f, seed=s) for m, a, f, s in cells])
+    return {_ckpt_dir(cfg, cell_name(a)): a.fingerprint() for a in acfgs}
+
+
+def check_checkpoints(folders: Mapping[Path, str], *, resume: bool) -> None:
+    """Read every checkpoint a run will read (``{folder: config fingerprint}``), before any service starts.
+
+    The engines read them too, but only once Ray and Prefect are up and the run's task is under
+    way (about 90 s in); here a bad one fails in a second. A checkpoint that does not match its
+    sha256, or cannot be read, fails whether or not the run resumes (the engine never overwrites
+    it); with ``resume``, so does one written by another config.
+
+    Raises
+    ------
+    fedcore.engine.checkpoint.CheckpointError
+        Naming the folder and the fix. The checkpoint is left untouched.
+    """
+    from fedcore.engine.checkpoint import CheckpointError, load_state
+
+    for folder, fingerprint in folders.items():
+        try:
+            saved = load_state(folder)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc} Found before starting Ray and Prefect. Delete {folder} (or move it away) "
+                                  "to start that run afresh; rerunning with flow.resume=false does not skip it, since "
+                                  "a checkpoint that fails its check is never overwritten.") from exc
+        if resume and saved is not None and saved.fingerprint != fingerprint:
+            raise CheckpointError(f"flow.resume=true, but the checkpoint in {folder} was written by another config "
+                                  f"({saved.fingerprint} != {fingerprint}). Found before starting Ray and Prefect. "
+                                  "Rerun without flow.resume=true to start afresh (it is then overwritten), or with "
+                                  "the config that wrote it.")
 
 
 def load_source(path: Path, spec: ModelSpec, *, written: Mapping[str, str] | None = None

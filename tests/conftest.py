@@ -79,3 +79,15 @@ def tiny_gn(tiny):
     pcfg = replace(pcfg, trainer_params={**pcfg.trainer_params, "local_epochs": 3})
     state = run_rounds(source_round_data(tiny["partition"]), spec, pcfg).final_state
     return {**tiny, "spec": spec, "source": state}
+
+
+def write_checkpoint(folder, fingerprint="fp-a", *, corrupt=False):
+    """A server checkpoint in ``folder``; ``corrupt``: one byte flipped, so that it fails its sha256."""
+    from fedcore.engine.checkpoint import save_state
+
+    path = save_state(folder, {"done": 1, "w": torch.ones(3)}, fingerprint=fingerprint)
+    if corrupt:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    return folder

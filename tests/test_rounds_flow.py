@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
+from fedcore.engine.checkpoint import CheckpointError
 from flows import config as C
+
+from .conftest import write_checkpoint
 
 
 def rounds_overrides(tmp, *extra):
@@ -50,6 +54,24 @@ def test_unknown_grid_and_method_are_refused_with_the_valid_names():
         C.compose(["fedpad.grids.quick.methods=[fedpadd]"])
     with pytest.raises(ValueError, match="no setting 'gama'"):
         C.compose(["+fedpad.methods.fedpad.strategy_params.gama=1"])
+
+
+@pytest.mark.parametrize("flow", ["single", "grid"])
+def test_a_corrupt_round_checkpoint_fails_before_ray_or_prefect_start(quick, tmp_path, monkeypatch, flow):
+    # Prepare: the run's (a grid's first cell's) checkpoint corrupted; Ray or Prefect starting fails the test
+    from flows import rounds, runtime
+    from flows.tasks import round_cell_dir
+
+    cfg = C.compose(rounds_overrides(quick["tmp"], f"paths.checkpoints={tmp_path}"))
+    folder = (tmp_path / "fedpad" / "quick" / "single-proto+fedpad-s0" if flow == "single"
+              else round_cell_dir(cfg, "fedpad", "quick", "fedavg", 0))
+    write_checkpoint(folder, corrupt=True)
+    monkeypatch.setattr(runtime, "start_ray", lambda **kw: pytest.fail("Ray started"))
+    monkeypatch.setattr(runtime, "_prefect_api", lambda: pytest.fail("Prefect started"))
+
+    # Execute / Assert: refused by the pre-flight check, naming the folder to delete
+    with pytest.raises(CheckpointError, match=re.escape(f"Found before starting Ray and Prefect. Delete {folder} ")):
+        getattr(rounds, flow)(cfg, "fedpad")
 
 
 @pytest.mark.slow

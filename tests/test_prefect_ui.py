@@ -1,0 +1,55 @@
+"""The checks a run makes before any service starts (fast: no services)."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from fedcore.engine.checkpoint import CheckpointError
+from flows import config as C
+from flows import runtime
+from flows.tasks import arrival_checkpoints, check_checkpoints, sweep_cells
+
+from .conftest import tiny_overrides, write_checkpoint
+
+
+def test_check_checkpoints_refuses_corrupt_or_foreign_ones_and_names_the_fix(tmp_path):
+    # Prepare: a missing, a good, and a corrupt checkpoint
+    missing, good = tmp_path / "none", write_checkpoint(tmp_path / "good")
+    bad = write_checkpoint(tmp_path / "bad", corrupt=True)
+
+    # Execute / Assert: nothing to read and a matching one pass; a foreign one passes unless resuming
+    check_checkpoints({missing: "fp-a", good: "fp-a"}, resume=True)
+    check_checkpoints({good: "fp-b"}, resume=False)
+    with pytest.raises(CheckpointError, match="written by another config.*Rerun without flow.resume=true"):
+        check_checkpoints({good: "fp-b"}, resume=True)
+    for resume in (False, True):  # the engine refuses a corrupt one either way, so this does too
+        with pytest.raises(CheckpointError, match=f"sha256.*Delete {re.escape(str(bad))} .*does not skip it"):
+            check_checkpoints({bad: "fp-a"}, resume=resume)
+
+
+@pytest.mark.parametrize("flow", ["arrival", "sweep"])
+def test_a_corrupt_checkpoint_fails_before_ray_or_prefect_start(tiny, tmp_path, monkeypatch, flow):
+    # Prepare: the run's checkpoint corrupted, and Ray or Prefect starting fails the test
+    from flows import federation as F
+
+    cfg = C.compose(tiny_overrides(tiny["tmp"]) + [f"paths.checkpoints={tmp_path}", "flow.resume=true",
+                                                    "sweep.methods=[bn]", "sweep.aggregators=[ugsa]"])
+    folders = arrival_checkpoints(cfg, sweep_cells(cfg) if flow == "sweep" else None)
+    bad = write_checkpoint(next(iter(folders)), corrupt=True)
+    started = []
+    monkeypatch.setattr(runtime, "start_ray", lambda **kw: started.append("ray") or pytest.fail("Ray started"))
+    monkeypatch.setattr(runtime, "_prefect_api", lambda: started.append("prefect") or pytest.fail("Prefect started"))
+
+    # Execute
+    t0 = time.perf_counter()
+    with pytest.raises(CheckpointError, match=re.escape(f"Found before starting Ray and Prefect. Delete {bad} ")):
+        getattr(F, flow)(cfg)
+    seconds = time.perf_counter() - t0
+
+    # Assert: refused by the pre-flight check, before any service, in seconds rather than a minute and a half
+    assert started == [] and seconds < 30, (started, seconds)
+
+
