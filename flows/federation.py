@@ -24,7 +24,7 @@ from fedcore.data import Partition
 from fedcore.engine import ArrivalsResult, ModelSpec, run_arrivals, run_rounds, source_round_data
 from fedcore.evaluate.plots import plot_arrivals, plot_privacy
 from flows import config as C
-from flows import runtime, tracking
+from flows import runtime, tracking, ui
 from flows.tasks import (  # noqa: F401 - the paths and loaders are part of this module's interface
     _ckpt_dir,
     adapt_client_ray_task,
@@ -81,6 +81,7 @@ def pretrain(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> Pa
                                     retry_delay_seconds=float(cfg.flow.retry_delay_seconds), num_gpus=_gpus(cfg))
 
         with mlflow.start_run(run_name=f"pretrain-{cfg.data.name}-{cfg.model.name}"):
+            ui.link_runs()
             mlflow.set_tags({**tracking.lineage_tags(seed=pcfg.seed, prepared=prepared_path(cfg),
                                                      partition_dir=partition_dir(cfg)), "stage": "pretrain"})
             # the round-based systems' grids are not this run's settings
@@ -152,6 +153,7 @@ def _log_experiment(cfg: DictConfig, acfg, res: ArrivalsResult, *, spec: ModelSp
 def _start_experiment_run(cfg: DictConfig, acfg, spec: ModelSpec):
     form = "" if acfg.form == "plain" else f" {acfg.form}"
     run = mlflow.start_run(run_name=f"{acfg.method}+{acfg.aggregator}{form}-s{acfg.seed}")
+    ui.link_runs(run)
     params = {k: v for k, v in C.to_dict(cfg).items() if k not in ("sweep", "method", "aggregator", "privacy",
                                                                   "private")}
     params.update({"method": {"name": acfg.method, **acfg.method_params},

@@ -27,7 +27,7 @@ from fedcore.engine import Done, RoundConfig, RoundsResult, run_rounds
 from fedcore.evaluate.plots import plot_incremental, plot_methods, plot_openset_rounds, plot_rounds
 from fedcore.evaluate.stats import friedman_p, friedman_ranks, wilcoxon_against
 from flows import config as C
-from flows import runtime, tracking
+from flows import runtime, tracking, ui
 from flows.tasks import (check_checkpoints, load_domain_partition, round_cell_dir, round_inputs,
                          run_round_cell_task, train_round_task)
 
@@ -42,6 +42,7 @@ def results_dir(cfg: DictConfig, system: str, grid_name: str) -> Path:
 
 def _start_cell_run(cfg: DictConfig, system: str, grid_name: str, method: str, rcfg: RoundConfig, part):
     run = mlflow.start_run(run_name=f"{method}-s{rcfg.seed}")
+    ui.link_runs(run)
     g = C.to_dict(cfg)[system]["grids"][grid_name]
     mlflow.log_params(tracking.flatten({"system": system, "grid": grid_name, "method": method,
                                         "trainer": {"name": rcfg.trainer, **rcfg.trainer_params},

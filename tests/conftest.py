@@ -81,6 +81,29 @@ def tiny_gn(tiny):
     return {**tiny, "spec": spec, "source": state}
 
 
+# ------------------------------------------------------------------ the Prefect API, as the UI reads it
+
+
+def prefect_flow_run(mlflow_run):
+    """The Prefect flow run an MLflow run was written in (its ``prefect.flow_run_id`` tag), read from the API."""
+    import uuid
+
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(uuid.UUID(mlflow_run.data.tags["prefect.flow_run_id"]))
+
+
+def prefect_artifacts(flow_run_id) -> list:
+    """The artifacts a flow run created, from the API."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        return client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
+            any_=[flow_run_id])))
+
+
 def write_checkpoint(folder, fingerprint="fp-a", *, corrupt=False):
     """A server checkpoint in ``folder``; ``corrupt``: one byte flipped, so that it fails its sha256."""
     from fedcore.engine.checkpoint import save_state

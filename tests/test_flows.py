@@ -17,7 +17,7 @@ from mlflow.tracking import MlflowClient
 from flows import config as C
 from flows import federation as F
 
-from .conftest import tiny_overrides
+from .conftest import prefect_artifacts, prefect_flow_run, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -58,6 +58,12 @@ def test_arrival_flow_logs_lineage_metrics_artifacts_and_model(tiny):
     model = load_registered(cfg.flow.register_model, versions[0].version, tracking_uri=C.tracking_uri(cfg))
     for k, v in model.state_dict().items():
         assert torch.equal(v, res.final_state[k]), k
+
+    # The same run in the Prefect UI, linked both ways
+    flow_run = prefect_flow_run(run)
+    assert run.data.tags["prefect.flow_run_url"].endswith(str(flow_run.id))
+    [link] = prefect_artifacts(flow_run.id)
+    assert link.type == "markdown" and run.info.run_id in link.data and "mlflow ui --backend-store-uri" in link.data
 
 
 def test_failed_and_killed_client_tasks_are_rerun_and_metrics_unchanged(tiny):

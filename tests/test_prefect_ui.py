@@ -1,4 +1,4 @@
-"""The checks a run makes before any service starts (fast: no services)."""
+"""The checks a run makes before any service starts, and the links between the UIs (fast: no services)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from fedcore.engine.checkpoint import CheckpointError
 from flows import config as C
-from flows import runtime
+from flows import runtime, ui
 from flows.tasks import arrival_checkpoints, check_checkpoints, sweep_cells
 
 from .conftest import tiny_overrides, write_checkpoint
@@ -53,3 +53,10 @@ def test_a_corrupt_checkpoint_fails_before_ray_or_prefect_start(tiny, tmp_path, 
     assert started == [] and seconds < 30, (started, seconds)
 
 
+def test_run_links_point_at_each_ui(monkeypatch):
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4200/api")
+    monkeypatch.delenv("PREFECT_UI_URL", raising=False)
+    assert ui.prefect_flow_run_url("abc") == "http://127.0.0.1:4200/runs/flow-run/abc"
+    assert ui.mlflow_run_url("http://127.0.0.1:5000/", "3", "r1") == "http://127.0.0.1:5000/#/experiments/3/runs/r1"
+    assert ui.mlflow_run_url("sqlite:///mlruns.db", "3", "r1") is None
+    assert ui._artifact_key("mlflow-fedcore-fedpd++-s0 dp-eps5") == "mlflow-fedcore-fedpd-s0-dp-eps5"

@@ -13,7 +13,7 @@ from mlflow.tracking import MlflowClient
 from fedcore.engine.checkpoint import CheckpointError
 from flows import config as C
 
-from .conftest import write_checkpoint
+from .conftest import prefect_artifacts, prefect_flow_run, write_checkpoint
 
 
 def rounds_overrides(tmp, *extra):
@@ -102,6 +102,8 @@ def test_round_flow_equals_the_plain_driver_and_logs_every_round(quick):
     assert len(client.get_metric_history(run.info.run_id, "alpha.c0")) == 2
     children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
     assert sorted(c.info.run_name for c in children) == ["round-000", "round-001"]
+    flow_run = prefect_flow_run(run)  # the same run in the Prefect UI
+    assert run.info.run_id in prefect_artifacts(flow_run.id)[0].data
     quick["plain"] = plain
 
 
@@ -134,5 +136,10 @@ def test_grid_flow_writes_the_table_statistics_plots_and_one_run_per_cell(quick)
     assert "| fedpad |" in (out / "table.md").read_text()
     client = MlflowClient(C.tracking_uri(cfg))
     exp = client.get_experiment_by_name("fedcore-fedpad")
-    runs = {r.info.run_name for r in client.search_runs([exp.experiment_id], "tags.stage = 'fedpad@quick'")}
-    assert {"fedavg-s0", "fedpad-s0"} <= runs
+    cells = [r for r in client.search_runs([exp.experiment_id], "tags.stage = 'fedpad@quick'",
+                                           order_by=["attributes.start_time DESC"])
+             if r.info.run_name in ("fedavg-s0", "fedpad-s0")][:2]
+    assert sorted(r.info.run_name for r in cells) == ["fedavg-s0", "fedpad-s0"]
+    flow_run = prefect_flow_run(cells[0])  # the grid in the Prefect UI: one MLflow link per cell
+    links = " ".join(a.data for a in prefect_artifacts(flow_run.id))
+    assert all(r.info.run_id in links for r in cells)
