@@ -35,6 +35,7 @@ def _prefect_api() -> Tuple[str, Callable[[], str]]:
     URL it ended up on (the server moves if its port was taken meanwhile).
     """
     global _SERVER
+    log_runs_at_info()
     url = os.environ.get("PREFECT_API_URL")
     if url:
         return url, lambda: url
@@ -71,6 +72,23 @@ def _prefect_api() -> Tuple[str, Callable[[], str]]:
     return planned, wait
 
 
+def log_runs_at_info() -> None:
+    """Flow and task run logs at INFO reach the Prefect API (the UI's Logs tab), unless the user chose a level.
+
+    Prefect sets its loggers' level from ``PREFECT_LOGGING_LEVEL`` when it is imported, and a
+    logger below that level drops a record before its API handler sees it. A level the user set
+    (environment, profile or ``.env``) stands; otherwise this process's ``prefect`` logger is put
+    at INFO, and the variable exported so that Ray workers (:func:`ray_init_kwargs`) do the same.
+    """
+    from prefect.settings import get_current_settings
+
+    # Prefect's settings are read when it is imported; the environment may have been set since.
+    if "PREFECT_LOGGING_LEVEL" in os.environ or "level" in get_current_settings().logging.model_fields_set:
+        return
+    os.environ["PREFECT_LOGGING_LEVEL"] = "INFO"
+    logging.getLogger("prefect").setLevel(logging.INFO)
+
+
 def stop_prefect_api() -> None:
     global _SERVER
     if _SERVER is not None:
@@ -87,7 +105,7 @@ def ray_init_kwargs(*, num_cpus: int, prefect_api_url: str, root: Path) -> Dict[
     # several CPUs call torch.set_num_threads themselves.
     env = {"PREFECT_API_URL": prefect_api_url,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH", "")]))}
-    for key in ("MLFLOW_TRACKING_URI", "PREFECT_LOGGING_LEVEL"):
+    for key in ("MLFLOW_TRACKING_URI", "PREFECT_LOGGING_LEVEL", "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL"):
         if key in os.environ:
             env[key] = os.environ[key]
     return {"num_cpus": num_cpus, "include_dashboard": False, "log_to_driver": True,

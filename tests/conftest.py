@@ -94,6 +94,34 @@ def prefect_flow_run(mlflow_run):
         return client.read_flow_run(uuid.UUID(mlflow_run.data.tags["prefect.flow_run_id"]))
 
 
+def prefect_task_runs(flow_run_id) -> dict:
+    """``{task run name: task run}`` of a flow run, from the API."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {r.name: r for r in runs}
+
+
+def prefect_logs(flow_run_id) -> list:
+    """``(task run name or None, level, message)`` of every log of a flow run that reached the API, in order."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=10)  # logs are sent in batches: send what is queued
+    names = {r.id: name for name, r in prefect_task_runs(flow_run_id).items()}
+    with get_client(sync_client=True) as client:
+        logs, offset = [], 0
+        while batch := client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
+                                        limit=200, offset=offset, sort=LogSort.TIMESTAMP_ASC):
+            logs += batch
+            offset += len(batch)
+    return [(names.get(log.task_run_id), log.level, log.message) for log in logs]
+
+
 def prefect_artifacts(flow_run_id) -> list:
     """The artifacts a flow run created, from the API."""
     from prefect import get_client

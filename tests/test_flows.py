@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -17,7 +18,7 @@ from mlflow.tracking import MlflowClient
 from flows import config as C
 from flows import federation as F
 
-from .conftest import prefect_artifacts, prefect_flow_run, tiny_overrides
+from .conftest import prefect_artifacts, prefect_flow_run, prefect_logs, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -59,9 +60,13 @@ def test_arrival_flow_logs_lineage_metrics_artifacts_and_model(tiny):
     for k, v in model.state_dict().items():
         assert torch.equal(v, res.final_state[k]), k
 
-    # The same run in the Prefect UI, linked both ways
+    # The same run in the Prefect UI: logs at INFO (the flow's and each task's), the link back
     flow_run = prefect_flow_run(run)
     assert run.data.tags["prefect.flow_run_url"].endswith(str(flow_run.id))
+    names = {f"arrival-{r['arrival']:03d}-client-{r['client_id']:02d}-{r['corruption']}" for r in res.records}
+    logs = prefect_logs(flow_run.id)
+    assert any(task is None and level == logging.INFO and msg.startswith("arrival 0 (") for task, level, msg in logs)
+    assert {task for task, level, _ in logs if level == logging.INFO} >= names  # each task's own, at INFO
     [link] = prefect_artifacts(flow_run.id)
     assert link.type == "markdown" and run.info.run_id in link.data and "mlflow ui --backend-store-uri" in link.data
 

@@ -1,7 +1,8 @@
-"""The checks a run makes before any service starts, and the links between the UIs (fast: no services)."""
+"""The checks a run makes before any service starts, and the logs and links the UIs show (fast: no services)."""
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 
@@ -51,6 +52,39 @@ def test_a_corrupt_checkpoint_fails_before_ray_or_prefect_start(tiny, tmp_path, 
 
     # Assert: refused by the pre-flight check, before any service, in seconds rather than a minute and a half
     assert started == [] and seconds < 30, (started, seconds)
+
+
+def test_logs_reach_the_api_at_info_unless_the_user_chose_a_level(monkeypatch):
+    # Prepare: Prefect's logger left at WARNING, as PREFECT_LOGGING_LEVEL=WARNING at import used to leave it
+    prefect_logger = logging.getLogger("prefect")
+    before = prefect_logger.level
+    monkeypatch.delenv("PREFECT_LOGGING_LEVEL", raising=False)
+    try:
+        prefect_logger.setLevel(logging.WARNING)
+
+        # Execute / Assert: unset, INFO (here and, through the environment, on Ray workers)
+        runtime.log_runs_at_info()
+        env = runtime.ray_init_kwargs(num_cpus=1, prefect_api_url="u", root=C.ROOT)["runtime_env"]["env_vars"]
+        assert prefect_logger.level == logging.INFO and env["PREFECT_LOGGING_LEVEL"] == "INFO"
+
+        # Execute / Assert: a level the user exported stands
+        monkeypatch.setenv("PREFECT_LOGGING_LEVEL", "ERROR")
+        prefect_logger.setLevel(logging.ERROR)
+        runtime.log_runs_at_info()
+        assert prefect_logger.level == logging.ERROR and runtime.os.environ["PREFECT_LOGGING_LEVEL"] == "ERROR"
+    finally:
+        prefect_logger.setLevel(before)
+
+
+def test_the_terminal_shows_prefects_warnings_only():
+    from flows.stages import _prefect_warnings_only
+
+    def record(name, level):
+        return logging.LogRecord(name, level, __file__, 1, "m", None, None)
+
+    assert not _prefect_warnings_only(record("prefect.task_runs", logging.INFO))
+    assert _prefect_warnings_only(record("prefect.task_runs", logging.WARNING))
+    assert _prefect_warnings_only(record("flows.runtime", logging.INFO))
 
 
 def test_run_links_point_at_each_ui(monkeypatch):
