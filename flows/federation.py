@@ -37,6 +37,7 @@ from flows.tasks import (  # noqa: F401 - the paths and loaders are part of this
     partition_dir,
     prepared_path,
     run_cell_task,
+    run_label,
     source_model_path,
     sweep_cells,
 )
@@ -69,18 +70,21 @@ def pretrain(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> Pa
 
     partition = load_partition(cfg, written=written)  # before any service starts: a bad input fails fast
 
-    @flow(name="source-pretraining", task_runner=_driver_runner(cfg), log_prints=True)
-    def source_pretraining() -> str:
+    run_name = f"pretrain-{cfg.data.name}-{cfg.model.name}"
+
+    @flow(name="source-pretraining", task_runner=_driver_runner(cfg), log_prints=True, flow_run_name=lambda: run_name)
+    def source_pretraining(variant: str | None, system: str | None, data: str, model: str, rounds: int, seed: int,
+                           config: Dict[str, str]) -> str:  # the parameters are for the UI: cfg is the config
         from flows.rounds import round_submit
 
         logger = get_run_logger()
         spec, pcfg = C.model_spec(cfg), C.pretrain_config(cfg)
         tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
-        data = source_round_data(partition)
-        submit_round = round_submit(data, retries=int(cfg.flow.retries),
+        rounds_data = source_round_data(partition)
+        submit_round = round_submit(rounds_data, retries=int(cfg.flow.retries),
                                     retry_delay_seconds=float(cfg.flow.retry_delay_seconds), num_gpus=_gpus(cfg))
 
-        with mlflow.start_run(run_name=f"pretrain-{cfg.data.name}-{cfg.model.name}"):
+        with mlflow.start_run(run_name=run_name):
             ui.link_runs()
             mlflow.set_tags({**tracking.lineage_tags(seed=pcfg.seed, prepared=prepared_path(cfg),
                                                      partition_dir=partition_dir(cfg)), "stage": "pretrain"})
@@ -95,18 +99,18 @@ def pretrain(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> Pa
                 log(record)
 
             try:
-                result = run_rounds(data, spec, pcfg, submit_round=submit_round, on_round=on_round,
+                result = run_rounds(rounds_data, spec, pcfg, submit_round=submit_round, on_round=on_round,
                                     progress=bool(cfg.flow.progress), desc="FedAvg rounds")
             except BaseException:
                 log.close(raise_errors=False)
                 raise
             log.close()
             state = result.final_state
-            model = spec.build()
-            model.load_state_dict(state)
+            net = spec.build()
+            net.load_state_dict(state)
             from fedcore.evaluate import accuracy
 
-            acc = accuracy(model, partition.source_test_x, partition.source_test_y)
+            acc = accuracy(net, partition.source_test_x, partition.source_test_y)
             mlflow.log_metric("source_test_acc", acc)
             out = source_model_path(cfg)
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -118,7 +122,7 @@ def pretrain(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> Pa
         return str(out)
 
     try:
-        return Path(source_pretraining())
+        return Path(source_pretraining(**ui.pretrain_parameters(cfg)))
     finally:
         runtime.shutdown_ray()
 
@@ -217,9 +221,13 @@ def arrival(cfg: DictConfig) -> ArrivalsResult:
 
     partition, spec, source = load_inputs(cfg)  # before any service starts
     check_checkpoints(arrival_checkpoints(cfg), resume=bool(cfg.flow.resume))  # likewise
+    params = ui.arrival_parameters(cfg)
 
-    @flow(name="sequential-arrival", task_runner=_driver_runner(cfg), log_prints=True)
-    def sequential_arrival() -> ArrivalsResult:
+    @flow(name="sequential-arrival", task_runner=_driver_runner(cfg), log_prints=True,
+          flow_run_name=lambda: run_label(params["method"], params["aggregator"], params["privacy"], params["seed"]))
+    def sequential_arrival(variant: str | None, system: str | None, data: str, model: str, method: str,
+                           aggregator: str, privacy: str, seed: int, resume: bool,
+                           config: Dict[str, str]) -> ArrivalsResult:  # the parameters are for the UI
         logger = get_run_logger()
         acfg = C.arrival_config(cfg)
         ckpt = _ckpt_dir(cfg, cell_name(acfg))
@@ -253,7 +261,7 @@ def arrival(cfg: DictConfig) -> ArrivalsResult:
         return res
 
     try:
-        return sequential_arrival()
+        return sequential_arrival(**params)
     finally:
         runtime.shutdown_ray()
 
@@ -267,9 +275,12 @@ def sweep(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> List[
 
     partition, spec, _ = load_inputs(cfg, written=written)  # before any service starts
     check_checkpoints(arrival_checkpoints(cfg, sweep_cells(cfg)), resume=bool(cfg.flow.resume))  # likewise
+    params = ui.sweep_parameters(cfg)
 
-    @flow(name="sweep", task_runner=_runner(cfg), log_prints=True)
-    def sweep_flow() -> List[Dict[str, Any]]:
+    @flow(name="sweep", task_runner=_runner(cfg), log_prints=True, flow_run_name=lambda: f"sweep-{cfg.data.name}")
+    def sweep_flow(variant: str | None, system: str | None, data: str, model: str, methods: List[str],
+                   aggregators: List[str], privacy: List[str], seeds: List[int], resume: bool,
+                   config: Dict[str, str]) -> List[Dict[str, Any]]:  # the parameters are for the UI
         logger = get_run_logger()
         tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
         forms = list(cfg.sweep.get("privacy", None) or ["plain"])
@@ -306,7 +317,7 @@ def sweep(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> List[
         return sorted(results, key=lambda r: order[(r["method"], r["aggregator"], r["form"], r["seed"])])
 
     try:
-        return sweep_flow()
+        return sweep_flow(**params)
     finally:
         runtime.shutdown_ray()
 

@@ -65,7 +65,17 @@ def adapt_client_ray_task(*, threads: int = 1, num_gpus: float = 0.0, **kw) -> A
     return runtime.ray_call(_adapt_or_fail, num_cpus=threads, num_gpus=num_gpus, threads=threads, **kw)
 
 
-@task(name="run-cell", cache_policy=NO_CACHE)
+def run_label(method: str, aggregator: str, form: str | None, seed: int) -> str:
+    """An arrival run's name in the Prefect UI: ``<method>+<aggregator>[-<form>]-s<seed>`` (plain: no form)."""
+    return f"{method}+{aggregator}{'' if form in (None, 'plain') else f'-{form}'}-s{seed}"
+
+
+def _cell_run_name(parameters: Mapping[str, Any]) -> str:
+    """A sweep cell's task run name (:func:`run_label`); Prefect passes the task's arguments."""
+    return run_label(parameters["method"], parameters["aggregator"], parameters.get("form"), parameters["seed"])
+
+
+@task(name="run-cell", cache_policy=NO_CACHE, task_run_name=_cell_run_name)
 def run_cell_task(cfg_dict: Dict[str, Any], method: str, aggregator: str, seed: int,
                   form: str | None = None, written: Mapping[str, str] | None = None) -> Dict[str, Any]:
     """One whole sweep cell, in one worker: the plain driver over the fedcore steps.

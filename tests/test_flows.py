@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 from flows import config as C
 from flows import federation as F
 
-from .conftest import prefect_artifacts, prefect_flow_run, prefect_logs, tiny_overrides
+from .conftest import prefect_artifacts, prefect_flow_run, prefect_logs, prefect_task_runs, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -60,10 +60,14 @@ def test_arrival_flow_logs_lineage_metrics_artifacts_and_model(tiny):
     for k, v in model.state_dict().items():
         assert torch.equal(v, res.final_state[k]), k
 
-    # The same run in the Prefect UI: logs at INFO (the flow's and each task's), the link back
+    # The same run in the Prefect UI: its parameters, a task run named per arrival, logs at INFO, the link back
     flow_run = prefect_flow_run(run)
-    assert run.data.tags["prefect.flow_run_url"].endswith(str(flow_run.id))
+    assert flow_run.name == "bpa+ugsa-s0" and run.data.tags["prefect.flow_run_url"].endswith(str(flow_run.id))
+    p = flow_run.parameters
+    assert (p["method"], p["aggregator"], p["privacy"], p["seed"], p["data"]) == ("bpa", "ugsa", "plain", 0, "digits")
+    assert p["config"]["adapt.passes"] == "2" and p["config"]["aggregator.params.gamma"] == "0.5"
     names = {f"arrival-{r['arrival']:03d}-client-{r['client_id']:02d}-{r['corruption']}" for r in res.records}
+    assert set(prefect_task_runs(flow_run.id)) == names
     logs = prefect_logs(flow_run.id)
     assert any(task is None and level == logging.INFO and msg.startswith("arrival 0 (") for task, level, msg in logs)
     assert {task for task, level, _ in logs if level == logging.INFO} >= names  # each task's own, at INFO
@@ -90,6 +94,9 @@ def test_pretrain_flow_writes_model_and_rounds(tiny, tmp_path):
     run = runs[0]
     assert "source_test_acc" in run.data.metrics
     assert len(client.get_metric_history(run.info.run_id, "train_loss")) == 2
+    flow_run = prefect_flow_run(run)
+    assert flow_run.parameters["rounds"] == 2 and flow_run.parameters["model"] == "cnn-batch"
+    assert sorted(n[:len("round-000-")] for n in prefect_task_runs(flow_run.id)) == ["round-000-", "round-001-"]
 
 
 def _save_source(cfg, state, spec):

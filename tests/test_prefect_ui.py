@@ -1,7 +1,12 @@
-"""The checks a run makes before any service starts, and the logs and links the UIs show (fast: no services)."""
+"""What the Prefect UI shows of a run, and the checks a run makes before any service starts (fast: no services).
+
+The flow runs themselves are read back from the Prefect API in tests/test_flows.py and
+tests/test_rounds_flow.py (parameters, task run names, logs, the Ray rerun warning, the MLflow link).
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -52,6 +57,30 @@ def test_a_corrupt_checkpoint_fails_before_ray_or_prefect_start(tiny, tmp_path, 
 
     # Assert: refused by the pre-flight check, before any service, in seconds rather than a minute and a half
     assert started == [] and seconds < 30, (started, seconds)
+
+
+def test_flow_parameters_are_the_experiments_settings_as_json():
+    # Prepare
+    cfg = C.compose(["variant=private", "method=tent", "privacy=dp", "sweep.seeds=[0,1]"])
+
+    # Execute
+    arrival, sweep, pretrain = ui.arrival_parameters(cfg), ui.sweep_parameters(cfg), ui.pretrain_parameters(cfg)
+    rounds = {system: ui.round_parameters(cfg, system, str(cfg[system].grid), methods=["fedavg"], seeds=[0])
+              for system in C.ROUND_SYSTEMS}
+    single = ui.round_parameters(cfg, "fedpad", "quick", rcfg=C.single_round_config(cfg, "fedpad"))
+
+    # Assert: JSON values (what the API stores), the headline settings, and the resolved config flattened
+    for params in (arrival, sweep, pretrain, single, *rounds.values()):
+        assert json.loads(json.dumps(params)) == params
+        assert all(isinstance(v, str) for v in params["config"].values())
+    assert {k: arrival[k] for k in ("variant", "system", "method", "aggregator", "seed")} == {
+        "variant": "private", "system": "dptta", "method": "tent", "aggregator": "ugsa", "seed": 0}
+    assert arrival["privacy"].startswith("dp") and arrival["model"] == "cnn-group"
+    assert arrival["config"]["adapt.passes"] == str(cfg.adapt.passes)
+    assert sweep["seeds"] == [0, 1] and sweep["privacy"] == [str(f) for f in cfg.sweep.privacy]
+    assert not any(k.startswith(("fedpad.", "sweep.")) for k in arrival["config"])  # not this run's settings
+    assert single["trainer"] == "sgd" and single["config"]["fedpad.grids.quick.set"] == single["data"]
+    assert not any(k.startswith("fedpad.grids.digits.") for k in rounds["fedpad"]["config"])
 
 
 def test_logs_reach_the_api_at_info_unless_the_user_chose_a_level(monkeypatch):

@@ -13,7 +13,7 @@ from mlflow.tracking import MlflowClient
 from fedcore.engine.checkpoint import CheckpointError
 from flows import config as C
 
-from .conftest import prefect_artifacts, prefect_flow_run, write_checkpoint
+from .conftest import prefect_artifacts, prefect_flow_run, prefect_task_runs, write_checkpoint
 
 
 def rounds_overrides(tmp, *extra):
@@ -103,6 +103,10 @@ def test_round_flow_equals_the_plain_driver_and_logs_every_round(quick):
     children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
     assert sorted(c.info.run_name for c in children) == ["round-000", "round-001"]
     flow_run = prefect_flow_run(run)  # the same run in the Prefect UI
+    assert {k: flow_run.parameters[k] for k in ("system", "grid", "trainer", "strategy", "seed")} == {
+        "system": "fedpad", "grid": "quick", "trainer": "proto", "strategy": "fedpad", "seed": 0}
+    n = len(plain.records[0]["clients"])
+    assert sorted(prefect_task_runs(flow_run.id)) == [f"round-000-{n}-clients", f"round-001-{n}-clients"]
     assert run.info.run_id in prefect_artifacts(flow_run.id)[0].data
     quick["plain"] = plain
 
@@ -140,6 +144,8 @@ def test_grid_flow_writes_the_table_statistics_plots_and_one_run_per_cell(quick)
                                            order_by=["attributes.start_time DESC"])
              if r.info.run_name in ("fedavg-s0", "fedpad-s0")][:2]
     assert sorted(r.info.run_name for r in cells) == ["fedavg-s0", "fedpad-s0"]
-    flow_run = prefect_flow_run(cells[0])  # the grid in the Prefect UI: one MLflow link per cell
+    flow_run = prefect_flow_run(cells[0])  # the grid in the Prefect UI: one task run and one MLflow link per cell
+    assert flow_run.parameters["methods"] == ["fedavg", "fedpad"] and flow_run.parameters["seeds"] == [0]
+    assert set(prefect_task_runs(flow_run.id)) == {"quick-fedavg-s0", "quick-fedpad-s0"}
     links = " ".join(a.data for a in prefect_artifacts(flow_run.id))
     assert all(r.info.run_id in links for r in cells)
