@@ -140,31 +140,67 @@ def ray_start(fn: Callable, /, *, num_cpus: float = 1, num_gpus: float = 0, **kw
 
     The remote function is built once per (fn, resources), not per call. A task whose worker
     dies is rerun by Ray (up to 3 times); an exception raised by ``fn`` is not retried here.
+    The ref resolves to ``(value, attempt)``: :func:`ray_call` and :func:`ray_as_completed` unpack it.
     """
     import ray
 
     key = (fn, float(num_cpus), float(num_gpus))
     if key not in _REMOTES:
-        _REMOTES[key] = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=3)(fn)
+        _REMOTES[key] = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=3)(_counting_attempts(fn))
     return _REMOTES[key].remote(**kwargs)
 
 
-def ray_call(fn: Callable, /, *, num_cpus: float = 1, num_gpus: float = 0, **kwargs) -> Any:
-    """:func:`ray_start` and wait for the result."""
+def _counting_attempts(fn: Callable) -> Callable:
+    """``fn`` returning ``(value, attempt)``, where attempt 1 is Ray's first execution of the task."""
+
+    def counted(**kwargs):
+        return fn(**kwargs), ray_attempt()
+
+    return counted
+
+
+def ray_attempt() -> int:
+    """Which execution of the running Ray task this is: 1 the first, 2 once Ray reran it after its worker died.
+
+    Ray knows (it reruns a task whose worker died) but exposes the number only on its core
+    worker, not in its public API; the public state API needs the dashboard, which local runs
+    leave off, and a marker file would need a file system shared by every node. 1 outside a Ray
+    task or if Ray drops the method (tests/test_flows.py then fails: the rerun goes unreported).
+    """
+    from ray._private.worker import global_worker
+
+    get = getattr(getattr(global_worker, "core_worker", None), "get_current_task_attempt_number", None)
+    try:
+        return int(get()) + 1 if get is not None else 1
+    except Exception:  # noqa: BLE001 - not inside a task: the first attempt by definition
+        return 1
+
+
+def ray_call(fn: Callable, /, *, num_cpus: float = 1, num_gpus: float = 0,
+             on_rerun: Callable[[int], None] | None = None, **kwargs) -> Any:
+    """:func:`ray_start` and wait for the result; ``on_rerun(attempt)`` when Ray had to rerun the task."""
     import ray
 
-    return ray.get(ray_start(fn, num_cpus=num_cpus, num_gpus=num_gpus, **kwargs))
+    value, attempt = ray.get(ray_start(fn, num_cpus=num_cpus, num_gpus=num_gpus, **kwargs))
+    if attempt > 1 and on_rerun is not None:
+        on_rerun(attempt)
+    return value
 
 
-def ray_as_completed(refs: List[Any]) -> Iterator[Tuple[int, Any]]:
-    """``(index, result)`` of each ObjectRef in ``refs`` as it finishes; a task's error is raised when it arrives."""
+def ray_as_completed(refs: List[Any], *, on_rerun: Callable[[int, int], None] | None = None
+                     ) -> Iterator[Tuple[int, Any]]:
+    """``(index, result)`` of each :func:`ray_start` ref in ``refs`` as it finishes; a task's error is raised when
+    it arrives. ``on_rerun(index, attempt)`` when Ray had to rerun that task (its worker died)."""
     import ray
 
     index = {ref: i for i, ref in enumerate(refs)}
     pending = list(refs)
     while pending:
         done, pending = ray.wait(pending, num_returns=1)
-        yield index[done[0]], ray.get(done[0])
+        value, attempt = ray.get(done[0])
+        if attempt > 1 and on_rerun is not None:
+            on_rerun(index[done[0]], attempt)
+        yield index[done[0]], value
 
 
 def ray_cancel(refs: List[Any]) -> None:

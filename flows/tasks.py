@@ -54,15 +54,24 @@ def _adapt_or_fail(*, fault_marker: str | None = None, crash_marker: str | None 
     return adapt_client(**kw)
 
 
+RERUN_WARNING = "client step re-run by Ray after its worker died: attempt %d"
+
+
 @task(name="adapt-client", cache_policy=NO_CACHE)
 def adapt_client_ray_task(*, threads: int = 1, num_gpus: float = 0.0, **kw) -> AdaptResult:
     """One arriving client's adaptation: a Prefect task in the driver whose body runs it on a Ray worker.
 
     ``client``, ``source_x`` and ``global_state`` may be Ray ObjectRefs (put once, resolved on the worker).
+    A rerun by Ray (its worker died) is logged as a warning on this task run: Prefect itself sees
+    one attempt that completed.
     """
+    from prefect import get_run_logger
+
     from flows import runtime
 
-    return runtime.ray_call(_adapt_or_fail, num_cpus=threads, num_gpus=num_gpus, threads=threads, **kw)
+    logger = get_run_logger()
+    return runtime.ray_call(_adapt_or_fail, num_cpus=threads, num_gpus=num_gpus, threads=threads,
+                            on_rerun=lambda attempt: logger.warning(RERUN_WARNING, attempt), **kw)
 
 
 def run_label(method: str, aggregator: str, form: str | None, seed: int) -> str:
@@ -106,7 +115,8 @@ def train_round_task(*, calls: List[Dict[str, Any]], names: List[str], num_gpus:
     """One round's client steps: a Prefect task in the driver that runs each client's step as a Ray task.
 
     The clients train in parallel on the Ray workers; each one's completion is logged (the Prefect
-    UI shows the round's progress client by client). A client whose worker dies is rerun by Ray;
+    UI shows the round's progress client by client). A client whose worker dies is rerun by Ray,
+    and a warning on this task run says so;
     a client step that raises fails the round task, the round's other steps are cancelled, and a
     Prefect retry reruns the round (same seeds and inputs, so the same updates).
     Array and state arguments may be Ray ObjectRefs (put once, resolved by Ray on the worker).
@@ -120,8 +130,12 @@ def train_round_task(*, calls: List[Dict[str, Any]], names: List[str], num_gpus:
     refs = [runtime.ray_start(_train_step_or_fail, num_gpus=num_gpus, **dict((markers or {}).get(j, {})), **kw)
             for j, kw in enumerate(calls)]
     out: List[ClientUpdate | None] = [None] * len(refs)
+
+    def rerun(j: int, attempt: int) -> None:  # Prefect sees one attempt that completed: say so here
+        logger.warning("%s: " + RERUN_WARNING, names[j], attempt)
+
     try:
-        for n, (j, upd) in enumerate(runtime.ray_as_completed(refs), 1):
+        for n, (j, upd) in enumerate(runtime.ray_as_completed(refs, on_rerun=rerun), 1):
             out[j] = upd
             logger.info("%s done (%d/%d): %d examples, train loss %.4f", names[j], n, len(refs), upd.num_examples,
                         upd.metrics.get("train_loss", float("nan")))

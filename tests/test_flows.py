@@ -84,6 +84,11 @@ def test_failed_and_killed_client_tasks_are_rerun_and_metrics_unchanged(tiny):
     assert list(Path(cfg.paths.checkpoints).rglob("fault-2.marker")), "the injected fault never fired"
     assert list(Path(cfg.paths.checkpoints).rglob("crash-1.marker")), "the worker was never killed"
     assert faulty.summary == clean.summary
+    # Prefect saw one attempt of arrival 1 that completed: the warning on its task run says Ray reran it
+    _, runs = runs_of(cfg, "bpa+fedavg-s0")
+    warned = [(task.split("-client")[0], msg) for task, level, msg in prefect_logs(prefect_flow_run(runs[0]).id)
+              if level == logging.WARNING and "re-run by Ray" in msg]
+    assert warned == [("arrival-001", "client step re-run by Ray after its worker died: attempt 2")]
 
 
 def test_pretrain_flow_writes_model_and_rounds(tiny, tmp_path):

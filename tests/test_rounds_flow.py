@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 
@@ -13,7 +14,7 @@ from mlflow.tracking import MlflowClient
 from fedcore.engine.checkpoint import CheckpointError
 from flows import config as C
 
-from .conftest import prefect_artifacts, prefect_flow_run, prefect_task_runs, write_checkpoint
+from .conftest import prefect_artifacts, prefect_flow_run, prefect_logs, prefect_task_runs, write_checkpoint
 
 
 def rounds_overrides(tmp, *extra):
@@ -122,6 +123,15 @@ def test_failed_and_killed_client_tasks_are_rerun_with_unchanged_results(quick):
     assert list((quick["tmp"] / "ckpt2").rglob("fault-round1.marker")), "the injected fault never fired"
     assert list((quick["tmp"] / "ckpt2").rglob("crash-round0.marker")), "the worker was never killed"
     assert strip(res.records) == strip(quick["plain"].records)
+    # Prefect saw round 0's task complete once: the warning on it says Ray reran client 0's step
+    client = MlflowClient(C.tracking_uri(cfg))
+    exp = client.get_experiment_by_name("fedcore-fedpad")
+    [run] = client.search_runs([exp.experiment_id], "attributes.run_name = 'proto+fedpad-s0'",
+                               order_by=["attributes.start_time DESC"], max_results=1)
+    warned = [(task[:len("round-000")], msg.split(" (")[0], msg.split(": ", 1)[1])
+              for task, level, msg in prefect_logs(prefect_flow_run(run).id)
+              if level == logging.WARNING and "re-run by Ray" in msg]
+    assert warned == [("round-000", "round 0 client 0", "client step re-run by Ray after its worker died: attempt 2")]
 
 
 @pytest.mark.slow
