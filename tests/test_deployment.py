@@ -67,3 +67,9 @@ def test_nightly_deployment_has_cron_and_runs_through_a_worker(prefect_server, t
     nightly = [r for r in runs if r["deployment_id"] and r["name"] in run]
     assert nightly and nightly[0]["state_type"] == "COMPLETED", (run, [(r["name"], r["state_type"]) for r in runs])
     assert (tmp_path / "results" / "cells" / "bn-ugsa-s0" / "accuracy_matrix.png").is_file()
+    # The sweep as the UI shows it: its settings as parameters, its cell's task run named for the cell
+    [sweep] = [r for r in runs if r["name"] == "sweep-digits"]
+    assert sweep["parameters"]["methods"] == ["bn"] and sweep["parameters"]["aggregators"] == ["ugsa"]
+    tasks = httpx.post(f"{env['PREFECT_API_URL']}/task_runs/filter", json={
+        "flow_runs": {"id": {"any_": [sweep["id"]]}}}, timeout=30).json()
+    assert [t["name"] for t in tasks] == ["bn+ugsa-s0"]
