@@ -89,6 +89,15 @@ def log_runs_at_info() -> None:
     logging.getLogger("prefect").setLevel(logging.INFO)
 
 
+def is_temporary_api(url: str | None = None) -> bool:
+    """Whether ``url`` (default: ``PREFECT_API_URL``) is the temporary server started here.
+
+    That server serves the API only, no UI, and stops with the run; its database is Prefect's
+    default one, which ``prefect server start`` serves with the UI.
+    """
+    return _SERVER is not None and (url or os.environ.get("PREFECT_API_URL")) == _SERVER.api_url
+
+
 def stop_prefect_api() -> None:
     global _SERVER
     if _SERVER is not None:

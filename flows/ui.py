@@ -86,10 +86,11 @@ def round_parameters(cfg: DictConfig, system: str, grid_name: str, *, methods: L
 def link_runs(run: "mlflow.ActiveRun | None" = None) -> None:
     """Tie an MLflow run (default: the active one) and the Prefect flow run it is written in, both ways.
 
-    The MLflow run gets the tags ``prefect.flow_run_id``, ``prefect.flow_run_name`` and, when the
-    Prefect API URL is known, ``prefect.flow_run_url``; the flow run gets a Markdown artifact with
-    the MLflow experiment, run id and the run's page (for a local store, the ``mlflow ui`` command
-    that serves it). Outside a flow run nothing is done.
+    The MLflow run gets the tags ``prefect.flow_run_id``, ``prefect.flow_run_name`` and, when a
+    Prefect server with a UI is known, ``prefect.flow_run_url``; under the temporary server (no UI,
+    gone after the run) ``prefect.ui`` says how to serve the run instead. The flow run gets a
+    Markdown artifact with the MLflow experiment, run id and the run's page (for a local store, the
+    ``mlflow ui`` command that serves it). Outside a flow run nothing is done.
     """
     from prefect.artifacts import create_markdown_artifact
     from prefect.context import FlowRunContext
@@ -105,6 +106,9 @@ def link_runs(run: "mlflow.ActiveRun | None" = None) -> None:
     flow_url = prefect_flow_run_url(str(flow_run.id))
     if flow_url:
         tags["prefect.flow_run_url"] = flow_url
+    else:
+        tags["prefect.ui"] = (f"`prefect server start --host 127.0.0.1` serves this run (the temporary server's "
+                              f"database) at http://127.0.0.1:4200/runs/flow-run/{flow_run.id}")
     client = mlflow.MlflowClient()
     for k, v in tags.items():
         client.set_tag(run.info.run_id, k, v)
@@ -125,9 +129,14 @@ def link_runs(run: "mlflow.ActiveRun | None" = None) -> None:
 
 
 def prefect_flow_run_url(flow_run_id: str) -> str | None:
-    """The flow run's page in the Prefect UI: ``PREFECT_UI_URL``, else the API URL without its ``/api``."""
+    """The flow run's page in the Prefect UI: ``PREFECT_UI_URL``, else the API URL without its ``/api``;
+    None under the temporary server, which serves no UI."""
     from prefect.settings import get_current_settings
 
+    from flows import runtime
+
+    if runtime.is_temporary_api():
+        return None
     settings = get_current_settings()
     ui = os.environ.get("PREFECT_UI_URL") or settings.ui_url
     api = os.environ.get("PREFECT_API_URL") or settings.api.url
