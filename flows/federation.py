@@ -24,18 +24,22 @@ from fedcore.data import Partition
 from fedcore.engine import ArrivalsResult, ModelSpec, run_arrivals, run_rounds, source_round_data
 from fedcore.evaluate.plots import plot_arrivals, plot_privacy
 from flows import config as C
-from flows import model_registry, runtime, tracking
+from flows import model_registry, runtime, tracking, ui
 from flows.tasks import (  # noqa: F401 - the paths and loaders are part of this module's interface
     _ckpt_dir,
     adapt_client_ray_task,
+    arrival_checkpoints,
     cell_name,
+    check_checkpoints,
     load_inputs,
     load_partition,
     load_source,
     partition_dir,
     prepared_path,
     run_cell_task,
+    run_label,
     source_model_path,
+    sweep_cells,
 )
 
 
@@ -66,18 +70,22 @@ def pretrain(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> Pa
 
     partition = load_partition(cfg, written=written)  # before any service starts: a bad input fails fast
 
-    @flow(name="source-pretraining", task_runner=_driver_runner(cfg), log_prints=True)
-    def source_pretraining() -> str:
+    run_name = f"pretrain-{cfg.data.name}-{cfg.model.name}"
+
+    @flow(name="source-pretraining", task_runner=_driver_runner(cfg), log_prints=True, flow_run_name=lambda: run_name)
+    def source_pretraining(variant: str | None, system: str | None, data: str, model: str, rounds: int, seed: int,
+                           config: Dict[str, str]) -> str:  # the parameters are for the UI: cfg is the config
         from flows.rounds import round_submit
 
         logger = get_run_logger()
         spec, pcfg = C.model_spec(cfg), C.pretrain_config(cfg)
         tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
-        data = source_round_data(partition)
-        submit_round = round_submit(data, retries=int(cfg.flow.retries),
+        rounds_data = source_round_data(partition)
+        submit_round = round_submit(rounds_data, retries=int(cfg.flow.retries),
                                     retry_delay_seconds=float(cfg.flow.retry_delay_seconds), num_gpus=_gpus(cfg))
 
-        with mlflow.start_run(run_name=f"pretrain-{cfg.data.name}-{cfg.model.name}"):
+        with mlflow.start_run(run_name=run_name):
+            ui.link_runs()
             mlflow.set_tags({**tracking.lineage_tags(seed=pcfg.seed, prepared=prepared_path(cfg),
                                                      partition_dir=partition_dir(cfg)), "stage": "pretrain"})
             # the round-based systems' grids are not this run's settings
@@ -91,18 +99,18 @@ def pretrain(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> Pa
                 log(record)
 
             try:
-                result = run_rounds(data, spec, pcfg, submit_round=submit_round, on_round=on_round,
+                result = run_rounds(rounds_data, spec, pcfg, submit_round=submit_round, on_round=on_round,
                                     progress=bool(cfg.flow.progress), desc="FedAvg rounds")
             except BaseException:
                 log.close(raise_errors=False)
                 raise
             log.close()
             state = result.final_state
-            model = spec.build()
-            model.load_state_dict(state)
+            net = spec.build()
+            net.load_state_dict(state)
             from fedcore.evaluate import accuracy
 
-            acc = accuracy(model, partition.source_test_x, partition.source_test_y)
+            acc = accuracy(net, partition.source_test_x, partition.source_test_y)
             mlflow.log_metric("source_test_acc", acc)
             out = source_model_path(cfg)
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -114,7 +122,7 @@ def pretrain(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> Pa
         return str(out)
 
     try:
-        return Path(source_pretraining())
+        return Path(source_pretraining(**ui.pretrain_parameters(cfg)))
     finally:
         runtime.shutdown_ray()
 
@@ -167,6 +175,7 @@ def _start_experiment_run(cfg: DictConfig, acfg, spec: ModelSpec, *, started_ms:
     created after it ended (a sweep cell); its end time is set by the caller."""
     form = "" if acfg.form == "plain" else f" {acfg.form}"
     run = tracking.start_run(f"{acfg.method}+{acfg.aggregator}{form}-s{acfg.seed}", started_ms=started_ms)
+    ui.link_runs(run)
     params = {k: v for k, v in C.to_dict(cfg).items() if k not in ("sweep", "method", "aggregator", "privacy",
                                                                   "private")}
     params.update({"method": {"name": acfg.method, **acfg.method_params},
@@ -230,9 +239,14 @@ def arrival(cfg: DictConfig) -> ArrivalsResult:
 
     partition, spec, source = load_inputs(cfg)  # before any service starts
     model_registry.check(cfg)
+    check_checkpoints(arrival_checkpoints(cfg), resume=bool(cfg.flow.resume))  # likewise
+    params = ui.arrival_parameters(cfg)
 
-    @flow(name="sequential-arrival", task_runner=_driver_runner(cfg), log_prints=True)
-    def sequential_arrival() -> ArrivalsResult:
+    @flow(name="sequential-arrival", task_runner=_driver_runner(cfg), log_prints=True,
+          flow_run_name=lambda: run_label(params["method"], params["aggregator"], params["privacy"], params["seed"]))
+    def sequential_arrival(variant: str | None, system: str | None, data: str, model: str, method: str,
+                           aggregator: str, privacy: str, seed: int, resume: bool,
+                           config: Dict[str, str]) -> ArrivalsResult:  # the parameters are for the UI
         logger = get_run_logger()
         acfg = C.arrival_config(cfg)
         ckpt = _ckpt_dir(cfg, cell_name(acfg))
@@ -266,7 +280,7 @@ def arrival(cfg: DictConfig) -> ArrivalsResult:
         return res
 
     try:
-        return sequential_arrival()
+        return sequential_arrival(**params)
     finally:
         runtime.shutdown_ray()
 
@@ -280,9 +294,13 @@ def sweep(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> List[
 
     partition, spec, _ = load_inputs(cfg, written=written)  # before any service starts
     model_registry.check(cfg)
+    check_checkpoints(arrival_checkpoints(cfg, sweep_cells(cfg)), resume=bool(cfg.flow.resume))  # likewise
+    params = ui.sweep_parameters(cfg)
 
-    @flow(name="sweep", task_runner=_runner(cfg), log_prints=True)
-    def sweep_flow() -> List[Dict[str, Any]]:
+    @flow(name="sweep", task_runner=_runner(cfg), log_prints=True, flow_run_name=lambda: f"sweep-{cfg.data.name}")
+    def sweep_flow(variant: str | None, system: str | None, data: str, model: str, methods: List[str],
+                   aggregators: List[str], privacy: List[str], seeds: List[int], resume: bool,
+                   config: Dict[str, str]) -> List[Dict[str, Any]]:  # the parameters are for the UI
         logger = get_run_logger()
         tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
         forms = list(cfg.sweep.get("privacy", None) or ["plain"])
@@ -321,7 +339,7 @@ def sweep(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> List[
         return sorted(results, key=lambda r: order[(r["method"], r["aggregator"], r["form"], r["seed"])])
 
     try:
-        return sweep_flow()
+        return sweep_flow(**params)
     finally:
         runtime.shutdown_ray()
 

@@ -26,7 +26,11 @@ PIPELINE = ["prepare@mnist", "partition@mnist", "pretrain@mnist", "adapt@mnist"]
 PARTITION_STAGE = {"fedpad": "partition_domains", "fedpd": "partition_fedpd"}
 
 
-@task(retries=2, retry_delay_seconds=60)
+def _share_run_name(parameters) -> str:
+    return "share-" + "+".join(parameters["stages"])
+
+
+@task(retries=2, retry_delay_seconds=60, task_run_name=_share_run_name)
 def share(stages: List[str], root: str = str(C.ROOT)) -> str:
     """Record what the run wrote as ``stages`` in dvc.lock and the cache, then push them.
 

@@ -27,8 +27,9 @@ from fedcore.engine import Done, RoundConfig, RoundsResult, run_rounds
 from fedcore.evaluate.plots import plot_incremental, plot_methods, plot_openset_rounds, plot_rounds
 from fedcore.evaluate.stats import friedman_p, friedman_ranks, wilcoxon_against
 from flows import config as C
-from flows import runtime, tracking
-from flows.tasks import load_domain_partition, round_inputs, run_round_cell_task, train_round_task
+from flows import runtime, tracking, ui
+from flows.tasks import (check_checkpoints, load_domain_partition, round_cell_dir, round_inputs,
+                         run_round_cell_task, train_round_task)
 
 
 def _runner(cfg: DictConfig):
@@ -42,6 +43,7 @@ def results_dir(cfg: DictConfig, system: str, grid_name: str) -> Path:
 def _start_cell_run(cfg: DictConfig, system: str, grid_name: str, method: str, rcfg: RoundConfig, part, *,
                     started_ms: int | None = None):
     run = tracking.start_run(f"{method}-s{rcfg.seed}", started_ms=started_ms)
+    ui.link_runs(run)
     g = C.to_dict(cfg)[system]["grids"][grid_name]
     mlflow.log_params(tracking.flatten({"system": system, "grid": grid_name, "method": method,
                                         "trainer": {"name": rcfg.trainer, **rcfg.trainer_params},
@@ -89,9 +91,13 @@ def grid(cfg: DictConfig, system: str = "fedpad", grid_name: str | None = None, 
     part = load_domain_partition(cfg, system, name, written=written)  # before any service starts
     cells = [(str(m), int(s)) for s in g.seeds for m in g.methods]
     configs = {(m, s): C.round_config(cfg, system, method=m, seed=s, grid_name=name) for m, s in cells}
+    check_checkpoints({round_cell_dir(cfg, system, name, m, s): rc.fingerprint() for (m, s), rc in configs.items()},
+                      resume=bool(cfg.flow.resume))  # before any service starts, as the partition
+    params = ui.round_parameters(cfg, system, name, methods=list(g.methods), seeds=list(g.seeds))
 
-    @flow(name=f"{system}-grid", task_runner=_runner(cfg), log_prints=True)
-    def grid_flow() -> List[Dict[str, Any]]:
+    @flow(name=f"{system}-grid", task_runner=_runner(cfg), log_prints=True, flow_run_name=lambda: f"{system}-{name}")
+    def grid_flow(system: str, grid: str, data: str, methods: List[str], seeds: List[int], resume: bool,
+                  config: Dict[str, str]) -> List[Dict[str, Any]]:  # the parameters are for the UI
         logger = get_run_logger()
         tracking.setup(C.tracking_uri(cfg), f"fedcore-{system}")
         target = _target_method(cfg, system, g)
@@ -129,7 +135,7 @@ def grid(cfg: DictConfig, system: str = "fedpad", grid_name: str | None = None, 
         return sorted(rows, key=lambda r: order[(r["method"], r["seed"])])
 
     try:
-        rows = grid_flow()
+        rows = grid_flow(**params)
     finally:
         runtime.shutdown_ray()
     out = results_dir(cfg, system, name)
@@ -363,18 +369,21 @@ def single(cfg: DictConfig, system: str = "fedpad") -> RoundsResult:
     name = str(cfg[system].grid)
     part = load_domain_partition(cfg, system, name)  # before any service starts
     rcfg = C.single_round_config(cfg, system)
-    data, spec, evaluate = round_inputs(cfg, system, name, part, rcfg)
+    rdata, spec, evaluate = round_inputs(cfg, system, name, part, rcfg)
     label = f"{rcfg.trainer}+{rcfg.strategy}"
     ckpt = C.resolve_path(cfg.paths.checkpoints) / system / name / f"single-{label}-s{rcfg.seed}"
+    check_checkpoints({ckpt: rcfg.fingerprint()}, resume=bool(cfg.flow.resume))  # before any service starts
+    params = ui.round_parameters(cfg, system, name, rcfg=rcfg)
 
     runner = runtime.make_driver_runner(address=cfg.flow.ray_address, num_cpus=int(cfg.flow.num_cpus), root=C.ROOT)
 
-    @flow(name=f"{system}-rounds", task_runner=runner, log_prints=True)
-    def rounds_flow() -> RoundsResult:
+    @flow(name=f"{system}-rounds", task_runner=runner, log_prints=True,
+          flow_run_name=lambda: f"{system}-{name}-{label}-s{rcfg.seed}")
+    def rounds_flow(system: str, grid: str, data: str, trainer: str, strategy: str, seed: int, resume: bool,
+                    config: Dict[str, str]) -> RoundsResult:  # the parameters are for the UI
         logger = get_run_logger()
         tracking.setup(C.tracking_uri(cfg), f"fedcore-{system}")
-        target = _target_method(cfg, system, g)
-        submit_round = round_submit(data, retries=int(cfg.flow.retries),
+        submit_round = round_submit(rdata, retries=int(cfg.flow.retries),
                                     retry_delay_seconds=float(cfg.flow.retry_delay_seconds), num_gpus=_gpus(cfg),
                                     fault=_faults(cfg, ckpt))
 
@@ -387,7 +396,7 @@ def single(cfg: DictConfig, system: str = "fedpad") -> RoundsResult:
             t0 = time.perf_counter()
             log = tracking.BackgroundRoundLog()  # MLflow writes overlap the next round
             try:
-                res = run_rounds(data, spec, rcfg, submit_round=submit_round, evaluate=evaluate, checkpoint_dir=ckpt,
+                res = run_rounds(rdata, spec, rcfg, submit_round=submit_round, evaluate=evaluate, checkpoint_dir=ckpt,
                                  resume=bool(cfg.flow.resume), stop_after=cfg.flow.stop_after, on_round=on_round,
                                  progress=bool(cfg.flow.progress), desc=f"{label} rounds")
             except BaseException:
@@ -404,7 +413,7 @@ def single(cfg: DictConfig, system: str = "fedpad") -> RoundsResult:
         return res
 
     try:
-        return rounds_flow()
+        return rounds_flow(**params)
     finally:
         runtime.shutdown_ray()
 

@@ -35,6 +35,7 @@ def _prefect_api() -> Tuple[str, Callable[[], str]]:
     URL it ended up on (the server moves if its port was taken meanwhile).
     """
     global _SERVER
+    log_runs_at_info()
     url = os.environ.get("PREFECT_API_URL")
     if url:
         return url, lambda: url
@@ -71,6 +72,32 @@ def _prefect_api() -> Tuple[str, Callable[[], str]]:
     return planned, wait
 
 
+def log_runs_at_info() -> None:
+    """Flow and task run logs at INFO reach the Prefect API (the UI's Logs tab), unless the user chose a level.
+
+    Prefect sets its loggers' level from ``PREFECT_LOGGING_LEVEL`` when it is imported, and a
+    logger below that level drops a record before its API handler sees it. A level the user set
+    (environment, profile or ``.env``) stands; otherwise this process's ``prefect`` logger is put
+    at INFO, and the variable exported so that Ray workers (:func:`ray_init_kwargs`) do the same.
+    """
+    from prefect.settings import get_current_settings
+
+    # Prefect's settings are read when it is imported; the environment may have been set since.
+    if "PREFECT_LOGGING_LEVEL" in os.environ or "level" in get_current_settings().logging.model_fields_set:
+        return
+    os.environ["PREFECT_LOGGING_LEVEL"] = "INFO"
+    logging.getLogger("prefect").setLevel(logging.INFO)
+
+
+def is_temporary_api(url: str | None = None) -> bool:
+    """Whether ``url`` (default: ``PREFECT_API_URL``) is the temporary server started here.
+
+    That server serves the API only, no UI, and stops with the run; its database is Prefect's
+    default one, which ``prefect server start`` serves with the UI.
+    """
+    return _SERVER is not None and (url or os.environ.get("PREFECT_API_URL")) == _SERVER.api_url
+
+
 def stop_prefect_api() -> None:
     global _SERVER
     if _SERVER is not None:
@@ -87,7 +114,7 @@ def ray_init_kwargs(*, num_cpus: int, prefect_api_url: str, root: Path) -> Dict[
     # several CPUs call torch.set_num_threads themselves.
     env = {"PREFECT_API_URL": prefect_api_url,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH", "")]))}
-    for key in ("MLFLOW_TRACKING_URI", "PREFECT_LOGGING_LEVEL"):
+    for key in ("MLFLOW_TRACKING_URI", "PREFECT_LOGGING_LEVEL", "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL"):
         if key in os.environ:
             env[key] = os.environ[key]
     return {"num_cpus": num_cpus, "include_dashboard": False, "log_to_driver": True,
@@ -122,31 +149,67 @@ def ray_start(fn: Callable, /, *, num_cpus: float = 1, num_gpus: float = 0, **kw
 
     The remote function is built once per (fn, resources), not per call. A task whose worker
     dies is rerun by Ray (up to 3 times); an exception raised by ``fn`` is not retried here.
+    The ref resolves to ``(value, attempt)``: :func:`ray_call` and :func:`ray_as_completed` unpack it.
     """
     import ray
 
     key = (fn, float(num_cpus), float(num_gpus))
     if key not in _REMOTES:
-        _REMOTES[key] = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=3)(fn)
+        _REMOTES[key] = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=3)(_counting_attempts(fn))
     return _REMOTES[key].remote(**kwargs)
 
 
-def ray_call(fn: Callable, /, *, num_cpus: float = 1, num_gpus: float = 0, **kwargs) -> Any:
-    """:func:`ray_start` and wait for the result."""
+def _counting_attempts(fn: Callable) -> Callable:
+    """``fn`` returning ``(value, attempt)``, where attempt 1 is Ray's first execution of the task."""
+
+    def counted(**kwargs):
+        return fn(**kwargs), ray_attempt()
+
+    return counted
+
+
+def ray_attempt() -> int:
+    """Which execution of the running Ray task this is: 1 the first, 2 once Ray reran it after its worker died.
+
+    Ray knows (it reruns a task whose worker died) but exposes the number only on its core
+    worker, not in its public API; the public state API needs the dashboard, which local runs
+    leave off, and a marker file would need a file system shared by every node. 1 outside a Ray
+    task or if Ray drops the method (tests/test_flows.py then fails: the rerun goes unreported).
+    """
+    from ray._private.worker import global_worker
+
+    get = getattr(getattr(global_worker, "core_worker", None), "get_current_task_attempt_number", None)
+    try:
+        return int(get()) + 1 if get is not None else 1
+    except Exception:  # noqa: BLE001 - not inside a task: the first attempt by definition
+        return 1
+
+
+def ray_call(fn: Callable, /, *, num_cpus: float = 1, num_gpus: float = 0,
+             on_rerun: Callable[[int], None] | None = None, **kwargs) -> Any:
+    """:func:`ray_start` and wait for the result; ``on_rerun(attempt)`` when Ray had to rerun the task."""
     import ray
 
-    return ray.get(ray_start(fn, num_cpus=num_cpus, num_gpus=num_gpus, **kwargs))
+    value, attempt = ray.get(ray_start(fn, num_cpus=num_cpus, num_gpus=num_gpus, **kwargs))
+    if attempt > 1 and on_rerun is not None:
+        on_rerun(attempt)
+    return value
 
 
-def ray_as_completed(refs: List[Any]) -> Iterator[Tuple[int, Any]]:
-    """``(index, result)`` of each ObjectRef in ``refs`` as it finishes; a task's error is raised when it arrives."""
+def ray_as_completed(refs: List[Any], *, on_rerun: Callable[[int, int], None] | None = None
+                     ) -> Iterator[Tuple[int, Any]]:
+    """``(index, result)`` of each :func:`ray_start` ref in ``refs`` as it finishes; a task's error is raised when
+    it arrives. ``on_rerun(index, attempt)`` when Ray had to rerun that task (its worker died)."""
     import ray
 
     index = {ref: i for i, ref in enumerate(refs)}
     pending = list(refs)
     while pending:
         done, pending = ray.wait(pending, num_returns=1)
-        yield index[done[0]], ray.get(done[0])
+        value, attempt = ray.get(done[0])
+        if attempt > 1 and on_rerun is not None:
+            on_rerun(index[done[0]], attempt)
+        yield index[done[0]], value
 
 
 def ray_cancel(refs: List[Any]) -> None:

@@ -272,6 +272,11 @@ STAGES = {"partition_domains": _partition_domains, "fedpad": lambda cfg: _grid(c
                                                      ("arrival", _arrival), ("audit", _audit))}}
 
 
+def _prefect_warnings_only(record: logging.LogRecord) -> bool:
+    """A terminal filter: Prefect's records at WARNING and above, everyone else's as they come."""
+    return record.levelno >= logging.WARNING or not record.name.startswith("prefect")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m flows.stages", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -279,18 +284,26 @@ def main(argv=None) -> int:
     ap.add_argument("--params", default=None, help="read this params file (DVC) instead of composing conf/")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. method=tent adapt.passes=1")
     args = ap.parse_intermixed_args(argv)  # overrides may follow --params (as the DVC stages write them)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    terminal = logging.StreamHandler()
+    terminal.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    if "PREFECT_LOGGING_LEVEL" not in os.environ:
+        # Flow and task logs go to the Prefect API at INFO (the UI's Logs tab, flows/runtime.py);
+        # the terminal keeps showing Prefect's warnings only, not a line per task run.
+        terminal.addFilter(_prefect_warnings_only)
+        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")  # Prefect's own handler, Ray workers
+    logging.basicConfig(level=logging.INFO, handlers=[terminal])
     for noisy in ("httpx", "mlflow.store.db.utils", "alembic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
+
+    from fedcore.engine.checkpoint import CheckpointError
 
     try:
         cfg = C.load(args.params, args.overrides)
         STAGES[args.stage](cfg)
-    except (ValueError, FileNotFoundError, HydraException, OmegaConfBaseException) as exc:
+    except (ValueError, FileNotFoundError, CheckpointError, HydraException, OmegaConfBaseException) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, List, Mapping
+from typing import Any, Dict, List, Mapping, Tuple
 
 import numpy as np
 import torch
@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from fedcore.adapt import GRADIENT_METHODS
 from fedcore.data import Partition
 from fedcore.engine import AdaptResult, ModelSpec, RoundData, adapt_client, run_arrivals, run_rounds, train_step
 from fedcore.tensors import to_tensor
@@ -54,18 +55,37 @@ def _adapt_or_fail(*, fault_marker: str | None = None, crash_marker: str | None 
     return adapt_client(**kw)
 
 
+RERUN_WARNING = "client step re-run by Ray after its worker died: attempt %d"
+
+
 @task(name="adapt-client", cache_policy=NO_CACHE)
 def adapt_client_ray_task(*, threads: int = 1, num_gpus: float = 0.0, **kw) -> AdaptResult:
     """One arriving client's adaptation: a Prefect task in the driver whose body runs it on a Ray worker.
 
     ``client``, ``source_x`` and ``global_state`` may be Ray ObjectRefs (put once, resolved on the worker).
+    A rerun by Ray (its worker died) is logged as a warning on this task run: Prefect itself sees
+    one attempt that completed.
     """
+    from prefect import get_run_logger
+
     from flows import runtime
 
-    return runtime.ray_call(_adapt_or_fail, num_cpus=threads, num_gpus=num_gpus, threads=threads, **kw)
+    logger = get_run_logger()
+    return runtime.ray_call(_adapt_or_fail, num_cpus=threads, num_gpus=num_gpus, threads=threads,
+                            on_rerun=lambda attempt: logger.warning(RERUN_WARNING, attempt), **kw)
 
 
-@task(name="run-cell", cache_policy=NO_CACHE)
+def run_label(method: str, aggregator: str, form: str | None, seed: int) -> str:
+    """An arrival run's name in the Prefect UI: ``<method>+<aggregator>[-<form>]-s<seed>`` (plain: no form)."""
+    return f"{method}+{aggregator}{'' if form in (None, 'plain') else f'-{form}'}-s{seed}"
+
+
+def _cell_run_name(parameters: Mapping[str, Any]) -> str:
+    """A sweep cell's task run name (:func:`run_label`); Prefect passes the task's arguments."""
+    return run_label(parameters["method"], parameters["aggregator"], parameters.get("form"), parameters["seed"])
+
+
+@task(name="run-cell", cache_policy=NO_CACHE, task_run_name=_cell_run_name)
 def run_cell_task(cfg_dict: Dict[str, Any], method: str, aggregator: str, seed: int,
                   form: str | None = None, written: Mapping[str, str] | None = None) -> Dict[str, Any]:
     """One whole sweep cell, in one worker: the plain driver over the fedcore steps.
@@ -96,7 +116,8 @@ def train_round_task(*, calls: List[Dict[str, Any]], names: List[str], num_gpus:
     """One round's client steps: a Prefect task in the driver that runs each client's step as a Ray task.
 
     The clients train in parallel on the Ray workers; each one's completion is logged (the Prefect
-    UI shows the round's progress client by client). A client whose worker dies is rerun by Ray;
+    UI shows the round's progress client by client). A client whose worker dies is rerun by Ray,
+    and a warning on this task run says so;
     a client step that raises fails the round task, the round's other steps are cancelled, and a
     Prefect retry reruns the round (same seeds and inputs, so the same updates).
     Array and state arguments may be Ray ObjectRefs (put once, resolved by Ray on the worker).
@@ -110,8 +131,12 @@ def train_round_task(*, calls: List[Dict[str, Any]], names: List[str], num_gpus:
     refs = [runtime.ray_start(_train_step_or_fail, num_gpus=num_gpus, **dict((markers or {}).get(j, {})), **kw)
             for j, kw in enumerate(calls)]
     out: List[ClientUpdate | None] = [None] * len(refs)
+
+    def rerun(j: int, attempt: int) -> None:  # Prefect sees one attempt that completed: say so here
+        logger.warning("%s: " + RERUN_WARNING, names[j], attempt)
+
     try:
-        for n, (j, upd) in enumerate(runtime.ray_as_completed(refs), 1):
+        for n, (j, upd) in enumerate(runtime.ray_as_completed(refs, on_rerun=rerun), 1):
             out[j] = upd
             logger.info("%s done (%d/%d): %d examples, train loss %.4f", names[j], n, len(refs), upd.num_examples,
                         upd.metrics.get("train_loss", float("nan")))
@@ -130,7 +155,7 @@ def run_round_cell_task(cfg_dict: Dict[str, Any], system: str, grid_name: str, m
     rcfg = C.round_config(cfg, system, method=method, seed=seed, grid_name=grid_name)
     part = load_domain_partition(cfg, system, grid_name, written=written)
     data, spec, evaluate = round_inputs(cfg, system, grid_name, part, rcfg, method=method)
-    ckpt = C.resolve_path(cfg.paths.checkpoints) / system / grid_name / f"{method}-s{seed}"
+    ckpt = round_cell_dir(cfg, system, grid_name, method, seed)
     t0, started_ms = time.perf_counter(), int(time.time() * 1000)
     res = run_rounds(data, spec, rcfg, evaluate=evaluate, checkpoint_dir=ckpt, resume=bool(cfg.flow.resume),
                      stop_after=cfg.flow.stop_after)
@@ -245,6 +270,57 @@ def cell_name(acfg) -> str:
 
 def _ckpt_dir(cfg: DictConfig, cell: str) -> Path:
     return C.resolve_path(cfg.paths.checkpoints) / f"{cfg.data.name}-{cfg.model.name}-{cfg.model.norm}" / cell
+
+
+def round_cell_dir(cfg: DictConfig, system: str, grid_name: str, method: str, seed: int) -> Path:
+    """A round-based grid cell's checkpoint folder."""
+    return C.resolve_path(cfg.paths.checkpoints) / system / grid_name / f"{method}-s{seed}"
+
+
+def sweep_cells(cfg: DictConfig) -> List[Tuple[str, str, str, int]]:
+    """The sweep's (method, aggregator, privacy form, seed) cells, in the order they are submitted.
+
+    A method without gradients (source, bn) has no private form: it runs once, plain, as a reference.
+    """
+    forms = list(cfg.sweep.get("privacy", None) or ["plain"])
+    return [(str(m), str(a), str(f), int(s)) for s in cfg.sweep.seeds for m in cfg.sweep.methods for f in forms
+            for a in cfg.sweep.aggregators if m in GRADIENT_METHODS or C.privacy_form(cfg, f).get("mode") == "off"]
+
+
+def arrival_checkpoints(cfg: DictConfig, cells: List[Tuple[str, str, str, int]] | None = None) -> Dict[Path, str]:
+    """``{checkpoint folder: config fingerprint}`` of the arrival runs ``cells`` (default: the configured run)."""
+    acfgs = ([C.arrival_config(cfg)] if cells is None else
+             [C.arrival_config(cfg, method=m, aggregator=a, form=f, seed=s) for m, a, f, s in cells])
+    return {_ckpt_dir(cfg, cell_name(a)): a.fingerprint() for a in acfgs}
+
+
+def check_checkpoints(folders: Mapping[Path, str], *, resume: bool) -> None:
+    """Read every checkpoint a run will read (``{folder: config fingerprint}``), before any service starts.
+
+    The engines read them too, but only once Ray and Prefect are up and the run's task is under
+    way (about 90 s in); here a bad one fails in a second. A checkpoint that does not match its
+    sha256, or cannot be read, fails whether or not the run resumes (the engine never overwrites
+    it); with ``resume``, so does one written by another config.
+
+    Raises
+    ------
+    fedcore.engine.checkpoint.CheckpointError
+        Naming the folder and the fix. The checkpoint is left untouched.
+    """
+    from fedcore.engine.checkpoint import CheckpointError, load_state
+
+    for folder, fingerprint in folders.items():
+        try:
+            saved = load_state(folder)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc} Found before starting Ray and Prefect. Delete {folder} (or move it away) "
+                                  "to start that run afresh; rerunning with flow.resume=false does not skip it, since "
+                                  "a checkpoint that fails its check is never overwritten.") from exc
+        if resume and saved is not None and saved.fingerprint != fingerprint:
+            raise CheckpointError(f"flow.resume=true, but the checkpoint in {folder} was written by another config "
+                                  f"({saved.fingerprint} != {fingerprint}). Found before starting Ray and Prefect. "
+                                  "Rerun without flow.resume=true to start afresh (it is then overwritten), or with "
+                                  "the config that wrote it.")
 
 
 def load_source(path: Path, spec: ModelSpec, *, written: Mapping[str, str] | None = None

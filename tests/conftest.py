@@ -79,3 +79,66 @@ def tiny_gn(tiny):
     pcfg = replace(pcfg, trainer_params={**pcfg.trainer_params, "local_epochs": 3})
     state = run_rounds(source_round_data(tiny["partition"]), spec, pcfg).final_state
     return {**tiny, "spec": spec, "source": state}
+
+
+# ------------------------------------------------------------------ the Prefect API, as the UI reads it
+
+
+def prefect_flow_run(mlflow_run):
+    """The Prefect flow run an MLflow run was written in (its ``prefect.flow_run_id`` tag), read from the API."""
+    import uuid
+
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(uuid.UUID(mlflow_run.data.tags["prefect.flow_run_id"]))
+
+
+def prefect_task_runs(flow_run_id) -> dict:
+    """``{task run name: task run}`` of a flow run, from the API."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {r.name: r for r in runs}
+
+
+def prefect_logs(flow_run_id) -> list:
+    """``(task run name or None, level, message)`` of every log of a flow run that reached the API, in order."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=10)  # logs are sent in batches: send what is queued
+    names = {r.id: name for name, r in prefect_task_runs(flow_run_id).items()}
+    with get_client(sync_client=True) as client:
+        logs, offset = [], 0
+        while batch := client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
+                                        limit=200, offset=offset, sort=LogSort.TIMESTAMP_ASC):
+            logs += batch
+            offset += len(batch)
+    return [(names.get(log.task_run_id), log.level, log.message) for log in logs]
+
+
+def prefect_artifacts(flow_run_id) -> list:
+    """The artifacts a flow run created, from the API."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        return client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
+            any_=[flow_run_id])))
+
+
+def write_checkpoint(folder, fingerprint="fp-a", *, corrupt=False):
+    """A server checkpoint in ``folder``; ``corrupt``: one byte flipped, so that it fails its sha256."""
+    from fedcore.engine.checkpoint import save_state
+
+    path = save_state(folder, {"done": 1, "w": torch.ones(3)}, fingerprint=fingerprint)
+    if corrupt:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    return folder

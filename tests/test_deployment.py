@@ -77,3 +77,9 @@ def test_nightly_deployment_has_cron_and_runs_through_a_worker(prefect_server, t
     parent = client.get_run(nightly_version.run_id)
     # the sweep cell's run was created after the cell ended: it still spans the cell's own time
     assert abs((parent.info.end_time - parent.info.start_time) / 1000 - parent.data.metrics["run_seconds"]) < 0.5
+    # The sweep as the UI shows it: its settings as parameters, its cell's task run named for the cell
+    [sweep] = [r for r in runs if r["name"] == "sweep-digits"]
+    assert sweep["parameters"]["methods"] == ["bn"] and sweep["parameters"]["aggregators"] == ["ugsa"]
+    tasks = httpx.post(f"{env['PREFECT_API_URL']}/task_runs/filter", json={
+        "flow_runs": {"id": {"any_": [sweep["id"]]}}}, timeout=30).json()
+    assert [t["name"] for t in tasks] == ["bn+ugsa-s0"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -17,7 +18,7 @@ from mlflow.tracking import MlflowClient
 from flows import config as C
 from flows import federation as F
 
-from .conftest import tiny_overrides
+from .conftest import prefect_artifacts, prefect_flow_run, prefect_logs, prefect_task_runs, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -67,6 +68,21 @@ def test_arrival_flow_logs_lineage_metrics_artifacts_and_model(tiny):
     for k, v in model.state_dict().items():
         assert torch.equal(v, res.final_state[k]), k
 
+    # The same run in the Prefect UI: its parameters, a task run named per arrival, logs at INFO, the link back
+    flow_run = prefect_flow_run(run)
+    ui_url = run.data.tags.get("prefect.flow_run_url") or run.data.tags["prefect.ui"]  # a server, or the temporary one
+    assert flow_run.name == "bpa+ugsa-s0" and ui_url.endswith(f"/runs/flow-run/{flow_run.id}")
+    p = flow_run.parameters
+    assert (p["method"], p["aggregator"], p["privacy"], p["seed"], p["data"]) == ("bpa", "ugsa", "plain", 0, "digits")
+    assert p["config"]["adapt.passes"] == "2" and p["config"]["aggregator.params.gamma"] == "0.5"
+    names = {f"arrival-{r['arrival']:03d}-client-{r['client_id']:02d}-{r['corruption']}" for r in res.records}
+    assert set(prefect_task_runs(flow_run.id)) == names
+    logs = prefect_logs(flow_run.id)
+    assert any(task is None and level == logging.INFO and msg.startswith("arrival 0 (") for task, level, msg in logs)
+    assert {task for task, level, _ in logs if level == logging.INFO} >= names  # each task's own, at INFO
+    [link] = prefect_artifacts(flow_run.id)
+    assert link.type == "markdown" and run.info.run_id in link.data and "mlflow ui --backend-store-uri" in link.data
+
 
 def test_failed_and_killed_client_tasks_are_rerun_and_metrics_unchanged(tiny):
     """Arrival 2's task raises once (Prefect retries it); arrival 1's Ray worker is killed by PID mid-task (Ray reruns it)."""
@@ -77,6 +93,11 @@ def test_failed_and_killed_client_tasks_are_rerun_and_metrics_unchanged(tiny):
     assert list(Path(cfg.paths.checkpoints).rglob("fault-2.marker")), "the injected fault never fired"
     assert list(Path(cfg.paths.checkpoints).rglob("crash-1.marker")), "the worker was never killed"
     assert faulty.summary == clean.summary
+    # Prefect saw one attempt of arrival 1 that completed: the warning on its task run says Ray reran it
+    _, runs = runs_of(cfg, "bpa+fedavg-s0")
+    warned = [(task.split("-client")[0], msg) for task, level, msg in prefect_logs(prefect_flow_run(runs[0]).id)
+              if level == logging.WARNING and "re-run by Ray" in msg]
+    assert warned == [("arrival-001", "client step re-run by Ray after its worker died: attempt 2")]
 
 
 def test_pretrain_flow_writes_model_and_rounds(tiny, tmp_path):
@@ -87,6 +108,9 @@ def test_pretrain_flow_writes_model_and_rounds(tiny, tmp_path):
     run = runs[0]
     assert "source_test_acc" in run.data.metrics
     assert len(client.get_metric_history(run.info.run_id, "train_loss")) == 2
+    flow_run = prefect_flow_run(run)
+    assert flow_run.parameters["rounds"] == 2 and flow_run.parameters["model"] == "cnn-batch"
+    assert sorted(n[:len("round-000-")] for n in prefect_task_runs(flow_run.id)) == ["round-000-", "round-001-"]
 
 
 def _save_source(cfg, state, spec):

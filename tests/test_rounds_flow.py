@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
+import re
 
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
+from fedcore.engine.checkpoint import CheckpointError
 from flows import config as C
+
+from .conftest import prefect_artifacts, prefect_flow_run, prefect_logs, prefect_task_runs, write_checkpoint
 
 
 def rounds_overrides(tmp, *extra):
@@ -52,6 +57,24 @@ def test_unknown_grid_and_method_are_refused_with_the_valid_names():
         C.compose(["+fedpad.methods.fedpad.strategy_params.gama=1"])
 
 
+@pytest.mark.parametrize("flow", ["single", "grid"])
+def test_a_corrupt_round_checkpoint_fails_before_ray_or_prefect_start(quick, tmp_path, monkeypatch, flow):
+    # Prepare: the run's (a grid's first cell's) checkpoint corrupted; Ray or Prefect starting fails the test
+    from flows import rounds, runtime
+    from flows.tasks import round_cell_dir
+
+    cfg = C.compose(rounds_overrides(quick["tmp"], f"paths.checkpoints={tmp_path}"))
+    folder = (tmp_path / "fedpad" / "quick" / "single-proto+fedpad-s0" if flow == "single"
+              else round_cell_dir(cfg, "fedpad", "quick", "fedavg", 0))
+    write_checkpoint(folder, corrupt=True)
+    monkeypatch.setattr(runtime, "start_ray", lambda **kw: pytest.fail("Ray started"))
+    monkeypatch.setattr(runtime, "_prefect_api", lambda: pytest.fail("Prefect started"))
+
+    # Execute / Assert: refused by the pre-flight check, naming the folder to delete
+    with pytest.raises(CheckpointError, match=re.escape(f"Found before starting Ray and Prefect. Delete {folder} ")):
+        getattr(rounds, flow)(cfg, "fedpad")
+
+
 @pytest.mark.slow
 def test_round_flow_equals_the_plain_driver_and_logs_every_round(quick):
     """The same run_rounds loop, driven by a Prefect task per client per round on Ray: identical metrics."""
@@ -80,6 +103,12 @@ def test_round_flow_equals_the_plain_driver_and_logs_every_round(quick):
     assert len(client.get_metric_history(run.info.run_id, "alpha.c0")) == 2
     children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
     assert sorted(c.info.run_name for c in children) == ["round-000", "round-001"]
+    flow_run = prefect_flow_run(run)  # the same run in the Prefect UI
+    assert {k: flow_run.parameters[k] for k in ("system", "grid", "trainer", "strategy", "seed")} == {
+        "system": "fedpad", "grid": "quick", "trainer": "proto", "strategy": "fedpad", "seed": 0}
+    n = len(plain.records[0]["clients"])
+    assert sorted(prefect_task_runs(flow_run.id)) == [f"round-000-{n}-clients", f"round-001-{n}-clients"]
+    assert run.info.run_id in prefect_artifacts(flow_run.id)[0].data
     quick["plain"] = plain
 
 
@@ -94,6 +123,15 @@ def test_failed_and_killed_client_tasks_are_rerun_with_unchanged_results(quick):
     assert list((quick["tmp"] / "ckpt2").rglob("fault-round1.marker")), "the injected fault never fired"
     assert list((quick["tmp"] / "ckpt2").rglob("crash-round0.marker")), "the worker was never killed"
     assert strip(res.records) == strip(quick["plain"].records)
+    # Prefect saw round 0's task complete once: the warning on it says Ray reran client 0's step
+    client = MlflowClient(C.tracking_uri(cfg))
+    exp = client.get_experiment_by_name("fedcore-fedpad")
+    [run] = client.search_runs([exp.experiment_id], "attributes.run_name = 'proto+fedpad-s0'",
+                               order_by=["attributes.start_time DESC"], max_results=1)
+    warned = [(task[:len("round-000")], msg.split(" (")[0], msg.split(": ", 1)[1])
+              for task, level, msg in prefect_logs(prefect_flow_run(run).id)
+              if level == logging.WARNING and "re-run by Ray" in msg]
+    assert warned == [("round-000", "round 0 client 0", "client step re-run by Ray after its worker died: attempt 2")]
 
 
 @pytest.mark.slow
@@ -112,13 +150,21 @@ def test_grid_flow_writes_the_table_statistics_plots_and_one_run_per_cell(quick)
     assert "| fedpad |" in (out / "table.md").read_text()
     client = MlflowClient(C.tracking_uri(cfg))
     exp = client.get_experiment_by_name("fedcore-fedpad")
-    runs = {r.info.run_name for r in client.search_runs([exp.experiment_id], "tags.stage = 'fedpad@quick'")}
-    assert {"fedavg-s0", "fedpad-s0"} <= runs
-    # the grid's target method (fedpad, seed 0) is the one registered model version, as fedpad-quick
-    versions = client.search_model_versions("name='fedpad-quick'")
+    cells = [r for r in client.search_runs([exp.experiment_id], "tags.stage = 'fedpad@quick'",
+                                           order_by=["attributes.start_time DESC"])
+             if r.info.run_name in ("fedavg-s0", "fedpad-s0")][:2]
+    assert sorted(r.info.run_name for r in cells) == ["fedavg-s0", "fedpad-s0"]
+    flow_run = prefect_flow_run(cells[0])  # the grid in the Prefect UI: one task run and one MLflow link per cell
+    assert flow_run.parameters["methods"] == ["fedavg", "fedpad"] and flow_run.parameters["seeds"] == [0]
+    assert set(prefect_task_runs(flow_run.id)) == {"quick-fedavg-s0", "quick-fedpad-s0"}
+    links = " ".join(a.data for a in prefect_artifacts(flow_run.id))
+    assert all(r.info.run_id in links for r in cells)
+    # the grid's target method (fedpad, seed 0) is this grid's one registered model version, as fedpad-quick
+    versions = [v for v in client.search_model_versions("name='fedpad-quick'")
+                if v.run_id in {r.info.run_id for r in cells}]
     assert [(v.tags["method"], v.tags["seed"]) for v in versions] == [("fedpad", "0")]
     assert versions[0].tags["champion_metric"] == "final_worst_acc"
-    assert client.get_model_version_by_alias("fedpad-quick", "champion").version == versions[0].version
+    assert client.get_model_version_by_alias("fedpad-quick", "champion")  # the first version always takes it
     from flows.tracking import load_registered
 
     assert load_registered("fedpad-quick", "champion", tracking_uri=C.tracking_uri(cfg)) is not None

@@ -1,0 +1,157 @@
+"""What the Prefect and MLflow UIs show of a run: a flow run's parameters, and links between the two.
+
+The flows are closures over the config, so Prefect would record no parameters for them. They
+take these instead: JSON values (the experiment's headline settings, and the resolved config
+flattened as MLflow's params are) that the flow body does not read, so the config stays the one
+source of truth. :func:`link_runs` ties each MLflow run to the Prefect flow run that wrote it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Dict, List
+
+import mlflow
+from omegaconf import DictConfig
+
+from flows import config as C
+from flows.tracking import flatten
+
+# Everything a round-based run does not read, and the round-based systems' grids an arrival run does not.
+_NOT_ARRIVAL = (*C.ROUND_SYSTEMS, *C.VARIANT_SYSTEMS, "trainer", "strategy")
+_RUN_BLOCKS = ("seed", "device", "flow", "paths")
+
+
+def _variant(cfg: DictConfig) -> Dict[str, Any]:
+    variant = cfg.get("variant")
+    system = C.variant_system(cfg, str(variant)) if variant is not None and C.variants(cfg) else None
+    return {"variant": None if variant is None else str(variant), "system": system}
+
+
+def _model(cfg: DictConfig) -> str:
+    return f"{cfg.model.name}-{cfg.model.norm}"
+
+
+def _arrival_config(cfg: DictConfig, *, drop: tuple = ()) -> Dict[str, str]:
+    return flatten({k: v for k, v in C.to_dict(cfg).items() if k not in (*_NOT_ARRIVAL, *drop)})
+
+
+def arrival_parameters(cfg: DictConfig) -> Dict[str, Any]:
+    """The sequential-arrival flow's parameters: variant, data, model, method, aggregator, privacy form, seed."""
+    acfg = C.arrival_config(cfg)
+    return {**_variant(cfg), "data": str(cfg.data.name), "model": _model(cfg), "method": acfg.method,
+            "aggregator": acfg.aggregator, "privacy": acfg.form, "seed": acfg.seed, "resume": bool(cfg.flow.resume),
+            "config": _arrival_config(cfg, drop=("sweep",))}
+
+
+def sweep_parameters(cfg: DictConfig) -> Dict[str, Any]:
+    """The sweep flow's parameters: the grid (methods, aggregators, privacy forms, seeds)."""
+    s = cfg.sweep
+    return {**_variant(cfg), "data": str(cfg.data.name), "model": _model(cfg),
+            "methods": [str(m) for m in s.methods], "aggregators": [str(a) for a in s.aggregators],
+            "privacy": [str(f) for f in (s.get("privacy", None) or ["plain"])], "seeds": [int(x) for x in s.seeds],
+            "resume": bool(cfg.flow.resume),
+            "config": _arrival_config(cfg, drop=("method", "aggregator", "privacy"))}
+
+
+def pretrain_parameters(cfg: DictConfig) -> Dict[str, Any]:
+    """The source-pretraining flow's parameters: variant, data, model, rounds, seed."""
+    return {**_variant(cfg), "data": str(cfg.data.name), "model": _model(cfg), "rounds": int(cfg.pretrain.rounds),
+            "seed": int(cfg.seed), "config": _arrival_config(cfg, drop=("sweep", "method", "aggregator", "privacy",
+                                                                        "adapt"))}
+
+
+def round_parameters(cfg: DictConfig, system: str, grid_name: str, *, methods: List[str] | None = None,
+                     seeds: List[int] | None = None, rcfg: Any = None) -> Dict[str, Any]:
+    """A round-based flow's parameters: system, grid and its data set, then the grid's methods and seeds, or
+    (``rcfg``, one run) its trainer, strategy and seed. The config holds the system's settings and this
+    grid's, not the other grids'."""
+    d = C.to_dict(cfg)
+    block = {k: v for k, v in d[system].items() if k != "grids"}
+    block["grids"] = {grid_name: d[system]["grids"][grid_name]}
+    config = {system: block, **{k: d[k] for k in _RUN_BLOCKS if k in d}}
+    if rcfg is not None:
+        config.update({k: d[k] for k in ("trainer", "strategy") if k in d})
+        run = {"trainer": rcfg.trainer, "strategy": rcfg.strategy, "seed": int(rcfg.seed)}
+    else:
+        run = {"methods": [str(m) for m in methods or []], "seeds": [int(s) for s in seeds or []]}
+    return {"system": system, "grid": grid_name, "data": str(C.grid(cfg, system, grid_name).set), **run,
+            "resume": bool(cfg.flow.resume), "config": flatten(config)}
+
+
+# ------------------------------------------------------------------------------------ links
+
+
+def link_runs(run: "mlflow.ActiveRun | None" = None) -> None:
+    """Tie an MLflow run (default: the active one) and the Prefect flow run it is written in, both ways.
+
+    The MLflow run gets the tags ``prefect.flow_run_id``, ``prefect.flow_run_name`` and, when a
+    Prefect server with a UI is known, ``prefect.flow_run_url``; under the temporary server (no UI,
+    gone after the run) ``prefect.ui`` says how to serve the run instead. The flow run gets a
+    Markdown artifact with the MLflow experiment, run id and the run's page (for a local store, the
+    ``mlflow ui`` command that serves it). Outside a flow run nothing is done.
+    """
+    from prefect.artifacts import create_markdown_artifact
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    if ctx is None or ctx.flow_run is None:
+        return
+    run = run or mlflow.active_run()
+    if run is None:
+        return
+    flow_run = ctx.flow_run
+    tags = {"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_name": flow_run.name}
+    flow_url = prefect_flow_run_url(str(flow_run.id))
+    if flow_url:
+        tags["prefect.flow_run_url"] = flow_url
+    else:
+        tags["prefect.ui"] = (f"`prefect server start --host 127.0.0.1` serves this run (the temporary server's "
+                              f"database) at http://127.0.0.1:4200/runs/flow-run/{flow_run.id}")
+    client = mlflow.MlflowClient()
+    for k, v in tags.items():
+        client.set_tag(run.info.run_id, k, v)
+    exp = client.get_experiment(run.info.experiment_id)
+    uri = mlflow.get_tracking_uri()
+    page = mlflow_run_url(uri, run.info.experiment_id, run.info.run_id)
+    if page:
+        where = f"[open the run in MLflow]({page})"
+    else:  # a file or database store: no server to link to until one is started on it
+        page = f"http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+        where = (f"serve the store with `mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000`, "
+                 f"then open {page}")
+    create_markdown_artifact(
+        key=_artifact_key(f"mlflow-{exp.name}-{run.info.run_name}"),
+        markdown=(f"### MLflow run `{run.info.run_name}`\n\n| | |\n|---|---|\n| experiment | {exp.name} |\n"
+                  f"| run id | `{run.info.run_id}` |\n| tracking URI | `{uri}` |\n\n{where}.\n"),
+        description=f"The MLflow run {run.info.run_name} ({run.info.run_id}) this flow run wrote")
+
+
+def prefect_flow_run_url(flow_run_id: str) -> str | None:
+    """The flow run's page in the Prefect UI: ``PREFECT_UI_URL``, else the API URL without its ``/api``;
+    None under the temporary server, which serves no UI."""
+    from prefect.settings import get_current_settings
+
+    from flows import runtime
+
+    if runtime.is_temporary_api():
+        return None
+    settings = get_current_settings()
+    ui = os.environ.get("PREFECT_UI_URL") or settings.ui_url
+    api = os.environ.get("PREFECT_API_URL") or settings.api.url
+    if not ui and api:
+        ui = re.sub(r"/api/?$", "", api)
+    return f"{ui.rstrip('/')}/runs/flow-run/{flow_run_id}" if ui else None
+
+
+def mlflow_run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str | None:
+    """The run's page on an MLflow tracking server; None for a file or database store (no server)."""
+    if not tracking_uri.startswith(("http://", "https://")):
+        return None
+    return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def _artifact_key(text: str) -> str:
+    """A Prefect artifact key (lowercase letters, digits and dashes) from a run's names."""
+    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9]+", "-", text.lower())).strip("-")[:100]
