@@ -19,7 +19,6 @@ from omegaconf import DictConfig
 from prefect import flow, get_run_logger
 from prefect.futures import as_completed
 
-from fedcore.adapt import GRADIENT_METHODS
 from fedcore.data import Partition
 from fedcore.engine import ArrivalsResult, ModelSpec, run_arrivals, run_rounds, source_round_data
 from fedcore.evaluate.plots import plot_arrivals, plot_privacy
@@ -303,11 +302,7 @@ def sweep(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> List[
                    config: Dict[str, str]) -> List[Dict[str, Any]]:  # the parameters are for the UI
         logger = get_run_logger()
         tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
-        forms = list(cfg.sweep.get("privacy", None) or ["plain"])
-        # A method without gradients (source, bn) has no private form: it runs once, plain, as a reference.
-        cells = [(m, a, f, int(s)) for s in cfg.sweep.seeds for m in cfg.sweep.methods for f in forms
-                 for a in cfg.sweep.aggregators
-                 if m in GRADIENT_METHODS or C.privacy_form(cfg, f).get("mode") == "off"]
+        cells = sweep_cells(cfg)
         for m, a, f, s in cells:
             C.arrival_config(cfg, method=m, aggregator=a, seed=s, form=f)  # fail before any work on a bad cell
         cfg_dict = C.to_dict(cfg)
