@@ -23,7 +23,7 @@ from fedcore.data import Partition
 from fedcore.engine import ArrivalsResult, ModelSpec, run_arrivals, run_rounds, source_round_data
 from fedcore.evaluate.plots import plot_arrivals, plot_privacy
 from flows import config as C
-from flows import model_registry, runtime, tracking, ui
+from flows import model_registry, plot_data, runtime, tracking, ui
 from flows.tasks import (  # noqa: F401 - the paths and loaders are part of this module's interface
     _ckpt_dir,
     adapt_client_ray_task,
@@ -144,6 +144,7 @@ def _log_experiment(cfg: DictConfig, acfg, res: ArrivalsResult, *, spec: ModelSp
         plots.append(plot_privacy(records, out))
         plots.append(out / "privacy_ledger.json")
     np.savetxt(out / "accuracy_matrix.csv", acc, delimiter=",", fmt="%.4f")
+    plots += plot_data.write_arrival_tables(out, records, acc, [t.corruption for t in partition.targets])
     tracking.log_files(plots + [out / "accuracy_matrix.csv"], artifact_path="plots")
     ckpt = _ckpt_dir(cfg, cell_name(acfg))
     tracking.log_files([ckpt / "server_state.pt", ckpt / "server_state.sha256"], artifact_path="checkpoints")

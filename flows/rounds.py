@@ -27,7 +27,7 @@ from fedcore.engine import Done, RoundConfig, RoundsResult, run_rounds
 from fedcore.evaluate.plots import plot_incremental, plot_methods, plot_openset_rounds, plot_rounds
 from fedcore.evaluate.stats import friedman_p, friedman_ranks, wilcoxon_against
 from flows import config as C
-from flows import runtime, tracking, ui
+from flows import plot_data, runtime, tracking, ui
 from flows.tasks import (check_checkpoints, load_domain_partition, round_cell_dir, round_inputs,
                          run_round_cell_task, train_round_task)
 
@@ -61,7 +61,8 @@ def _start_cell_run(cfg: DictConfig, system: str, grid_name: str, method: str, r
 
 
 def _cell_outputs(res: RoundsResult, part, out: Path, title: str, score: str | None = None) -> List[Path]:
-    """rounds.json and rounds.png of one run; ``score`` (open-set runs) picks the AUROC plotted."""
+    """rounds.json, rounds.png and rounds.csv (``dvc plots`` reads it) of one run; ``score`` (open-set runs)
+    picks the AUROC plotted."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "rounds.json").write_text(json.dumps(res.records, indent=0, allow_nan=True) + "\n")
     if res.records and "task" in res.records[-1]:
@@ -72,7 +73,7 @@ def _cell_outputs(res: RoundsResult, part, out: Path, title: str, score: str | N
         plot = plot_rounds(res.records, list(part.domains), out, title=title)
     else:
         plot = plot_openset_rounds(res.records, list(part.domains), out, score=score, title=title)
-    return [plot, out / "rounds.json"]
+    return [plot, out / "rounds.json", plot_data.write_records_csv(res.records, out / plot_data.ROUNDS_CSV)]
 
 
 def _headline_score(cfg: DictConfig, system: str, grid_name: str, method: str | None, trainer: str) -> str | None:

@@ -74,8 +74,17 @@ def _arrival(cfg) -> None:
     print(json.dumps(res.summary, indent=1))
 
 
+def _summary_key(method: str, aggregator: str, form: str, seed: int) -> str:
+    """A sweep cell's key in summary.json: ``method+aggregator[+form]+s<seed>``."""
+    return "+".join([method, aggregator] + ([form] if form != "plain" else []) + [f"s{seed}"])
+
+
 def _adapt(cfg, written=None) -> list:
     """The sweep, then the table and summary the ``adapt`` stage declares; returns the sweep's results.
+
+    summary.json holds every cell's summary by :func:`_summary_key`, and under ``headline`` the configured
+    ``method`` + ``aggregator`` (+ ``privacy``) cell's, when the sweep ran it: the numbers ``dvc exp show``
+    and ``dvc exp diff`` put side by side whatever the sweep's cells.
 
     ``written``: md5s of inputs the caller wrote itself (the nightly job), see :func:`flows.federation.sweep`.
     """
@@ -88,8 +97,12 @@ def _adapt(cfg, written=None) -> list:
     out.mkdir(parents=True, exist_ok=True)
     table = summary_rows(results)
     (out / "table.md").write_text(table + "\n")
-    summary = {"+".join([r["method"], r["aggregator"]] + ([r["form"]] if r.get("form", "plain") != "plain" else [])
-                        + [f"s{r['seed']}"]): r["summary"] for r in results}
+    summary = {_summary_key(r["method"], r["aggregator"], r.get("form", "plain"), r["seed"]): r["summary"]
+               for r in results}
+    head = C.arrival_config(cfg)
+    head_key = _summary_key(head.method, head.aggregator, head.form, head.seed)
+    if head_key in summary:  # the configured cell under a fixed name: one column per metric in `dvc exp show`
+        summary["headline"] = summary[head_key]
     (out / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
     print(f"\n{cfg.data.name} ({len(cfg.data.corruptions)} corruptions, severity {cfg.data.severity}, "
           f"{cfg.adapt.passes} passes), sweep took {time.perf_counter() - t0:.0f}s\n")
