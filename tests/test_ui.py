@@ -100,16 +100,15 @@ def _wait_http(url: str, seconds: int = 180) -> None:
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no Chromium: `make test` installs it as root (apt-get install "
                                              "chromium); elsewhere install it to run the browser check")
-def test_mlflow_and_prefect_pages_show_lineage_charts_and_named_task_runs(prefect_server, tmp_path):  # noqa: F811
+def test_mlflow_and_prefect_pages_show_lineage_charts_and_named_task_runs(prefect_server, tiny, tmp_path):  # noqa: F811
     env = dict(prefect_server)  # Prefect's log level as a user has it: the flows send INFO to the UI
-    overrides = tiny_overrides(tmp_path) + ["pretrain.rounds=2", "adapt.passes=1", "flow.experiment=ui-test"]
-    script = (
-        "import json, sys\n"
-        "from flows import config as C, federation as F\n"
-        "from flows.stages import _partition, _prepare\n"
-        "cfg = C.compose(json.loads(sys.argv[1]))\n"
-        "_prepare(cfg); _partition(cfg); F.pretrain(cfg); F.arrival(cfg)\n"
-    )
+    # the session's tiny federation (data, partition, source model); this run's store and checkpoints are its own
+    overrides = tiny_overrides(tiny["tmp"]) + ["adapt.passes=1", "flow.experiment=ui-test",
+                                               f"flow.tracking_uri=sqlite:///{tmp_path}/mlruns.db",
+                                               f"paths.checkpoints={tmp_path}/checkpoints"]
+    script = ("import json, sys\n"
+              "from flows import config as C, federation as F\n"
+              "F.arrival(C.compose(json.loads(sys.argv[1])))\n")
     run = subprocess.run([sys.executable, "-c", script, json.dumps(overrides)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
