@@ -196,7 +196,7 @@ def registry(tmp_path_factory):
         states = [init_state(SPEC, seed) for seed in (1, 2)]
         for state in states:
             with mlflow.start_run(experiment_id=exp):
-                tracking.log_model(SPEC, state, registered_name="fedcore-safe", example=x)
+                mlflow.register_model(tracking.log_model(SPEC, state, example=x), "fedcore-safe")
     finally:
         mlflow.set_tracking_uri(before)  # the tests below name the store; later modules get theirs back
     return {"tmp": tmp, "uri": uri, "x": x, "states": states}
