@@ -81,7 +81,7 @@ def register(model_uri: str, *, name: str, run_id: str, summary: Mapping[str, fl
     run_tags = client.get_run(run_id).data.tags
     tags: Dict[str, str] = {k: run_tags[k] for k in ("method", "aggregator", "privacy_form", "seed", *LINEAGE_TAGS)
                             if k in run_tags}
-    tags.update({f"metric.{k}": f"{float(v):.6g}" for k, v in summary.items()})
+    tags.update({f"metric.{k}": repr(float(v)) for k, v in summary.items()})  # exact: the champion rule reads it
     tags["champion_metric"] = metric
     version = mlflow.register_model(model_uri, name, tags=tags)
     if description:

@@ -80,6 +80,7 @@ def nightly_rounds(system: str = "fedpad", grid: str = "quick", overrides: Optio
 
     logger = get_run_logger()
     cfg = C.compose([f"{system}.grid={grid}", *(overrides or [])])
+    cfg.flow.aliases = [*cfg.flow.aliases, "nightly"]  # the registered version of a scheduled run
     _partition_domains(cfg, system)
     rows = run_grid(cfg, system, written=integrity.record(C.domains_dir(cfg, system)))
     best = max(rows, key=lambda r: r["summary"]["final_worst_acc"])

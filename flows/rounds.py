@@ -94,6 +94,9 @@ def grid(cfg: DictConfig, system: str = "fedpad", grid_name: str | None = None, 
     configs = {(m, s): C.round_config(cfg, system, method=m, seed=s, grid_name=name) for m, s in cells}
     check_checkpoints({round_cell_dir(cfg, system, name, m, s): rc.fingerprint() for (m, s), rc in configs.items()},
                       resume=bool(cfg.flow.resume))  # before any service starts, as the partition
+    from flows import model_registry
+
+    model_registry.check(cfg)
     params = ui.round_parameters(cfg, system, name, methods=list(g.methods), seeds=list(g.seeds))
 
     @flow(name=f"{system}-grid", task_runner=_runner(cfg), log_prints=True, flow_run_name=lambda: f"{system}-{name}")
@@ -156,7 +159,8 @@ def grid(cfg: DictConfig, system: str = "fedpad", grid_name: str | None = None, 
 
 
 def _target_method(cfg: DictConfig, system: str, g) -> str:
-    """The method a grid is about: ``<system>.target`` (FedPD++, PP-FCIL), else the system's own name."""
+    """The method a grid is about: ``<system>.target`` (FedPD++, PP-FCIL), else the system's own name; a
+    grid without it (an ablation grid such as FedPAD's digits_gamma) is represented by its last method."""
     target = str(cfg[system].get("target") or system)
     return target if target in g.methods else str(g.methods[-1])
 

@@ -87,7 +87,8 @@ def test_logs_reach_the_api_at_info_unless_the_user_chose_a_level(monkeypatch):
     # Prepare: Prefect's logger left at WARNING, as PREFECT_LOGGING_LEVEL=WARNING at import used to leave it
     prefect_logger = logging.getLogger("prefect")
     before = prefect_logger.level
-    monkeypatch.delenv("PREFECT_LOGGING_LEVEL", raising=False)
+    monkeypatch.setenv("PREFECT_LOGGING_LEVEL", "")  # monkeypatch records the original first, so undo restores it
+    monkeypatch.delenv("PREFECT_LOGGING_LEVEL")
     try:
         prefect_logger.setLevel(logging.WARNING)
 
