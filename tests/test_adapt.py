@@ -106,3 +106,26 @@ def test_bad_method_input():
         create_method("tent", model(), lr=-0.1)
     with pytest.raises(ValueError, match="valid names are: confidence, literal"):
         create_method("bpa", model(), lr=0.1, num_classes=10, precision_mode="inverse")
+
+
+def test_bpa_prior_precision_scores_the_global_model_as_the_client_predicts(x):
+    # Arrange: a shifted batch, on which the source BatchNorm statistics and the batch's differ
+    from fedcore.adapt import softmax_entropy
+    from fedcore.evaluate import batch_statistics
+
+    shifted = 4.0 * x + 2.0
+    m = model()
+    reference = copy.deepcopy(m)
+    with torch.no_grad(), batch_statistics(reference):
+        e_batch = float(softmax_entropy(reference(shifted)).mean())
+    with torch.no_grad():
+        e_eval = float(softmax_entropy(reference.eval()(shifted)).mean())
+    assert abs(e_batch - e_eval) > 0.01, "the fixture must separate the two normalisations"
+
+    # Act
+    method = create_method("bpa", m, lr=0.05, num_classes=10, sigma0=1.0)
+    method(shifted)
+
+    # Assert: λ from Ē under batch statistics (the client's prediction), not eval mode
+    assert method.last_precision == pytest.approx(prior_precision(e_batch, num_classes=10, sigma0=1.0,
+                                                                  mode="confidence"), abs=1e-6)

@@ -6,6 +6,7 @@ import torch
 from fedcore.aggregate import (
     FedAvgMerge,
     MergeHistory,
+    SequentialMerge,
     UGSAMerge,
     advance,
     create_aggregator,
@@ -71,7 +72,7 @@ def test_bad_aggregator_settings():
         create_aggregator("ugsa", gamma=-0.1)
     with pytest.raises(ValueError, match="beta must be >= 0"):
         create_aggregator("ugsa", beta=-1)
-    with pytest.raises(ValueError, match="valid names are: fedavg, none, ugsa"):
+    with pytest.raises(ValueError, match="valid names are: fedavg, none, sequential, ugsa"):
         create_aggregator("fedprox")
     with pytest.raises(ValueError, match="valid names are: history, mean, none"):
         create_aggregator("ugsa", normalizer="sum")
@@ -79,3 +80,11 @@ def test_bad_aggregator_settings():
 
 def test_l2_distance():
     assert l2_distance(state(1.0), state(3.0), ["w"]) == pytest.approx(math.sqrt(3 * 4))
+
+
+def test_sequential_hands_the_client_model_on():
+    g, c = state(1.0, 3), state(7.0, 8)
+    out, w = SequentialMerge().merge(g, c, sigma=2.0, history=advance(MergeHistory(), sigma=0.1, weight=1.0))
+    assert w == 1.0
+    assert all(torch.equal(out[k], c[k]) for k in c), "θ_G ← θ'_k, buffers and counters included"
+    assert create_aggregator("sequential").__class__ is SequentialMerge

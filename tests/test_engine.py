@@ -1,5 +1,6 @@
 import numpy as np
 import pytest
+import torch
 
 from fedcore.engine import ArrivalConfig, CheckpointError, RunInterrupted, run_arrivals
 from fedcore.evaluate import forgetting
@@ -78,7 +79,7 @@ def test_forgetting_golden():
 
 @pytest.mark.parametrize("kw,match", [
     (dict(method="cotta"), "valid names are: bn, bpa, come, deyo, eata, sar, source, tent"),
-    (dict(aggregator="fedprox"), "valid names are: fedavg, none, ugsa"),
+    (dict(aggregator="fedprox"), "valid names are: fedavg, none, sequential, ugsa"),
     (dict(method_params={"lr": -1.0}), "lr must be > 0"),
     (dict(aggregator_params={"gamma": -0.5}), "gamma must be >= 0"),
     (dict(aggregator_params={"beta": -0.5}), "beta must be >= 0"),
@@ -100,3 +101,55 @@ def test_source_model_learned_something(tiny):
     model = tiny["spec"].build()
     model.load_state_dict(tiny["source"])
     assert accuracy(model, tiny["partition"].source_test_x, tiny["partition"].source_test_y) > 0.5
+
+
+def test_sequential_chains_clients_and_none_restarts_them(tiny):
+    # Arrange
+    seen = []
+
+    def keep(record, st, res):
+        seen.append(res.state)
+
+    # Act
+    seq = run_arrivals(tiny["partition"], tiny["spec"], tiny["source"], cfg(method="tent", aggregator="sequential",
+                                                                              passes=1), on_arrival=keep)
+
+    # Assert: the global model after each arrival is that client's adapted model
+    assert all(r["weight"] == 1.0 for r in seq.records)
+    assert all(torch.equal(seq.final_state[k], seen[-1][k]) for k in seen[-1])
+    assert seq.records[-1]["drift_step"] > 0
+
+
+def test_client_uncertainty_and_holdouts_use_the_stream_batch_statistics(tiny):
+    """σ_k and the hold-out accuracy score the model as the client predicts with it: BatchNorm with
+    the statistics of batches of the stream's size (not eval mode, not one batch of 512)."""
+    from fedcore.adapt import softmax_entropy
+    from fedcore.engine import adapt_client, evaluate_global
+    from fedcore.evaluate import accuracy, batch_statistics
+    from fedcore.tensors import to_tensor
+
+    part, spec = tiny["partition"], tiny["spec"]
+    client = part.targets[1]
+    c = cfg(method="bn", aggregator="none", passes=1, batch_size=16)
+
+    # Act
+    res = adapt_client(global_state=tiny["source"], spec=spec, client=client, cfg=c, seed=0)
+    ev = evaluate_global(state=tiny["source"], spec=spec, partition=part, clients=[1], batch_stats=True,
+                         batch_size=16)
+
+    # Assert
+    model = spec.build()
+    model.load_state_dict(res.state)
+    x = to_tensor(client.stream_x)
+    with torch.no_grad(), batch_statistics(model):
+        expected = float(torch.cat([softmax_entropy(model(x[i:i + 16])) for i in range(0, len(x), 16)]).mean())
+    with torch.no_grad():
+        eval_mode = float(softmax_entropy(model.eval()(x)).mean())
+    assert res.sigma == pytest.approx(expected, abs=1e-5)
+    assert abs(expected - eval_mode) > 1e-3, "the fixture must separate the two normalisations"
+    source = spec.build()
+    source.load_state_dict(tiny["source"])
+    at_16 = accuracy(source, client.holdout_x, client.holdout_y, batch_stats=True, batch_size=16)
+    at_512 = accuracy(source, client.holdout_x, client.holdout_y, batch_stats=True, batch_size=512)
+    assert ev["holdout"][1] == at_16
+    assert at_16 != at_512, "the fixture must separate the two batch sizes"

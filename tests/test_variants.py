@@ -83,7 +83,7 @@ DEFAULT = {
                  'augment': False},
     'adapt': {'passes': 3, 'batch_size': 64, 'order': None},
     'sweep': {'methods': ['source', 'bn', 'tent', 'bpa'],
-              'aggregators': ['none', 'fedavg', 'ugsa'],
+              'aggregators': ['none', 'sequential', 'fedavg', 'ugsa'],
               'privacy': ['plain'],
               'seeds': [0]},
     'audit': {'client': 0,

@@ -5,7 +5,8 @@ MAP over the affine norm parameters θ:
     L(θ) = mean_i H(p_θ(y | x_i)) + ½ (θ − θ_G)ᵀ Σ₀⁻¹ (θ − θ_G),   Σ₀⁻¹ = λ · I
 
 where θ_G is the global model the client received, and the scalar precision λ follows the
-global model's mean prediction entropy Ē on this client's data (a running mean over the
+global model's mean prediction entropy Ē on this client's data (scored as the client predicts:
+BatchNorm with batch statistics) (a running mean over the
 batches seen so far, so the method stays streaming). Two precision rules:
 
 * ``confidence`` (default, the behaviour the paper describes): tighten the prior when the
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from fedcore.adapt.base import GradientMethod, collect_norm_params, softmax_entropy
+from fedcore.evaluate.metrics import batch_statistics
 
 PRECISION_MODES = ("confidence", "literal")
 
@@ -59,7 +61,10 @@ class BPA(GradientMethod):
         super().__init__(model, optimizer, params, steps=steps, private=private)
         self.num_classes, self.sigma0, self.precision_mode = num_classes, sigma0, precision_mode
         self._anchor = {k: p.detach().clone() for k, p in params.items()}
-        self._global = copy.deepcopy(model).eval()  # the received θ_G, frozen, for Ē
+        # The received θ_G, frozen, for Ē. It is scored as the client predicts: BatchNorm with
+        # the batch's statistics. In eval mode (the source statistics) a model on a shifted
+        # domain is often confidently wrong, and λ would tighten the prior where θ_G is worst.
+        self._global = copy.deepcopy(model)
         self._global.requires_grad_(False)
         self._entropy_sum, self._entropy_n = 0.0, 0
         self.last_precision = float("nan")
@@ -69,7 +74,8 @@ class BPA(GradientMethod):
 
     @torch.no_grad()
     def aux(self, x, logits):
-        h = softmax_entropy(self._global(x))
+        with batch_statistics(self._global):
+            h = softmax_entropy(self._global(x))
         if self.private is not None:
             lam = ((math.log(self.num_classes) - h.clamp(0, math.log(self.num_classes))) if self.precision_mode ==
                    "confidence" else h.clamp(0, math.log(self.num_classes))) / self.sigma0 ** 2

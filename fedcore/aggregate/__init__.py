@@ -40,6 +40,18 @@ class NoMerge:
         return global_state, 0.0
 
 
+class SequentialMerge:
+    """θ_G ← θ'_k: the next client starts from the last client's adapted model.
+
+    The canonical continual test-time setting (one model adapting along the whole stream of
+    clients), and the baseline that shows whether continual adaptation degrades.
+    """
+
+    def merge(self, global_state: State, client_state: State, *, sigma: float,
+              history: MergeHistory) -> Tuple[State, float]:
+        return {k: v.clone() for k, v in client_state.items()}, 1.0  # exactly θ'_k (g + 1·(c − g) rounds)
+
+
 class FedAvgMerge:
     """Equal-weight running average of θ_G⁽⁰⁾ and every client model merged so far."""
 
@@ -74,6 +86,7 @@ class UGSAMerge:
 
 AGGREGATORS: Registry = Registry("aggregator")
 AGGREGATORS.register("none")(NoMerge)
+AGGREGATORS.register("sequential")(SequentialMerge)
 AGGREGATORS.register("fedavg")(FedAvgMerge)
 AGGREGATORS.register("ugsa")(UGSAMerge)  # its defaults are written once, on the dataclass
 
@@ -87,6 +100,6 @@ def advance(history: MergeHistory, *, sigma: float, weight: float) -> MergeHisto
                         merged=history.merged + 1)
 
 
-__all__: List[str] = ["AGGREGATORS", "create_aggregator", "MergeHistory", "advance", "NoMerge", "FedAvgMerge",
+__all__: List[str] = ["AGGREGATORS", "create_aggregator", "MergeHistory", "advance", "NoMerge", "SequentialMerge", "FedAvgMerge",
                       "UGSAMerge", "weighted_average", "interpolate", "ugsa_weight", "ugsa_merge",
                       "running_average_merge", "l2_distance", "State"]

@@ -25,7 +25,7 @@ from fedcore.data.partition import Partition, TargetClient
 from fedcore.engine.checkpoint import CheckpointError, RunInterrupted, load_state, save_state
 from fedcore.engine.spec import ModelSpec
 from fedcore.engine.submit import Submit, run_now
-from fedcore.evaluate import accuracy, forgetting
+from fedcore.evaluate import accuracy, batch_statistics, forgetting
 from fedcore.privacy import Ledger, PrivacyConfig
 from fedcore.tensors import batches, resolve_device, state_to_cpu, to_tensor
 
@@ -134,27 +134,28 @@ def adapt_client(*, global_state: State, spec: ModelSpec, client: TargetClient, 
         logits = method(x[sl])
         correct += int((logits.argmax(1).cpu().numpy() == client.stream_y[sl]).sum())
     extras = method.diagnostics()
-    model.eval()
-    with torch.no_grad():
-        ent = [softmax_entropy(model(x[sl])) for sl in batches(len(x), 512)]
+    # σ_k measures the model the client predicts with: BatchNorm with batch statistics, in the
+    # stream's batch size, for the methods that adapt that way (eval mode for ``source``).
+    with torch.no_grad(), batch_statistics(model, cfg.method in USES_BATCH_STATS and not refused):
+        ent = [softmax_entropy(model(x[sl])) for sl in batches(len(x), cfg.batch_size)]
     sigma = float(torch.cat(ent).mean())
     return AdaptResult(state=state_to_cpu(model.state_dict()), online_acc=correct / len(x), sigma=sigma,
                        num_examples=len(x), seconds=time.perf_counter() - t0, extras=extras)
 
 
 def evaluate_global(*, state: State, spec: ModelSpec, partition: Partition, clients: Sequence[int],
-                    device: str = "cpu", batch_stats: bool = False) -> Dict[str, Any]:
+                    device: str = "cpu", batch_stats: bool = False, batch_size: int = 64) -> Dict[str, Any]:
     """Accuracy of a global model on the clean source test set and on the given hold-outs.
 
-    With ``batch_stats`` the hold-outs are scored with each hold-out's own BatchNorm batch
-    statistics, as the adapting methods use the model; the clean source test set is always
-    scored in plain eval mode (running statistics), as a deployed model would be.
+    With ``batch_stats`` the hold-outs are scored with BatchNorm batch statistics over batches of
+    ``batch_size`` (the stream's), as the adapting methods use the model; the clean source test
+    set is always scored in plain eval mode (running statistics), as a deployed model would be.
     """
     dev = resolve_device(device)
     model = spec.build().to(dev)
     model.load_state_dict(state)
     hold = {int(j): accuracy(model, partition.targets[j].holdout_x, partition.targets[j].holdout_y, device=dev,
-                             batch_stats=batch_stats)
+                             batch_stats=batch_stats, batch_size=batch_size)
             for j in clients}
     return {"source_acc": accuracy(model, partition.source_test_x, partition.source_test_y, device=dev),
             "holdout": hold}
@@ -295,7 +296,7 @@ def run_arrivals(partition: Partition, spec: ModelSpec, source_state: State, cfg
         pending = submit_arrival(a + 1, new_global) if a + 1 < len(schedule) and not stopping else None
         seen = sorted(set(schedule[: a + 1]))
         ev = evaluate_global(state=new_global, spec=spec, partition=partition, clients=seen, device=cfg.device,
-                             batch_stats=cfg.method in USES_BATCH_STATS)
+                             batch_stats=cfg.method in USES_BATCH_STATS, batch_size=cfg.batch_size)
         row = [ev["holdout"].get(j, math.nan) for j in range(K)]
         record = {
             "arrival": a, "pass": a // K, "client_id": k, "corruption": partition.targets[k].corruption,

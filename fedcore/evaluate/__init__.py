@@ -1,5 +1,5 @@
 """Metrics: accuracy, the continual accuracy matrix, forgetting, weight drift."""
 
-from fedcore.evaluate.metrics import accuracy, forgetting, predict
+from fedcore.evaluate.metrics import accuracy, batch_statistics, forgetting, predict
 
-__all__ = ["accuracy", "forgetting", "predict"]
+__all__ = ["accuracy", "batch_statistics", "forgetting", "predict"]

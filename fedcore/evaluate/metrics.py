@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from contextlib import contextmanager
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -11,29 +12,47 @@ from torch import nn
 from fedcore.tensors import batches, to_tensor
 
 
+@contextmanager
+def batch_statistics(model: nn.Module, enabled: bool = True) -> Iterator[nn.Module]:
+    """Eval mode, except that BatchNorm layers normalise with each batch's own statistics.
+
+    This is how the test-time methods that use batch statistics (BN, Tent, BPA, ...) predict.
+    The running statistics are left as they were; the layers' modes are restored on exit.
+    With ``enabled=False`` this is plain eval mode.
+    """
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    saved = []
+    if enabled:
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                saved.append((m, m.momentum))
+                m.train()
+                m.momentum = 0.0  # normalise with batch statistics, leave the running ones unchanged
+    try:
+        yield model
+    finally:
+        for m, momentum in saved:
+            m.momentum = momentum
+        for m, training in modes:
+            m.training = training
+
+
 @torch.no_grad()
 def predict(model: nn.Module, x: np.ndarray, *, batch_size: int = 512, device: torch.device | str = "cpu",
             batch_stats: bool = False) -> np.ndarray:
     """Class predictions of ``model``, shape (N,).
 
     Eval mode, except that with ``batch_stats`` BatchNorm layers normalise with the statistics
-    of each evaluation batch (the transductive test-time protocol of BN/Tent). The model's
-    running statistics are left as they were.
+    of each evaluation batch of ``batch_size`` (the transductive test-time protocol of BN/Tent:
+    score with the batch size the stream adapts with). The model's running statistics are left
+    as they were.
     """
-    model.eval()
-    saved = None
-    if batch_stats:
-        bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-        saved = [(m, m.momentum) for m in bns]
-        for m in bns:
-            m.train()
-            m.momentum = 0.0  # use batch statistics, keep the running ones unchanged
     out = []
-    for sl in batches(len(x), batch_size):
-        out.append(model(to_tensor(x[sl], device=device)).argmax(1).cpu())
-    for m, momentum in saved or ():
-        m.momentum = momentum
-        m.eval()
+    with batch_statistics(model, batch_stats):
+        for sl in batches(len(x), batch_size):
+            out.append(model(to_tensor(x[sl], device=device)).argmax(1).cpu())
+    model.eval()
     return torch.cat(out).numpy() if out else np.zeros(0, dtype=np.int64)
 
 
