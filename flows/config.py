@@ -137,11 +137,17 @@ def arrival_config(cfg: DictConfig, *, method: str | None = None, aggregator: st
     mcfg = cfg.method if method is None or method == cfg.method.name else _group("method", method)
     acfg = cfg.aggregator if aggregator is None or aggregator == cfg.aggregator.name else _group("aggregator", aggregator)
     a = cfg.adapt
+    method_params = dict(OmegaConf.to_container(mcfg.params, resolve=True))
+    # sweep.method_params (e.g. {lr: 0.1}) reaches every swept method that has the setting
+    shared = cfg.sweep.get("method_params", None)
+    shared = OmegaConf.to_container(shared, resolve=True) if shared is not None else {}
+    method_params.update({k: v for k, v in shared.items() if k in method_params})
     return ArrivalConfig(
-        method=str(mcfg.name), method_params=dict(OmegaConf.to_container(mcfg.params, resolve=True)),
+        method=str(mcfg.name), method_params=method_params,
         aggregator=str(acfg.name), aggregator_params=dict(OmegaConf.to_container(acfg.params, resolve=True)),
         passes=int(a.passes), order=None if a.order is None else list(a.order), batch_size=int(a.batch_size),
         seed=int(cfg.seed if seed is None else seed), device=str(cfg.device), privacy=privacy_form(cfg, form),
+        stream=str(a.get("stream", "shuffled")),
     )
 
 

@@ -130,7 +130,7 @@ def test_client_uncertainty_and_holdouts_use_the_stream_batch_statistics(tiny):
 
     part, spec = tiny["partition"], tiny["spec"]
     client = part.targets[1]
-    c = cfg(method="bn", aggregator="none", passes=1, batch_size=16)
+    c = cfg(method="bn", aggregator="none", passes=1, batch_size=16, stream="as_partitioned")
 
     # Act
     res = adapt_client(global_state=tiny["source"], spec=spec, client=client, cfg=c, seed=0)
@@ -153,3 +153,24 @@ def test_client_uncertainty_and_holdouts_use_the_stream_batch_statistics(tiny):
     at_512 = accuracy(source, client.holdout_x, client.holdout_y, batch_stats=True, batch_size=512)
     assert ev["holdout"][1] == at_16
     assert at_16 != at_512, "the fixture must separate the two batch sizes"
+
+
+def test_stream_order_is_drawn_per_seed_and_arrival(tiny):
+    from fedcore.engine.arrivals import stream_order
+
+    y = tiny["partition"].targets[0].stream_y
+    shuffled = [stream_order(y, cfg(seed=s), a) for s in (0, 1) for a in (0, 1)]
+    assert all(sorted(o) == list(range(len(y))) for o in shuffled)
+    assert len({tuple(o) for o in shuffled}) == 4, "each seed and each visit streams in its own order"
+    assert np.array_equal(stream_order(y, cfg(seed=1), 0), shuffled[2]), "the same seed and arrival, the same order"
+    runs = np.flatnonzero(np.diff(y[stream_order(y, cfg(stream="class_sorted"), 0)]) != 0)
+    assert len(runs) == len(np.unique(y)) - 1, "a class-sorted stream holds each class in one run"
+    assert np.array_equal(stream_order(y, cfg(stream="as_partitioned"), 3), np.arange(len(y)))
+    with pytest.raises(ValueError, match="valid names are: shuffled, class_sorted, as_partitioned"):
+        cfg(stream="sorted")
+
+
+def test_seeds_change_a_deterministic_method_through_its_stream(tiny):
+    a = run_arrivals(tiny["partition"], tiny["spec"], tiny["source"], cfg(method="tent", passes=1, seed=0))
+    b = run_arrivals(tiny["partition"], tiny["spec"], tiny["source"], cfg(method="tent", passes=1, seed=1))
+    assert a.summary["avg_online_acc"] != b.summary["avg_online_acc"]

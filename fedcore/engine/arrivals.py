@@ -21,13 +21,16 @@ from torch import nn
 
 from fedcore.adapt import GRADIENT_METHODS, METHODS, USES_BATCH_STATS, create_method, method_class, softmax_entropy
 from fedcore.aggregate import MergeHistory, State, advance, create_aggregator, l2_distance
-from fedcore.data.partition import Partition, TargetClient
+from fedcore.data.partition import Partition, TargetClient, order_stream
 from fedcore.engine.checkpoint import CheckpointError, RunInterrupted, load_state, save_state
 from fedcore.engine.spec import ModelSpec
 from fedcore.engine.submit import Submit, run_now
 from fedcore.evaluate import accuracy, batch_statistics, forgetting
 from fedcore.privacy import Ledger, PrivacyConfig
 from fedcore.tensors import batches, resolve_device, state_to_cpu, to_tensor
+
+
+STREAMS = ("shuffled", "class_sorted", "as_partitioned")
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,9 @@ class ArrivalConfig:
     seed: int = 0
     device: str = "cpu"
     privacy: Dict[str, Any] = field(default_factory=dict)  # see fedcore.privacy.PrivacyConfig; {} = off
+    # The order a client streams its samples in, drawn afresh for each arrival from (seed, arrival):
+    # shuffled | class_sorted (temporally correlated, the stress case) | as_partitioned (the saved order).
+    stream: str = "shuffled"
 
     def __post_init__(self) -> None:
         METHODS.get(self.method)  # unknown names fail here, listing the valid ones
@@ -58,6 +64,8 @@ class ArrivalConfig:
             raise ValueError(f"passes must be >= 1, got {self.passes}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.stream not in STREAMS:
+            raise ValueError(f"unknown stream order {self.stream!r}; valid names are: {', '.join(STREAMS)}")
 
     def schedule(self, num_clients: int) -> List[int]:
         order = list(range(num_clients)) if self.order is None else [int(k) for k in self.order]
@@ -128,11 +136,12 @@ def adapt_client(*, global_state: State, spec: ModelSpec, client: TargetClient, 
         if source_x is not None:
             params["source_x"] = to_tensor(source_x, device=device)
         method = create_method(cfg.method, model, **params)
-    x = to_tensor(client.stream_x, device=device)
+    order = stream_order(client.stream_y, cfg, arrival)
+    x, y = to_tensor(client.stream_x[order], device=device), client.stream_y[order]
     correct = 0
     for sl in batches(len(x), cfg.batch_size):
         logits = method(x[sl])
-        correct += int((logits.argmax(1).cpu().numpy() == client.stream_y[sl]).sum())
+        correct += int((logits.argmax(1).cpu().numpy() == y[sl]).sum())
     extras = method.diagnostics()
     # σ_k measures the model the client predicts with: BatchNorm with batch statistics, in the
     # stream's batch size, for the methods that adapt that way (eval mode for ``source``).
@@ -141,6 +150,15 @@ def adapt_client(*, global_state: State, spec: ModelSpec, client: TargetClient, 
     sigma = float(torch.cat(ent).mean())
     return AdaptResult(state=state_to_cpu(model.state_dict()), online_acc=correct / len(x), sigma=sigma,
                        num_examples=len(x), seconds=time.perf_counter() - t0, extras=extras)
+
+
+def stream_order(labels: np.ndarray, cfg: ArrivalConfig, arrival: int) -> np.ndarray:
+    """The permutation a client streams in at ``arrival``: each seed and each visit its own order (the
+    labels are read only to sort a ``class_sorted`` stream, never by the method)."""
+    if cfg.stream == "as_partitioned":
+        return np.arange(len(labels))
+    rng = np.random.default_rng([cfg.seed, arrival + 1])
+    return order_stream(labels, order=cfg.stream, rng=rng)
 
 
 def evaluate_global(*, state: State, spec: ModelSpec, partition: Partition, clients: Sequence[int],
