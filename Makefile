@@ -19,7 +19,7 @@ export MLFLOW_ENABLE_TELEMETRY ?= false
 export DO_NOT_TRACK ?= 1
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup browser run private fedpad fedpd ppfcil push pull test test-fast params bench clean
+.PHONY: setup browser run private stress fedpad fedpd ppfcil push pull test test-fast params bench clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -47,6 +47,11 @@ private: setup
 	@git rev-parse --git-dir >/dev/null 2>&1 || (git init -q && echo "initialised a git repo for DVC")
 	$(BIN)/dvc repro private audit
 	@echo; cat results/private/table.md; echo; cat results/private/audit.md; echo
+
+stress: setup
+	@git rev-parse --git-dir >/dev/null 2>&1 || (git init -q && echo "initialised a git repo for DVC")
+	$(BIN)/dvc repro stress_report
+	@echo; cat results/stress_report.md; echo
 
 fedpad: setup
 	@git rev-parse --git-dir >/dev/null 2>&1 || (git init -q && echo "initialised a git repo for DVC")

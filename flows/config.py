@@ -142,9 +142,13 @@ def arrival_config(cfg: DictConfig, *, method: str | None = None, aggregator: st
     shared = cfg.sweep.get("method_params", None)
     shared = OmegaConf.to_container(shared, resolve=True) if shared is not None else {}
     method_params.update({k: v for k, v in shared.items() if k in method_params})
+    aggregator_params = dict(OmegaConf.to_container(acfg.params, resolve=True))
+    shared = cfg.sweep.get("aggregator_params", None)  # e.g. {beta: 0}: reaches every swept aggregator that has it
+    shared = OmegaConf.to_container(shared, resolve=True) if shared is not None else {}
+    aggregator_params.update({k: v for k, v in shared.items() if k in aggregator_params})
     return ArrivalConfig(
         method=str(mcfg.name), method_params=method_params,
-        aggregator=str(acfg.name), aggregator_params=dict(OmegaConf.to_container(acfg.params, resolve=True)),
+        aggregator=str(acfg.name), aggregator_params=aggregator_params,
         passes=int(a.passes), order=None if a.order is None else list(a.order), batch_size=int(a.batch_size),
         seed=int(cfg.seed if seed is None else seed), device=str(cfg.device), privacy=privacy_form(cfg, form),
         stream=str(a.get("stream", "shuffled")),

@@ -6,6 +6,7 @@
     python -m flows.stages prepare variant=cifar10   # likewise partition, pretrain, adapt: CIFAR-10-C
     python -m flows.stages pretrain variant=private && python -m flows.stages adapt variant=private   # private-TTA grid
     python -m flows.stages audit variant=private     # canary membership audit of the private form
+    python -m flows.stages stress bpfedctta.stress.cell=lr1e-1-p3 && python -m flows.stages stress_report
     python -m flows.stages partition_domains fedpad.grid=digits && python -m flows.stages fedpad fedpad.grid=digits
     python -m flows.stages rounds trainer=proto strategy=fedpad     # one FedPAD run, a Prefect task per round
     python -m flows.stages partition_fedpd fedpd.grid=digits && python -m flows.stages fedpd fedpd.grid=digits
@@ -274,7 +275,19 @@ def _on_variant(step):
     return lambda cfg: _pointing_at(cfg, lambda: step(cfg))
 
 
-STAGES = {"partition_domains": _partition_domains, "fedpad": lambda cfg: _grid(cfg, "fedpad"),
+def _stress(cfg) -> None:
+    from flows.stress import run_cell
+
+    print(f"figure -> {run_cell(cfg)}")
+
+
+def _stress_report(cfg) -> None:
+    from flows.stress import report
+
+    print(report(cfg))
+
+
+STAGES = {"stress": _stress, "stress_report": _stress_report, "partition_domains": _partition_domains, "fedpad": lambda cfg: _grid(cfg, "fedpad"),
           "fedpad_report": _fedpad_report, "rounds": _rounds,
           "partition_fedpd": lambda cfg: _partition_domains(cfg, "fedpd"), "fedpd": lambda cfg: _grid(cfg, "fedpd"),
           "rounds_fedpd": lambda cfg: _rounds(cfg, "fedpd"),

@@ -281,10 +281,15 @@ def sweep_cells(cfg: DictConfig) -> List[Tuple[str, str, str, int]]:
     """The sweep's (method, aggregator, privacy form, seed) cells, in the order they are submitted.
 
     A method without gradients (source, bn) has no private form: it runs once, plain, as a reference.
+    ``source`` sends θ_G back unchanged, so every aggregator keeps θ_G⁽⁰⁾: it runs with one
+    aggregator only (``none`` when the sweep has it).
     """
     forms = list(cfg.sweep.get("privacy", None) or ["plain"])
-    return [(str(m), str(a), str(f), int(s)) for s in cfg.sweep.seeds for m in cfg.sweep.methods for f in forms
-            for a in cfg.sweep.aggregators if m in GRADIENT_METHODS or C.privacy_form(cfg, f).get("mode") == "off"]
+    aggregators = [str(a) for a in cfg.sweep.aggregators]
+    once = ["none"] if "none" in aggregators else aggregators[:1]
+    return [(str(m), a, str(f), int(s)) for s in cfg.sweep.seeds for m in cfg.sweep.methods for f in forms
+            for a in (once if m == "source" else aggregators)
+            if m in GRADIENT_METHODS or C.privacy_form(cfg, f).get("mode") == "off"]
 
 
 def arrival_checkpoints(cfg: DictConfig, cells: List[Tuple[str, str, str, int]] | None = None) -> Dict[Path, str]:

@@ -274,3 +274,28 @@ def plot_privacy_utility(curves: Dict[str, List[Tuple[float, float, float]]], pa
     ax.set(xlabel="ε_total per client (δ = 1e-5)", ylabel=ylabel, title=title)
     ax.legend(fontsize=8)
     return save(fig, Path(path))
+
+
+def plot_curves(curves: Dict[str, np.ndarray], path: str | Path, *, title: str = "", xlabel: str = "",
+                ylabel: str = "") -> Path:
+    """One line per ``method+aggregator`` key: the mean over rows (seeds) of a (seeds, steps) array,
+    with a band of ± one std. Colour names the method, line style the aggregator."""
+    plt = _plt()
+    methods = sorted({k.split("+")[0] for k in curves})
+    aggregators = sorted({k.split("+")[-1] for k in curves})
+    colours = {m: f"C{i}" for i, m in enumerate(methods)}
+    styles = {a: s for a, s in zip(aggregators, ("-", "--", ":", "-.", (0, (5, 1)), (0, (1, 3))))}
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    for key in sorted(curves):
+        arr = np.atleast_2d(curves[key])
+        mean, std = arr.mean(0), arr.std(0)
+        x = np.arange(1, len(mean) + 1)
+        method, aggregator = key.split("+")[0], key.split("+")[-1]
+        ax.plot(x, mean, color=colours[method], linestyle=styles.get(aggregator, "-"), lw=1.3, label=key)
+        if len(arr) > 1:
+            ax.fill_between(x, mean - std, mean + std, color=colours[method], alpha=0.08)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2, loc="lower left")
+    return save(fig, Path(path))
