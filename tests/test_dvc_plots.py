@@ -51,18 +51,9 @@ def stage_outs(root: Path) -> Dict[str, List[str]]:
         return {s.name: [Path(o.fs_path).relative_to(root).as_posix() for o in s.outs] for s in repo.index.stages}
 
 
-def sweep_cells(cfg) -> List[Tuple[str, str, str, int]]:
-    """(method, aggregator, form, seed) of every cell the sweep runs (as :func:`flows.federation.sweep`)."""
-    from fedcore.adapt import GRADIENT_METHODS
-
-    forms = list(cfg.sweep.get("privacy", None) or ["plain"])
-    return [(str(m), str(a), str(f), int(s)) for s in cfg.sweep.seeds for m in cfg.sweep.methods for f in forms
-            for a in cfg.sweep.aggregators if m in GRADIENT_METHODS or C.privacy_form(cfg, f).get("mode") == "off"]
-
-
 def stage_tables(stage: str) -> Dict[str, Cell]:
     """``{table path: cell}`` of every plot table ``stage`` writes with the committed config."""
-    from flows.tasks import cell_name
+    from flows.tasks import cell_name, sweep_cells
 
     name, _, key = stage.partition("@")
     if name in ("adapt", "private"):

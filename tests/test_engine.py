@@ -174,3 +174,33 @@ def test_seeds_change_a_deterministic_method_through_its_stream(tiny):
     a = run_arrivals(tiny["partition"], tiny["spec"], tiny["source"], cfg(method="tent", passes=1, seed=0))
     b = run_arrivals(tiny["partition"], tiny["spec"], tiny["source"], cfg(method="tent", passes=1, seed=1))
     assert a.summary["avg_online_acc"] != b.summary["avg_online_acc"]
+
+
+def test_batch_statistics_scoring_mixes_a_class_sorted_set_and_keeps_its_order():
+    """A hold-out stored sorted by class is scored in mixed batches, and predictions come back in order."""
+    from torch import nn
+
+    from fedcore.evaluate import predict
+
+    class Spy(nn.Module):  # predicts the parity of the image's first pixel; records each batch
+        def __init__(self):
+            super().__init__()
+            self.bn, self.seen = nn.BatchNorm2d(1), []
+
+        def forward(self, x):
+            self.bn(x)
+            self.seen.append(x[:, 0, 0, 0].clone())
+            odd = ((x[:, 0, 0, 0] + 1) * 127.5).round().long() % 2
+            return nn.functional.one_hot(odd, 2).float()
+
+    x = np.arange(40, dtype=np.uint8).reshape(40, 1, 1, 1)  # NHWC, "sorted": the first batch is 0..15
+    spy = Spy()
+
+    # Act
+    pred = predict(spy, x, batch_size=16, batch_stats=True)
+
+    # Assert
+    np.testing.assert_array_equal(pred, np.arange(40) % 2)
+    first = ((spy.seen[0] + 1) * 127.5).round().long().tolist()
+    assert sorted(first) != list(range(16)), "batches are drawn in a mixed order"
+    assert sorted(((torch.cat(spy.seen) + 1) * 127.5).round().long().tolist()) == list(range(40))

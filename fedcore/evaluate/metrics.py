@@ -45,15 +45,21 @@ def predict(model: nn.Module, x: np.ndarray, *, batch_size: int = 512, device: t
 
     Eval mode, except that with ``batch_stats`` BatchNorm layers normalise with the statistics
     of each evaluation batch of ``batch_size`` (the transductive test-time protocol of BN/Tent:
-    score with the batch size the stream adapts with). The model's running statistics are left
-    as they were.
+    score with the batch size the stream adapts with). Those batches are drawn in one fixed
+    random order, so a set stored sorted by class is not scored in single-class batches; the
+    predictions come back in ``x``'s order. The model's running statistics are left as they were.
     """
+    order = np.random.default_rng(0).permutation(len(x)) if batch_stats else np.arange(len(x))
     out = []
     with batch_statistics(model, batch_stats):
         for sl in batches(len(x), batch_size):
-            out.append(model(to_tensor(x[sl], device=device)).argmax(1).cpu())
+            out.append(model(to_tensor(x[order[sl]], device=device)).argmax(1).cpu())
     model.eval()
-    return torch.cat(out).numpy() if out else np.zeros(0, dtype=np.int64)
+    if not out:
+        return np.zeros(0, dtype=np.int64)
+    pred = np.empty(len(x), dtype=np.int64)
+    pred[order] = torch.cat(out).numpy()
+    return pred
 
 
 def accuracy(model: nn.Module, x: np.ndarray, y: np.ndarray, **kw) -> float:
