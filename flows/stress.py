@@ -92,7 +92,7 @@ def describe(cfg: DictConfig, cell: str) -> str:
 def online_curves(folder: Path) -> Dict[str, np.ndarray]:
     """``{method+aggregator: (seeds, arrivals) online accuracy}`` from a cell's ``cells/*/arrivals.csv``."""
     curves: Dict[str, List[List[float]]] = {}
-    for csv_path in sorted((folder / "cells").glob("*/arrivals.csv")):
+    for csv_path in sorted((folder / "cells").glob("*/arrivals.csv"), key=lambda p: _run_order(p.parent.name)):
         method, aggregator = csv_path.parent.name.split("-")[:2]
         with csv_path.open() as fh:
             acc = [float(row["online_acc"]) for row in csv.DictReader(fh)]
@@ -100,11 +100,24 @@ def online_curves(folder: Path) -> Dict[str, np.ndarray]:
     return {k: np.asarray(v) for k, v in curves.items()}
 
 
+def _run_order(run: str) -> tuple:
+    """A run folder (``<method>-<aggregator>-s<seed>``) in the sweep's order: method, then aggregator, then seed."""
+    methods = ("source", "bn", "tent", "bpa")
+    aggregators = ("none", "sequential", "fedavg", "ugsa")
+    method, aggregator, seed = run.split("-")[0], run.split("-")[1], run.rsplit("-s", 1)[-1]
+    return (methods.index(method) if method in methods else len(methods), method,
+            aggregators.index(aggregator) if aggregator in aggregators else len(aggregators), aggregator,
+            int(seed) if seed.isdigit() else 0)
+
+
 def plot_cell(folder: Path, *, title: str) -> Path:
+    """Online accuracy per arrival of every method+aggregator, and each minus BN's (when BN ran)."""
     from fedcore.evaluate.plots import plot_curves
 
-    return plot_curves(online_curves(folder), folder / "online_by_method.png", title=title,
-                       xlabel="arrival", ylabel="online accuracy (mean over seeds)")
+    curves = online_curves(folder)
+    return plot_curves(curves, folder / "online_by_method.png", title=title, xlabel="arrival",
+                       ylabel="online accuracy (mean over seeds)",
+                       reference=next((k for k in curves if k.startswith("bn+")), None))
 
 
 def _log_figure(cfg: DictConfig, cell: str, path: Path) -> None:
@@ -164,7 +177,7 @@ def report(cfg: DictConfig) -> str:
         cell = load_cell(root / c)
         lines += [f"## {c}: {describe(cfg, c)}", "", "| method | " + " | ".join(n for _, n in METRICS) + " |",
                   "|---|" + "---|" * len(METRICS)]
-        for name, by_seed in cell.items():
+        for name, by_seed in sorted(cell.items(), key=lambda kv: _run_order(kv[0].replace("+", "-") + "-s0")):
             vals = [[by_seed[s][m] for s in sorted(by_seed)] for m, _ in METRICS]
             lines.append(f"| {name} | " + " | ".join(f"{np.mean(v):.3f} ± {np.std(v):.3f}" for v in vals) + " |")
         lines.append("")

@@ -277,25 +277,43 @@ def plot_privacy_utility(curves: Dict[str, List[Tuple[float, float, float]]], pa
 
 
 def plot_curves(curves: Dict[str, np.ndarray], path: str | Path, *, title: str = "", xlabel: str = "",
-                ylabel: str = "") -> Path:
-    """One line per ``method+aggregator`` key: the mean over rows (seeds) of a (seeds, steps) array,
-    with a band of ± one std. Colour names the method, line style the aggregator."""
+                ylabel: str = "", reference: str | None = None) -> Path:
+    """One line per ``method+aggregator`` key (in the dict's order): the mean over rows (seeds) of a
+    (seeds, steps) array, with a band of ± one std. Colour names the method, line style the aggregator.
+
+    With ``reference`` (a key), a second panel shows each adapting curve (not ``source``) minus the
+    reference's, seed by seed: the per-step difficulty that all methods share drops out, and drift
+    or collapse stands out.
+    """
     plt = _plt()
-    methods = sorted({k.split("+")[0] for k in curves})
-    aggregators = sorted({k.split("+")[-1] for k in curves})
+    methods = list(dict.fromkeys(k.split("+")[0] for k in curves))
+    aggregators = list(dict.fromkeys(k.split("+")[-1] for k in curves))
     colours = {m: f"C{i}" for i, m in enumerate(methods)}
     styles = {a: s for a, s in zip(aggregators, ("-", "--", ":", "-.", (0, (5, 1)), (0, (1, 3))))}
-    fig, ax = plt.subplots(figsize=(8, 4.2))
-    for key in sorted(curves):
-        arr = np.atleast_2d(curves[key])
-        mean, std = arr.mean(0), arr.std(0)
-        x = np.arange(1, len(mean) + 1)
-        method, aggregator = key.split("+")[0], key.split("+")[-1]
-        ax.plot(x, mean, color=colours[method], linestyle=styles.get(aggregator, "-"), lw=1.3, label=key)
-        if len(arr) > 1:
-            ax.fill_between(x, mean - std, mean + std, color=colours[method], alpha=0.08)
-    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2, loc="lower left")
+    panels = 2 if reference in curves else 1
+    fig, axes = plt.subplots(panels, 1, figsize=(8, 3.6 * panels), sharex=True, squeeze=False)
+    for row, ax in enumerate(axes[:, 0]):
+        for key, arr in curves.items():
+            arr = np.atleast_2d(arr)
+            if row == 1:
+                if key == reference or key.startswith("source+"):  # the unadapted model would set the scale
+                    continue
+                ref = np.atleast_2d(curves[reference])
+                n = min(len(arr), len(ref))
+                arr = arr[:n] - ref[:n]
+            mean, std = arr.mean(0), arr.std(0)
+            x = np.arange(1, len(mean) + 1)
+            method, aggregator = key.split("+")[0], key.split("+")[-1]
+            ax.plot(x, mean, color=colours[method], linestyle=styles.get(aggregator, "-"), lw=1.3, label=key)
+            if len(arr) > 1:
+                ax.fill_between(x, mean - std, mean + std, color=colours[method], alpha=0.08)
+        ax.grid(alpha=0.3)
+        if row == 0:
+            ax.set(ylabel=ylabel, title=title)
+            ax.set_ylim(0, 1)
+            ax.legend(fontsize=7, ncol=3, loc="lower left")
+        else:
+            ax.axhline(0, color="k", lw=0.8)
+            ax.set(ylabel=f"minus {reference}")
+    axes[-1, 0].set(xlabel=xlabel)
     return save(fig, Path(path))
