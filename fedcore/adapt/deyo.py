@@ -23,6 +23,7 @@ from typing import Mapping
 
 import torch
 import torch.nn.functional as F
+from torch.func import functional_call
 
 from fedcore.adapt.base import GradientMethod, softmax_entropy
 
@@ -59,10 +60,11 @@ class DeYO(GradientMethod):
         h = softmax_entropy(logits)
         probs = logits.softmax(1)
         yhat = probs.argmax(1, keepdim=True)
-        saved = [b.clone() for b in self.model.buffers()]  # x' must not move BatchNorm running statistics
-        probs_prime = self.model(shuffle_patches(x, self.patch_len)).softmax(1)
-        for b, s in zip(self.model.buffers(), saved):
-            b.copy_(s)
+        # x' must not move the BatchNorm running statistics, so its pass updates copies of them. (Copying
+        # saved values back in place would bump the buffers' versions, and the first forward's graph,
+        # which saved them for backward, could no longer be differentiated.)
+        copies = {k: b.clone() for k, b in self.model.named_buffers()}
+        probs_prime = functional_call(self.model, copies, (shuffle_patches(x, self.patch_len),)).softmax(1)
         plpd = (probs.gather(1, yhat) - probs_prime.gather(1, yhat)).squeeze(1)
         keep = (h < self.deyo_margin) & (plpd > self.plpd_threshold)
         weight = self.reweight_ent * torch.exp(-(h - self.e_margin)) + self.reweight_plpd * torch.exp(plpd)
