@@ -106,7 +106,7 @@ def pretrain_config(cfg: DictConfig) -> RoundConfig:
 
 
 def privacy_form(cfg: DictConfig, form: str | None) -> Dict[str, Any]:
-    """The privacy settings of a form: ``plain``, ``clip``, ``dp`` or ``dp-eps<e>`` (dp with epsilon e).
+    """The privacy settings of a form: ``plain``, ``clip``, ``dp0``, ``dp`` or ``dp-eps<e>`` (dp with epsilon e).
 
     ``None`` means the selected ``privacy`` group as configured.
     """
@@ -118,7 +118,8 @@ def privacy_form(cfg: DictConfig, form: str | None) -> Dict[str, Any]:
     out = dict(OmegaConf.to_container(base, resolve=True))
     if eps:
         if name != "dp":
-            raise ValueError(f"privacy form {form!r}: only dp takes -eps<e>; valid forms are: plain, clip, dp, dp-eps<e>")
+            raise ValueError(f"privacy form {form!r}: only dp takes -eps<e>; valid forms are: plain, clip, dp0, dp, "
+                             "dp-eps<e>")
         try:
             out["epsilon"] = float(eps)
         except ValueError:

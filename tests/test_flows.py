@@ -156,7 +156,7 @@ def test_audit_stage_bounds_stay_below_the_accountant(tiny_gn, tmp_path):
     _save_source(cfg, tiny_gn["source"], tiny_gn["spec"])
     _audit(cfg)
     rows = json.loads((tmp_path / "r" / "audit.json").read_text())
-    assert [r["form"] for r in rows] == ["clip", "dp-eps1", "dp-eps20"]
+    assert [r["form"] for r in rows] == ["dp0", "dp-eps1", "dp-eps20"]
     for r in rows:
         assert r["epsilon_lower"] <= r["epsilon_accountant"]
     assert rows[0]["epsilon_lower"] > rows[1]["epsilon_lower"]  # without noise the canary shows

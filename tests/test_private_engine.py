@@ -77,6 +77,19 @@ def test_clip_only_has_no_ledger_and_noise_changes_the_result(tiny_gn):
     assert dp.records[-1]["drift_total"] != clip.records[-1]["drift_total"]
 
 
+def test_clip_only_runs_on_batchnorm_in_the_loop_and_dp0_does_not(tiny):
+    """The paper's clip-only form is each method's plain form with clipped per-sample gradients, so it
+    runs on the BatchNorm model the private form refuses; its form names tell the two apart."""
+    clip = cfg({"mode": "clip", "clip_norm": 1.0}, method="eata", method_params={"lr": 0.05, "fisher_size": 64},
+               passes=1)
+    assert clip.form == "clip" and cfg({"mode": "dp0", "clip_norm": 1.0}).form == "dp0"
+    res = run_arrivals(tiny["partition"], tiny["spec"], tiny["source"], clip)
+    assert res.ledgers == {} and all("clip_fraction" in r for r in res.records)
+    assert res.records[-1]["drift_total"] > 0
+    with pytest.raises(ValueError, match="model.norm=group"):
+        run_arrivals(tiny["partition"], tiny["spec"], tiny["source"], cfg({"mode": "dp0", "clip_norm": 1.0}, passes=1))
+
+
 def test_private_form_needs_a_gradient_method_and_groupnorm(tiny):
     with pytest.raises(ValueError, match="method 'bn' takes none"):
         cfg(DP, method="bn", method_params={})

@@ -169,7 +169,7 @@ PRIVATE = {**DEFAULT,
                  'augment': False},
     'sweep': {'methods': ['source', 'tent', 'eata', 'sar', 'deyo', 'come', 'bpa'],
               'aggregators': ['ugsa'],
-              'privacy': ['plain', 'clip', 'dp-eps1', 'dp-eps5', 'dp-eps10', 'dp-eps20'],
+              'privacy': ['plain', 'clip', 'dp0', 'dp-eps1', 'dp-eps5', 'dp-eps10', 'dp-eps20'],
               'seeds': [0],
               'method_params': {}},
 }

@@ -8,6 +8,9 @@ Plain form, as the original:
 * PLPD = p(ŷ | x) − p(ŷ | x′) for the predicted class ŷ; keep samples with PLPD > plpd_threshold (0.2);
 * weight = 1/exp(H − E₀) + 1/exp(−PLPD) with E₀ = 0.4·ln C (both detached); loss = mean over kept.
 
+Clip-only form: the plain form with the sum of the kept samples' gradients, each clipped to C,
+in place of the gradient of their summed loss (still divided by the count kept).
+
 Private form: every quantity above belongs to one sample, so the filters become 0/1 weights
 and the weights are folded into that sample's clipped loss; the batch is divided by |B|.
 
@@ -46,8 +49,8 @@ def shuffle_patches(x: torch.Tensor, grid: int = 4, generator: torch.Generator |
 class DeYO(GradientMethod):
     def __init__(self, model, optimizer, params, *, num_classes: int, deyo_margin_coeff: float = 0.5,
                  e_margin_coeff: float = 0.4, plpd_threshold: float = 0.2, patch_len: int = 4,
-                 reweight_ent: float = 1.0, reweight_plpd: float = 1.0, steps: int = 1, private=None):
-        super().__init__(model, optimizer, params, steps=steps, private=private)
+                 reweight_ent: float = 1.0, reweight_plpd: float = 1.0, steps: int = 1, private=None, clip=None):
+        super().__init__(model, optimizer, params, steps=steps, private=private, clip=clip)
         self.deyo_margin = deyo_margin_coeff * math.log(num_classes)
         self.e_margin = e_margin_coeff * math.log(num_classes)
         self.plpd_threshold, self.patch_len = plpd_threshold, int(patch_len)

@@ -1,4 +1,4 @@
-"""Differential privacy for test-time adaptation: the private gradient and the μ-GDP ledger."""
+"""Differential privacy for test-time adaptation: the private gradient, the clip-only form and the μ-GDP ledger."""
 
 from fedcore.privacy.accountant import (
     CALIBRATIONS,
@@ -16,16 +16,19 @@ from fedcore.privacy.ledger import Ledger, PrivacyConfig
 from fedcore.privacy.dp import (
     BACKENDS,
     MODES,
+    ClippedGradient,
     PrivacySpec,
     PrivateGradient,
     check_private_model,
     flatten_per_sample,
     per_sample_grads_functorch,
+    per_sample_grads_joint,
     per_sample_grads_opacus,
     privatize,
 )
 
 __all__ = ["CALIBRATIONS", "GDPAccountant", "calibrate_sigma", "check_clip_norm", "check_delta", "check_epsilon",
-           "check_sigma", "gdp_delta", "gdp_epsilon", "mu_from_sigma", "BACKENDS", "MODES", "PrivacySpec",
-           "PrivateGradient", "check_private_model", "flatten_per_sample", "per_sample_grads_functorch", "per_sample_grads_opacus",
+           "check_sigma", "gdp_delta", "gdp_epsilon", "mu_from_sigma", "BACKENDS", "MODES", "ClippedGradient", "PrivacySpec",
+           "PrivateGradient", "check_private_model", "flatten_per_sample", "per_sample_grads_functorch",
+           "per_sample_grads_joint", "per_sample_grads_opacus",
            "privatize", "Ledger", "PrivacyConfig"]

@@ -1,11 +1,20 @@
-"""The private gradient of one test batch: per-sample clipping plus Gaussian noise.
+"""Per-sample clipping for test-time adaptation, with and without Gaussian noise.
+
+Two things live here.
+
+**The private gradient** of one test batch (modes ``dp`` and ``dp0``):
 
     ḡ_i = g_i / max(1, ‖g_i‖ / C)          Δ = (Σ_i ḡ_i + N(0, σ²C²I)) / |B|
 
 ``g_i`` is the gradient of sample i's own loss over all adapted parameters, flattened
 together. |B| is the batch size (public), never the number of samples a filter kept.
 Per-sample gradients come from torch.func (``vmap(grad(...))``, the default) or Opacus'
-GradSampleModule hooks; ``benchmarks/dp_step.py`` compares the two.
+GradSampleModule hooks; ``benchmarks/dp_step.py`` compares the two. ``dp0`` is this private
+form at σ = 0: no guarantee, and not the paper's clip-only ablation (below).
+
+**The paper's clip-only form** (mode ``clip``, :class:`ClippedGradient`): each method's plain
+update, filters and normaliser unchanged, with the gradient of the summed per-sample loss
+replaced by the sum of the per-sample gradients, each clipped to C.
 """
 
 from __future__ import annotations
@@ -21,20 +30,30 @@ from torch.func import functional_call, grad, vmap
 from fedcore.privacy.accountant import check_clip_norm, check_sigma
 
 BACKENDS = ("auto", "functorch", "opacus")
-MODES = ("off", "clip", "dp")
+# off: plain; clip: the paper's clip-only form; dp0: the private form at sigma = 0; dp: the private form.
+MODES = ("off", "clip", "dp0", "dp")
+PRIVATE_MODES = ("dp0", "dp")  # the modes that run the private form (PrivateGradient)
 
 Params = Dict[str, torch.Tensor]
 # sample_loss(logits, aux, params) -> per-sample losses (N,); aux holds per-sample tensors.
 SampleLoss = Callable[[torch.Tensor, Mapping[str, torch.Tensor], Params], torch.Tensor]
 
 
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"unknown privacy mode {mode!r}; valid names are: {', '.join(MODES)} "
+                         "(clip: the paper's clip-only form; dp0: the private form at sigma = 0)")
+    return mode
+
+
 @dataclass(frozen=True)
 class PrivacySpec:
     """How a client's updates are privatised.
 
-    ``mode``: ``off`` (plain), ``clip`` (per-sample clipping, σ = 0: no privacy, the paper's
-    stabilisation finding) or ``dp`` (clipping and noise σ). In ``dp`` mode ``noise_multiplier``
-    is the σ already calibrated for the target ε (see :func:`calibrate_sigma`).
+    ``mode``: ``off`` (plain); ``clip`` (the paper's clip-only ablation: each method's plain form
+    with per-sample clipping, no noise, no privacy); ``dp0`` (the private form below at σ = 0:
+    no privacy either); ``dp`` (the private form: clipping and noise σ). In ``dp`` mode
+    ``noise_multiplier`` is the σ already calibrated for the target ε (see :func:`calibrate_sigma`).
     """
 
     mode: str = "off"
@@ -43,27 +62,37 @@ class PrivacySpec:
     backend: str = "auto"  # auto: Opacus hooks for norm-only adaptation, torch.func otherwise (benchmarks/dp_step.py)
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"unknown privacy mode {self.mode!r}; valid names are: {', '.join(MODES)}")
+        check_mode(self.mode)
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown per-sample gradient backend {self.backend!r}; "
                              f"valid names are: {', '.join(BACKENDS)}")
         if self.mode != "off":
             check_clip_norm(self.clip_norm)
         check_sigma(self.noise_multiplier)
-        if self.mode == "clip" and self.noise_multiplier != 0:
-            raise ValueError("clip-only mode adds no noise; set noise_multiplier to 0 or use mode 'dp'")
+        if self.mode in ("clip", "dp0") and self.noise_multiplier != 0:
+            raise ValueError(f"mode {self.mode!r} adds no noise; set noise_multiplier to 0 or use mode 'dp'")
         if self.mode == "dp" and self.noise_multiplier == 0:
-            raise ValueError("mode 'dp' needs a noise multiplier > 0 (calibrate it from epsilon); "
-                             "for clipping without noise use mode 'clip'")
+            raise ValueError("mode 'dp' needs a noise multiplier > 0 (calibrate it from epsilon); for clipping "
+                             "without noise use mode 'clip' (the paper's clip-only form) or 'dp0' (the private "
+                             "form at sigma = 0)")
 
     @property
     def private(self) -> bool:
-        return self.mode != "off"
+        """True for the private form (``dp0``, ``dp``)."""
+        return self.mode in PRIVATE_MODES
+
+    @property
+    def clip_only(self) -> bool:
+        """True for the paper's clip-only form (``clip``)."""
+        return self.mode == "clip"
 
 
 def check_private_model(model: nn.Module) -> None:
-    """BatchNorm in train mode mixes the samples of a batch: no per-sample sensitivity bound."""
+    """BatchNorm in train mode mixes the samples of a batch: no per-sample sensitivity bound.
+
+    The private form (``dp``, ``dp0``) refuses it; the clip-only form does not need the bound
+    (see :class:`ClippedGradient`).
+    """
     bns = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if bns:
         raise ValueError(
@@ -124,13 +153,14 @@ def flatten_per_sample(per_sample: Params) -> torch.Tensor:
     return torch.cat([g.reshape(g.shape[0], -1) for g in per_sample.values()], dim=1)
 
 
-def privatize(per_sample: Params, *, clip_norm: float, noise_multiplier: float, batch_size: int,
+def privatize(per_sample: Params, *, clip_norm: float, noise_multiplier: float, batch_size: float,
               generator: torch.Generator | None = None) -> tuple[Params, Dict[str, float]]:
     """Clip each sample's joint gradient to ``clip_norm``, sum, add N(0, σ²C²), divide by ``batch_size``.
 
-    Returns the private gradient and two diagnostics computed from the clipped quantities'
-    inputs (``clip_fraction``: share of samples clipped; ``grad_norm``: mean per-sample norm).
-    The diagnostics are not private; they are for the operator's console only.
+    Returns the gradient and two diagnostics (``clip_fraction``: share of samples
+    clipped; ``grad_norm``: mean per-sample norm), over the samples whose gradient is not
+    zero (a sample a filter dropped has none). They are not private; they are for the
+    operator's console only.
     """
     keys = list(per_sample)
     norms = flatten_per_sample(per_sample).norm(dim=1)
@@ -143,30 +173,86 @@ def privatize(per_sample: Params, *, clip_norm: float, noise_multiplier: float, 
             summed = summed + noise_multiplier * clip_norm * torch.randn(
                 summed.shape, generator=generator, device=summed.device, dtype=summed.dtype)
         out[k] = summed / batch_size
-    stats = {"clip_fraction": float((norms > clip_norm).float().mean()), "grad_norm": float(norms.mean())}
+    live = norms[norms > 0]
+    stats = {"clip_fraction": float((live > clip_norm).float().mean()) if len(live) else 0.0,
+             "grad_norm": float(live.mean()) if len(live) else 0.0}
     return out, stats
 
 
-class PrivateGradient:
+class _RunningStats:
+    """Running means of the per-batch diagnostics over a client's batches."""
+
+    def __init__(self) -> None:
+        self.stats: Dict[str, float] = {"clip_fraction": 0.0, "grad_norm": 0.0}
+        self._calls = 0
+
+    def _add(self, stats: Mapping[str, float]) -> None:
+        self._calls += 1
+        for k, v in stats.items():
+            self.stats[k] += (v - self.stats[k]) / self._calls
+
+
+def per_sample_grads_joint(losses: torch.Tensor, params: Mapping[str, torch.Tensor]) -> Params:
+    """{name: (N, *shape)}: the gradient of each entry of ``losses`` (N,), from the one forward
+    pass that computed them all (the graph is kept for the caller's other uses)."""
+    eye = torch.eye(len(losses), dtype=losses.dtype, device=losses.device)
+    names = list(params)
+    grads = torch.autograd.grad(losses, [params[k] for k in names], grad_outputs=eye, is_grads_batched=True,
+                                allow_unused=True, retain_graph=True)
+    return {k: torch.zeros((len(losses), *params[k].shape), dtype=params[k].dtype, device=params[k].device)
+            if g is None else g for k, g in zip(names, grads)}
+
+
+class ClippedGradient(_RunningStats):
+    """The paper's clip-only form: Σ_i clip_C(∇ℓ_i) / normaliser in place of ∇(Σ_i ℓ_i) / normaliser.
+
+    DP-TTA's ablation keeps each method exactly as published (its filters, its normaliser,
+    SAR's two gradient evaluations and recovery, EATA's Fisher term) and only clips each
+    sample's gradient; no noise, so no privacy. The method calls this with the per-sample
+    losses of its ordinary forward pass and its own normaliser.
+
+    **What "per-sample gradient" means here**, and why BatchNorm models are allowed: g_i is
+    the gradient of sample i's loss ℓ_i through the joint forward pass of the whole batch,
+    computed by autograd with one batched backward (``is_grads_batched``). So Σ_i g_i is the
+    plain batch gradient exactly, on any model, and with C = ∞ this form *is* the plain form.
+    Under train-mode BatchNorm, g_i also carries sample i's pull on the batch statistics that
+    the other samples are normalised with; clipping then bounds how hard each loss term pulls,
+    which is what the ablation is about (stabilisation), while it bounds no sensitivity, which
+    it never claims. The per-sample alternative of torch.func or Opacus (one forward per
+    sample, or per-layer hooks) would be wrong on BatchNorm: a batch of one has other
+    statistics than the batch the method predicts with, so Σ_i g_i would not be the plain
+    gradient. On GroupNorm or LayerNorm models both definitions agree.
+    """
+
+    def __init__(self, *, clip_norm: float):
+        super().__init__()
+        self.clip_norm = check_clip_norm(clip_norm)
+
+    def __call__(self, losses: torch.Tensor, params: Mapping[str, torch.Tensor], normaliser: float) -> Params:
+        """Σ_i clip(∇ losses_i) / ``normaliser``, by parameter name; ``losses`` (N,) still has its graph."""
+        g, stats = privatize(per_sample_grads_joint(losses, params), clip_norm=self.clip_norm, noise_multiplier=0.0,
+                             batch_size=normaliser)
+        self._add(stats)
+        return g
+
+
+class PrivateGradient(_RunningStats):
     """Computes the private gradient of a batch for one method's per-sample loss."""
 
     def __init__(self, model: nn.Module, params: Dict[str, nn.Parameter], spec: PrivacySpec):
         if not spec.private:
-            raise ValueError("PrivateGradient needs privacy mode 'clip' or 'dp'")
+            raise ValueError("PrivateGradient needs privacy mode 'dp' or 'dp0'")
         check_private_model(model)
         if spec.backend == "auto":
             raise ValueError("resolve backend 'auto' before building the private gradient (see adapt._gradient_method)")
+        super().__init__()
         self.model, self.params, self.spec = model, params, spec
         self._fn = per_sample_grads_functorch if spec.backend == "functorch" else per_sample_grads_opacus
-        self.stats: Dict[str, float] = {"clip_fraction": 0.0, "grad_norm": 0.0}
-        self._calls = 0
 
     def __call__(self, sample_loss: SampleLoss, x: torch.Tensor, aux: Mapping[str, torch.Tensor]):
         """The private gradient, and the logits of the forward pass that computed it."""
         per_sample, logits = self._fn(self.model, dict(self.params), sample_loss, x, aux, with_logits=True)
         g, stats = privatize(per_sample, clip_norm=self.spec.clip_norm, noise_multiplier=self.spec.noise_multiplier,
                              batch_size=len(x))
-        self._calls += 1
-        for k, v in stats.items():  # running means over the client's batches
-            self.stats[k] += (v - self.stats[k]) / self._calls
+        self._add(stats)
         return g, logits

@@ -17,14 +17,15 @@ from fedcore.privacy.accountant import (
     gdp_epsilon,
     mu_from_sigma,
 )
-from fedcore.privacy.dp import BACKENDS, MODES, PrivacySpec
+from fedcore.privacy.dp import BACKENDS, PrivacySpec, check_mode
 
 
 @dataclass(frozen=True)
 class PrivacyConfig:
     """The privacy form of a run, as configured (``conf/privacy``).
 
-    ``mode``: ``off`` | ``clip`` (σ = 0) | ``dp``. In ``dp`` mode σ is calibrated so that one
+    ``mode``: ``off`` | ``clip`` (the paper's clip-only form) | ``dp0`` (the private form at
+    σ = 0) | ``dp``. Neither ``clip`` nor ``dp0`` has a guarantee. In ``dp`` mode σ is calibrated so that one
     arrival (every stream sample used ``uses`` times) costs ``epsilon`` at ``delta``, unless
     ``noise_multiplier`` gives σ directly. ``budget`` caps a client's cumulative ε over all its
     arrivals; a client that would exceed it is refused the update.
@@ -40,8 +41,7 @@ class PrivacyConfig:
     budget: Optional[float] = None
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"unknown privacy mode {self.mode!r}; valid names are: {', '.join(MODES)}")
+        check_mode(self.mode)
         if self.calibration not in CALIBRATIONS:
             raise ValueError(f"unknown calibration {self.calibration!r}; valid names are: {', '.join(CALIBRATIONS)}")
         if self.backend not in BACKENDS:
@@ -50,10 +50,10 @@ class PrivacyConfig:
         if self.mode == "off":
             return
         check_clip_norm(self.clip_norm)
-        if self.mode == "clip":
+        if self.mode in ("clip", "dp0"):
             if self.budget is not None or self.epsilon is not None:
-                raise ValueError("clip-only mode (sigma = 0) gives no privacy guarantee, so epsilon and budget "
-                                 "do not apply; use privacy mode 'dp' for a guarantee")
+                raise ValueError(f"privacy mode {self.mode!r} adds no noise and gives no privacy guarantee, so "
+                                 "epsilon and budget do not apply; use privacy mode 'dp' for a guarantee")
             return
         check_delta(self.delta)
         if self.noise_multiplier is None:
@@ -62,7 +62,8 @@ class PrivacyConfig:
                                  "or an explicit privacy.noise_multiplier")
             check_epsilon(self.epsilon)
         elif check_sigma(self.noise_multiplier) == 0:
-            raise ValueError("privacy mode 'dp' needs noise_multiplier > 0; for sigma = 0 use mode 'clip'")
+            raise ValueError("privacy mode 'dp' needs noise_multiplier > 0; for sigma = 0 use mode 'dp0' (the "
+                             "private form) or 'clip' (the paper's clip-only form)")
         if self.budget is not None:
             check_epsilon(self.budget)
 
