@@ -184,6 +184,7 @@ def _start_experiment_run(cfg: DictConfig, acfg, spec: ModelSpec, *, started_ms:
     pcfg = acfg.privacy_config()
     if pcfg.mode == "dp":
         params["privacy"]["sigma"] = pcfg.sigma(acfg.uses_per_arrival)
+        params["privacy"]["noise_source"] = pcfg.noise_source  # written out even where the default chose it
     mlflow.log_params(tracking.flatten(params))
     mlflow.set_tags({**tracking.lineage_tags(seed=acfg.seed, prepared=prepared_path(cfg),
                                              partition_dir=partition_dir(cfg),
@@ -363,7 +364,7 @@ def audit(cfg: DictConfig) -> List[Dict[str, Any]]:
     g = per_sample_grads_functorch(probe.model, dict(probe.params), probe.sample_loss, pool[:256], {})
     clip = 0.5 * float(flatten_per_sample(g).norm(dim=1).min())
     settings = [("dp0", PrivacySpec(mode="dp0", clip_norm=clip))] + [
-        (f"dp-eps{e:g}", PrivacySpec(mode="dp", clip_norm=clip,
+        (f"dp-eps{e:g}", PrivacySpec(mode="dp", clip_norm=clip, noise_source=str(a.noise_source),
                                      noise_multiplier=calibrate_sigma(float(e), float(dp["delta"]))))
         for e in a.epsilons]
     tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)

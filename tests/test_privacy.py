@@ -13,6 +13,7 @@ from fedcore.privacy import (
     PrivacyConfig,
     PrivacySpec,
     calibrate_sigma,
+    gaussian_noise,
     gdp_delta,
     gdp_epsilon,
     mu_from_sigma,
@@ -350,8 +351,8 @@ def test_every_method_has_a_deterministic_private_form(x, name):
         torch.manual_seed(3)
         m = gn_model()
         kw = {"source_x": x[:8]} if name == "eata" else {}
-        method = create_method(name, m, lr=0.05, num_classes=10, privacy=PrivacySpec(mode="dp", noise_multiplier=1.0),
-                               **kw)
+        method = create_method(name, m, lr=0.05, num_classes=10, **kw,
+                               privacy=PrivacySpec(mode="dp", noise_multiplier=1.0, noise_source="seeded"))
         for _ in range(3):
             out = method(x)
         return out, m.state_dict()
@@ -361,6 +362,57 @@ def test_every_method_has_a_deterministic_private_form(x, name):
     assert all(torch.equal(s1[k], s2[k]) for k in s1)
     base = gn_model().state_dict()
     assert any(not torch.equal(s1[k], base[k]) for k in s1)  # it did adapt
+
+
+# ------------------------------------------------------------------------------------ the noise source
+def test_secure_noise_is_standard_normal_and_never_repeats():
+    a = gaussian_noise((400_000,), std=1.0, source="secure", dtype=torch.float64)
+    b = gaussian_noise((400_000,), std=1.0, source="secure", dtype=torch.float64)
+    assert not torch.equal(a, b)
+    assert abs(float(a.mean())) < 0.01 and float(a.std()) == pytest.approx(1.0, abs=0.01)
+    assert float(((a - a.mean()) ** 4).mean() / a.var() ** 2) == pytest.approx(3.0, abs=0.05)  # Gaussian tails
+    from scipy.stats import kstest
+
+    assert kstest(b[:20_000].numpy(), "norm").pvalue > 1e-4
+    g = gaussian_noise((3, 4), std=2.5, source="secure")
+    assert g.shape == (3, 4) and g.dtype == torch.float32
+
+
+def test_seeded_noise_is_torchs_generator():
+    torch.manual_seed(11)
+    a = gaussian_noise((5,), std=2.0, source="seeded")
+    torch.manual_seed(11)
+    assert torch.equal(a, 2.0 * torch.randn(5))
+
+
+@pytest.mark.parametrize("kwargs", [dict(mode="dp", epsilon=1.0, noise_source="urandom"),
+                                    dict(mode="dp", epsilon=1.0, noise_source="Secure")])
+def test_an_unknown_noise_source_names_the_valid_ones(kwargs):
+    with pytest.raises(ValueError, match="valid names are: secure, seeded"):
+        PrivacyConfig(**kwargs)
+    with pytest.raises(ValueError, match="valid names are: secure, seeded"):
+        PrivacySpec(mode="dp", noise_multiplier=1.0, noise_source=kwargs["noise_source"])
+
+
+def test_dp_noise_defaults_to_the_secure_source():
+    assert PrivacySpec().noise_source == "secure"
+    assert PrivacyConfig(mode="dp", epsilon=1.0).spec(1).noise_source == "secure"
+
+
+@pytest.mark.parametrize("source", ["secure", "seeded"])
+def test_two_runs_of_one_config_differ_only_with_the_secure_source(x, source):
+    """The same seed, the same data: seeded noise repeats (anyone with the seed can subtract it), secure does not."""
+    def run():
+        torch.manual_seed(3)
+        m = gn_model()
+        method = create_method("tent", m, lr=0.5, privacy=PrivacySpec(mode="dp", noise_multiplier=1.0,
+                                                                       noise_source=source))
+        method(x)
+        return m.state_dict()
+
+    a, b = run(), run()
+    same = all(torch.equal(a[k], b[k]) for k in a)
+    assert same == (source == "seeded")
 
 
 # ------------------------------------------------------------------------------------ audit

@@ -20,7 +20,7 @@ def cfg(privacy, **kw):
     return ArrivalConfig(**base)
 
 
-DP = {"mode": "dp", "epsilon": 5.0, "delta": 1e-6, "clip_norm": 1.0}
+DP = {"mode": "dp", "epsilon": 5.0, "delta": 1e-6, "clip_norm": 1.0, "noise_source": "seeded"}  # tests compare numbers
 
 
 def test_ledger_composes_over_passes_and_is_logged_per_arrival(tiny_gn):
@@ -88,6 +88,14 @@ def test_clip_only_runs_on_batchnorm_in_the_loop_and_dp0_does_not(tiny):
     assert res.records[-1]["drift_total"] > 0
     with pytest.raises(ValueError, match="model.norm=group"):
         run_arrivals(tiny["partition"], tiny["spec"], tiny["source"], cfg({"mode": "dp0", "clip_norm": 1.0}, passes=1))
+
+
+@pytest.mark.parametrize("source", ["secure", "seeded"])
+def test_the_same_config_twice_gives_the_same_updates_only_when_seeded(tiny_gn, source):
+    c = cfg({**DP, "noise_source": source}, passes=1)
+    a, b = (run_arrivals(tiny_gn["partition"], tiny_gn["spec"], tiny_gn["source"], c) for _ in range(2))
+    same = all(torch.equal(a.final_state[k], b.final_state[k]) for k in a.final_state)
+    assert same == (source == "seeded")
 
 
 def test_private_form_needs_a_gradient_method_and_groupnorm(tiny):

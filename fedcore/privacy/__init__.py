@@ -16,11 +16,13 @@ from fedcore.privacy.ledger import Ledger, PrivacyConfig
 from fedcore.privacy.dp import (
     BACKENDS,
     MODES,
+    NOISE_SOURCES,
     ClippedGradient,
     PrivacySpec,
     PrivateGradient,
     check_private_model,
     flatten_per_sample,
+    gaussian_noise,
     per_sample_grads_functorch,
     per_sample_grads_joint,
     per_sample_grads_opacus,
@@ -28,7 +30,7 @@ from fedcore.privacy.dp import (
 )
 
 __all__ = ["CALIBRATIONS", "GDPAccountant", "calibrate_sigma", "check_clip_norm", "check_delta", "check_epsilon",
-           "check_sigma", "gdp_delta", "gdp_epsilon", "mu_from_sigma", "BACKENDS", "MODES", "ClippedGradient", "PrivacySpec",
-           "PrivateGradient", "check_private_model", "flatten_per_sample", "per_sample_grads_functorch",
+           "check_sigma", "gdp_delta", "gdp_epsilon", "mu_from_sigma", "BACKENDS", "MODES", "NOISE_SOURCES", "ClippedGradient", "PrivacySpec",
+           "PrivateGradient", "check_private_model", "flatten_per_sample", "gaussian_noise", "per_sample_grads_functorch",
            "per_sample_grads_joint", "per_sample_grads_opacus",
            "privatize", "Ledger", "PrivacyConfig"]

@@ -15,14 +15,21 @@ form at σ = 0: no guarantee, and not the paper's clip-only ablation (below).
 **The paper's clip-only form** (mode ``clip``, :class:`ClippedGradient`): each method's plain
 update, filters and normaliser unchanged, with the gradient of the summed per-sample loss
 replaced by the sum of the per-sample gradients, each clipped to C.
+
+The noise comes from a source chosen by name (:data:`NOISE_SOURCES`, :func:`gaussian_noise`):
+``secure`` draws from the operating system's entropy pool, so nobody can regenerate it from
+the run's logged seed; ``seeded`` draws from torch's generator, for reproducible research runs.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, Mapping
 
+import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
@@ -33,6 +40,7 @@ BACKENDS = ("auto", "functorch", "opacus")
 # off: plain; clip: the paper's clip-only form; dp0: the private form at sigma = 0; dp: the private form.
 MODES = ("off", "clip", "dp0", "dp")
 PRIVATE_MODES = ("dp0", "dp")  # the modes that run the private form (PrivateGradient)
+NOISE_SOURCES = ("secure", "seeded")
 
 Params = Dict[str, torch.Tensor]
 # sample_loss(logits, aux, params) -> per-sample losses (N,); aux holds per-sample tensors.
@@ -46,6 +54,14 @@ def check_mode(mode: str) -> str:
     return mode
 
 
+def check_noise_source(source: str) -> str:
+    if source not in NOISE_SOURCES:
+        raise ValueError(f"unknown privacy noise_source {source!r}; valid names are: {', '.join(NOISE_SOURCES)} "
+                         "(secure: OS entropy, for any run whose guarantee matters; seeded: torch's generator, "
+                         "reproducible from the run's seed, for research grids)")
+    return source
+
+
 @dataclass(frozen=True)
 class PrivacySpec:
     """How a client's updates are privatised.
@@ -53,16 +69,19 @@ class PrivacySpec:
     ``mode``: ``off`` (plain); ``clip`` (the paper's clip-only ablation: each method's plain form
     with per-sample clipping, no noise, no privacy); ``dp0`` (the private form below at σ = 0:
     no privacy either); ``dp`` (the private form: clipping and noise σ). In ``dp`` mode
-    ``noise_multiplier`` is the σ already calibrated for the target ε (see :func:`calibrate_sigma`).
+    ``noise_multiplier`` is the σ already calibrated for the target ε (see :func:`calibrate_sigma`),
+    and ``noise_source`` says where the noise comes from (:func:`gaussian_noise`).
     """
 
     mode: str = "off"
     clip_norm: float = 1.0
     noise_multiplier: float = 0.0
     backend: str = "auto"  # auto: Opacus hooks for norm-only adaptation, torch.func otherwise (benchmarks/dp_step.py)
+    noise_source: str = "secure"
 
     def __post_init__(self) -> None:
         check_mode(self.mode)
+        check_noise_source(self.noise_source)
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown per-sample gradient backend {self.backend!r}; "
                              f"valid names are: {', '.join(BACKENDS)}")
@@ -85,6 +104,43 @@ class PrivacySpec:
     def clip_only(self) -> bool:
         """True for the paper's clip-only form (``clip``)."""
         return self.mode == "clip"
+
+
+def _secure_standard_normal(n: int) -> torch.Tensor:
+    """``n`` float64 N(0, 1) draws from OS entropy: 2×53-bit uniforms per pair, Box–Muller.
+
+    Each output is the sum of four such draws over 2 (still N(0, 1)), Opacus' ``secure_mode``
+    remedy against attacks on the floating-point gaps of a single Box–Muller draw (Mironov 2012;
+    Holohan & Braghin 2021, section 5.1).
+    """
+    pairs = 2 * n  # four draws per output, two per Box–Muller pair
+    words = np.frombuffer(os.urandom(16 * pairs), dtype=np.uint64).reshape(2, pairs)
+    u1 = ((words[0] >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0 ** -53  # (0, 1]: log is finite
+    u2 = (words[1] >> np.uint64(11)).astype(np.float64) * 2.0 ** -53  # [0, 1)
+    r = np.sqrt(-2.0 * np.log(u1))
+    z = np.concatenate([r * np.cos(2 * np.pi * u2), r * np.sin(2 * np.pi * u2)])[: 4 * n]
+    return torch.from_numpy(z.reshape(4, n).sum(0) / 2.0)
+
+
+def gaussian_noise(shape, *, std: float, source: str, device=None, dtype=torch.float32,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """N(0, std²) of the given shape from the named source (:data:`NOISE_SOURCES`).
+
+    ``seeded``: ``torch.randn`` on ``generator`` (default: torch's global generator, which
+    the engine seeds per arrival), so a run is reproducible bit for bit, and anyone who reads
+    its seed can regenerate the noise and subtract it: no guarantee. ``secure``: drawn from
+    ``os.urandom`` in float64 (:func:`_secure_standard_normal`), then cast; it cannot be
+    regenerated. We do not use a torch generator seeded from OS entropy: its stream is
+    Mersenne Twister (CPU) or Philox (CUDA), not a cryptographic generator, and its 64-bit
+    seed bounds the entropy of every draw it makes. torchcsprng, which Opacus' secure mode
+    needs, has no build for torch 2.x on pip.
+    """
+    check_noise_source(source)
+    shape = tuple(shape)
+    if source == "seeded":
+        return std * torch.randn(shape, generator=generator, device=device, dtype=dtype)
+    n = math.prod(shape)
+    return (std * _secure_standard_normal(n)).reshape(shape).to(device=device, dtype=dtype)
 
 
 def check_private_model(model: nn.Module) -> None:
@@ -154,10 +210,12 @@ def flatten_per_sample(per_sample: Params) -> torch.Tensor:
 
 
 def privatize(per_sample: Params, *, clip_norm: float, noise_multiplier: float, batch_size: float,
+              noise_source: str = "secure",
               generator: torch.Generator | None = None) -> tuple[Params, Dict[str, float]]:
     """Clip each sample's joint gradient to ``clip_norm``, sum, add N(0, σ²C²), divide by ``batch_size``.
 
-    Returns the gradient and two diagnostics (``clip_fraction``: share of samples
+    The noise comes from ``noise_source`` (:func:`gaussian_noise`; ``generator`` only for
+    ``seeded``). Returns the gradient and two diagnostics (``clip_fraction``: share of samples
     clipped; ``grad_norm``: mean per-sample norm), over the samples whose gradient is not
     zero (a sample a filter dropped has none). They are not private; they are for the
     operator's console only.
@@ -170,8 +228,8 @@ def privatize(per_sample: Params, *, clip_norm: float, noise_multiplier: float, 
         g = per_sample[k]
         summed = torch.einsum("b,b...->...", factor, g)
         if noise_multiplier > 0:
-            summed = summed + noise_multiplier * clip_norm * torch.randn(
-                summed.shape, generator=generator, device=summed.device, dtype=summed.dtype)
+            summed = summed + gaussian_noise(summed.shape, std=noise_multiplier * clip_norm, source=noise_source,
+                                             generator=generator, device=summed.device, dtype=summed.dtype)
         out[k] = summed / batch_size
     live = norms[norms > 0]
     stats = {"clip_fraction": float((live > clip_norm).float().mean()) if len(live) else 0.0,
@@ -253,6 +311,6 @@ class PrivateGradient(_RunningStats):
         """The private gradient, and the logits of the forward pass that computed it."""
         per_sample, logits = self._fn(self.model, dict(self.params), sample_loss, x, aux, with_logits=True)
         g, stats = privatize(per_sample, clip_norm=self.spec.clip_norm, noise_multiplier=self.spec.noise_multiplier,
-                             batch_size=len(x))
+                             batch_size=len(x), noise_source=self.spec.noise_source)
         self._add(stats)
         return g, logits

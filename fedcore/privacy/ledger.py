@@ -17,7 +17,7 @@ from fedcore.privacy.accountant import (
     gdp_epsilon,
     mu_from_sigma,
 )
-from fedcore.privacy.dp import BACKENDS, PrivacySpec, check_mode
+from fedcore.privacy.dp import BACKENDS, PrivacySpec, check_mode, check_noise_source
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,9 @@ class PrivacyConfig:
     σ = 0) | ``dp``. Neither ``clip`` nor ``dp0`` has a guarantee. In ``dp`` mode σ is calibrated so that one
     arrival (every stream sample used ``uses`` times) costs ``epsilon`` at ``delta``, unless
     ``noise_multiplier`` gives σ directly. ``budget`` caps a client's cumulative ε over all its
-    arrivals; a client that would exceed it is refused the update.
+    arrivals; a client that would exceed it is refused the update. ``noise_source``: ``secure``
+    (OS entropy, the default: the only source under which the guarantee holds against someone who
+    can read the run's seed) or ``seeded`` (torch's generator, for reproducible research runs).
     """
 
     mode: str = "off"
@@ -39,9 +41,11 @@ class PrivacyConfig:
     calibration: str = "dp-tta"
     backend: str = "auto"
     budget: Optional[float] = None
+    noise_source: str = "secure"
 
     def __post_init__(self) -> None:
         check_mode(self.mode)
+        check_noise_source(self.noise_source)
         if self.calibration not in CALIBRATIONS:
             raise ValueError(f"unknown calibration {self.calibration!r}; valid names are: {', '.join(CALIBRATIONS)}")
         if self.backend not in BACKENDS:
@@ -86,7 +90,7 @@ class PrivacyConfig:
 
     def spec(self, uses: int) -> PrivacySpec:
         return PrivacySpec(mode=self.mode, clip_norm=self.clip_norm, noise_multiplier=self.sigma(uses),
-                           backend=self.backend)
+                           backend=self.backend, noise_source=self.noise_source)
 
     @property
     def accounted(self) -> bool:
