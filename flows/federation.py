@@ -185,6 +185,7 @@ def _start_experiment_run(cfg: DictConfig, acfg, spec: ModelSpec, *, started_ms:
     if pcfg.mode == "dp":
         params["privacy"]["sigma"] = pcfg.sigma(acfg.uses_per_arrival)
         params["privacy"]["noise_source"] = pcfg.noise_source  # written out even where the default chose it
+        params["privacy"]["gate_noise_multiplier"] = pcfg.gate_noise_multiplier
     mlflow.log_params(tracking.flatten(params))
     mlflow.set_tags({**tracking.lineage_tags(seed=acfg.seed, prepared=prepared_path(cfg),
                                              partition_dir=partition_dir(cfg),

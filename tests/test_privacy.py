@@ -13,6 +13,8 @@ from fedcore.privacy import (
     PrivacyConfig,
     PrivacySpec,
     calibrate_sigma,
+    gate_mu,
+    gate_noise_std,
     gaussian_noise,
     gdp_delta,
     gdp_epsilon,
@@ -20,6 +22,7 @@ from fedcore.privacy import (
     per_sample_grads_functorch,
     per_sample_grads_opacus,
     privatize,
+    privatize_gate,
 )
 from fedcore.privacy.audit import canary_audit, epsilon_lower_bound
 
@@ -117,6 +120,84 @@ def test_ledger_refuses_once_the_budget_would_be_exceeded():
     rec = led.record(0, refused=True)
     assert rec["privacy_refused"] == 1.0 and rec["eps_arrival"] == 0.0
     assert rec["eps_budget_remaining"] == pytest.approx(6.0 - led.epsilon(0))
+
+
+# ------------------------------------------------------------------------------------ the gate statistic
+def test_the_released_gate_statistic_carries_noise_of_std_z_lnC_over_n():
+    """σ_k + N(0, (z ln C / n)²): the Gaussian mechanism for a mean of values in [0, ln C]."""
+    cfg = PrivacyConfig(mode="dp", epsilon=5.0, gate_noise_multiplier=4.0, noise_source="seeded")
+    n, exact = 500, 1.2
+    torch.manual_seed(0)
+    draws = np.array([privatize_gate(exact, cfg, num_classes=10, n=n) for _ in range(20_000)])
+    std = 4.0 * math.log(10) / n
+    assert gate_noise_std(num_classes=10, n=n, noise_multiplier=4.0) == pytest.approx(std)
+    assert draws.std() == pytest.approx(std, rel=0.03)
+    assert abs(draws.mean() - exact) < 4 * std / math.sqrt(len(draws))
+    # clamped to [0, ln C]: post-processing
+    edge = [privatize_gate(0.0, cfg, num_classes=10, n=2) for _ in range(200)]
+    assert min(edge) == 0.0 and max(edge) <= math.log(10) and len(set(edge)) > 1
+    # no release to privatise outside dp mode
+    for mode in ("off", "clip", "dp0"):
+        assert privatize_gate(exact, PrivacyConfig(mode=mode), num_classes=10, n=n) == exact
+
+
+def test_the_ledger_charges_the_gate_release_by_mu_gdp_composition():
+    sigma, z, delta = 2.0, 3.0, 1e-6
+    led = Ledger(PrivacyConfig(mode="dp", noise_multiplier=sigma, gate_noise_multiplier=z), uses=1)
+    update_only = gdp_epsilon(mu_from_sigma(sigma), delta)
+    assert led.arrival_epsilon() == pytest.approx(gdp_epsilon(math.sqrt((2 / sigma) ** 2 + (1 / z) ** 2), delta))
+    assert led.arrival_epsilon() > update_only
+    for _ in range(3):
+        led.charge(0)
+    assert led.epsilon(0) == pytest.approx(gdp_epsilon(math.sqrt(3 * ((2 / sigma) ** 2 + 1 / z ** 2)), delta))
+    assert gate_mu(z) == pytest.approx(1 / z)
+    # the state round-trips, and a state written before the gate was accounted reads as no gate release
+    again = GDPAccountant()
+    again.load_state_dict(led.state_dict()[0])
+    assert again.mu == pytest.approx(led.account(0).mu)
+    old = GDPAccountant()
+    old.load_state_dict({"mechanism": "gdp", "history": [[sigma, 1]]})
+    assert old.get_epsilon(delta) == pytest.approx(update_only)
+
+
+def test_a_budget_refuses_one_arrival_earlier_once_the_gate_is_charged():
+    sigma, z = 2.0, 3.0  # mu per arrival: 1 for the update, 1/3 for the gate
+    budget = gdp_epsilon(math.sqrt(4.2), 1e-6)  # 4 updates alone fit (mu² = 4), 4 with the gate do not (4.44)
+    led = Ledger(PrivacyConfig(mode="dp", noise_multiplier=sigma, gate_noise_multiplier=z, budget=budget), uses=1)
+    granted = 0
+    while not led.would_exceed(0):
+        led.charge(0)
+        granted += 1
+    assert granted == 3
+    alone = GDPAccountant()  # the same budget without the gate's charge
+    updates = 0
+    while alone.epsilon_after(noise_multiplier=sigma, uses=1, delta=1e-6) <= budget:
+        alone.step(noise_multiplier=sigma)
+        updates += 1
+    assert updates == 4
+
+
+@pytest.mark.parametrize("method", ["exact", "dp-tta"])
+def test_sigma_calibration_leaves_room_for_the_gate(method):
+    """σ is calibrated for what the gate leaves: the arrival (update + gate) costs what the target allots."""
+    for eps in (1.0, 5.0, 20.0):
+        whole = calibrate_sigma(eps, 1e-6, method=method)
+        split = calibrate_sigma(eps, 1e-6, method=method, reserved_mu=0.1)
+        assert split > whole
+        total = math.sqrt(mu_from_sigma(split) ** 2 + 0.1 ** 2)
+        assert total == pytest.approx(mu_from_sigma(whole), rel=1e-9)
+        if method == "exact":
+            assert gdp_epsilon(total, 1e-6) == pytest.approx(eps, rel=1e-6)
+    cfg = PrivacyConfig(mode="dp", epsilon=1.0, calibration=method)
+    assert cfg.sigma(1) == pytest.approx(calibrate_sigma(1.0, 1e-6, method=method, reserved_mu=0.1))
+    with pytest.raises(ValueError, match="raise privacy.gate_noise_multiplier above"):
+        calibrate_sigma(1.0, 1e-6, method=method, reserved_mu=1.0)
+
+
+@pytest.mark.parametrize("z", [0.0, -1.0, float("inf"), None])
+def test_a_gate_without_noise_is_refused_in_dp_mode(z):
+    with pytest.raises(ValueError, match="gate_noise_multiplier must be a finite number > 0"):
+        PrivacyConfig(mode="dp", epsilon=1.0, gate_noise_multiplier=z)
 
 
 # ------------------------------------------------------------------------------------ private gradients
