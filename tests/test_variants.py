@@ -87,7 +87,8 @@ DEFAULT = {
               'privacy': ['plain'],
               'noise_source': None,
               'seeds': [0],
-              'method_params': {}},
+              'method_params': {},
+              'aggregator_params': {}},
     'audit': {'client': 0,
               'epsilons': [1, 5, 10, 20],
               'trials': 200,
@@ -174,7 +175,8 @@ PRIVATE = {**DEFAULT,
               'privacy': ['plain', 'clip', 'dp0', 'dp-eps1', 'dp-eps5', 'dp-eps10', 'dp-eps20'],
               'noise_source': 'seeded',
               'seeds': [0],
-              'method_params': {}},
+              'method_params': {},
+              'aggregator_params': {}},
 }
 
 EXPECTED = {"mnist": DEFAULT, "cifar10": CIFAR10, "private": PRIVATE}
