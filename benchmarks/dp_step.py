@@ -7,10 +7,10 @@ GroupNorm) and each set of adapted parameters (norm affine only, as Tent; all), 
 Tent's whole step (predict, per-sample gradients, clip, step) in three forms:
 
 * plain: the ordinary autograd step (the baseline, ratio 1.0);
-* clip-only via Opacus: GradSampleModule hooks;
-* clip-only via torch.func: vmap(grad(...)).
+* dp0 (the private form at sigma = 0) via Opacus: GradSampleModule hooks;
+* dp0 via torch.func: vmap(grad(...)).
 
-Clip-only (sigma = 0) costs the same as DP: the noise is one randn per parameter.
+dp0 costs what DP costs, less the noise: one draw per parameter.
 
 Timing: the three forms run in one process, interleaved (``--rounds`` rounds of ``--steps``
 steps each, the median round per form), so that a busy machine slows them alike; the ratio
@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MODELS = {"cnn": (1, 28), "resnet20": (3, 32)}
-FORMS = [("plain", None), ("clip/opacus", "opacus"), ("clip/torch.func", "functorch")]
+FORMS = [("plain", None), ("dp0/opacus", "opacus"), ("dp0/torch.func", "functorch")]
 TARGET = {"norm": 1.5, "all": 2.5}
 
 
@@ -47,7 +47,7 @@ def _build(model_name: str, which: str, backend: str | None, device: str):
     cin, size = MODELS[model_name]
     dev = torch.device(device)
     model = create_model(model_name, in_channels=cin, num_classes=10, norm="group").to(dev)
-    spec = None if backend is None else PrivacySpec(mode="clip", clip_norm=1.0, backend=backend)
+    spec = None if backend is None else PrivacySpec(mode="dp0", clip_norm=1.0, backend=backend)
     method = create_method("tent", model, lr=0.01, adapt_params=which, privacy=spec)
     return method, torch.randn(64, cin, size, size, device=dev)
 

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fedcore.data.corruptions import CORRUPTION_NAMES
 from fedcore.engine import ArrivalConfig, ModelSpec, RoundConfig
-from fedcore.privacy import PrivacyConfig
+from fedcore.privacy import NOISE_SOURCES, PrivacyConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = ROOT / "conf"
@@ -86,6 +86,10 @@ def _validate_run(cfg: DictConfig) -> None:
         raise ValueError(f"data.severity must be in 1..5, got {d.severity}")
     pretrain_config(cfg)
     arrival_config(cfg)  # checks method, aggregator, lr, gamma, beta, passes, privacy
+    source = cfg.sweep.get("noise_source", None) if "sweep" in cfg else None
+    if source is not None and str(source) not in NOISE_SOURCES:
+        raise ValueError(f"sweep.noise_source={source!r}; valid values are: {', '.join(NOISE_SOURCES)}, or null "
+                         "for each form's own privacy.noise_source")
     forms = list(cfg.sweep.get("privacy", None) or []) if "sweep" in cfg else []
     for form in forms:  # a bad sweep form fails here, before any stage starts work
         PrivacyConfig.from_dict(privacy_form(cfg, str(form)))
@@ -106,9 +110,11 @@ def pretrain_config(cfg: DictConfig) -> RoundConfig:
 
 
 def privacy_form(cfg: DictConfig, form: str | None) -> Dict[str, Any]:
-    """The privacy settings of a form: ``plain``, ``clip``, ``dp`` or ``dp-eps<e>`` (dp with epsilon e).
+    """The privacy settings of a form: ``plain``, ``clip``, ``dp0``, ``dp`` or ``dp-eps<e>`` (dp with epsilon e).
 
-    ``None`` means the selected ``privacy`` group as configured.
+    ``None`` means the selected ``privacy`` group as configured. A named form is a sweep cell: its
+    dp settings take the grid's ``sweep.noise_source`` when that is set (research grids say
+    ``seeded``, so that DVC reruns them bit for bit).
     """
     if form is None:
         return dict(OmegaConf.to_container(cfg.privacy, resolve=True)) if "privacy" in cfg else {}
@@ -118,12 +124,16 @@ def privacy_form(cfg: DictConfig, form: str | None) -> Dict[str, Any]:
     out = dict(OmegaConf.to_container(base, resolve=True))
     if eps:
         if name != "dp":
-            raise ValueError(f"privacy form {form!r}: only dp takes -eps<e>; valid forms are: plain, clip, dp, dp-eps<e>")
+            raise ValueError(f"privacy form {form!r}: only dp takes -eps<e>; valid forms are: plain, clip, dp0, dp, "
+                             "dp-eps<e>")
         try:
             out["epsilon"] = float(eps)
         except ValueError:
             raise ValueError(f"privacy form {form!r}: {eps!r} is not a number (e.g. dp-eps5)") from None
         out["noise_multiplier"] = None
+    source = cfg.sweep.get("noise_source", None) if "sweep" in cfg else None
+    if source is not None and out.get("mode") == "dp":
+        out["noise_source"] = str(source)
     return out
 
 

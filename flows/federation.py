@@ -184,6 +184,8 @@ def _start_experiment_run(cfg: DictConfig, acfg, spec: ModelSpec, *, started_ms:
     pcfg = acfg.privacy_config()
     if pcfg.mode == "dp":
         params["privacy"]["sigma"] = pcfg.sigma(acfg.uses_per_arrival)
+        params["privacy"]["noise_source"] = pcfg.noise_source  # written out even where the default chose it
+        params["privacy"]["gate_noise_multiplier"] = pcfg.gate_noise_multiplier
     mlflow.log_params(tracking.flatten(params))
     mlflow.set_tags({**tracking.lineage_tags(seed=acfg.seed, prepared=prepared_path(cfg),
                                              partition_dir=partition_dir(cfg),
@@ -341,7 +343,8 @@ def sweep(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> List[
 
 
 def audit(cfg: DictConfig) -> List[Dict[str, Any]]:
-    """The canary audit on a real client's stream, one setting per ε (and clip-only), logged to MLflow."""
+    """The canary audit on a real client's stream, one setting per ε (and dp0, the private step at σ = 0),
+    logged to MLflow."""
     from fedcore.privacy import PrivacySpec, calibrate_sigma, flatten_per_sample, per_sample_grads_functorch
     from fedcore.privacy.audit import canary_audit
     from fedcore.adapt import create_method
@@ -361,8 +364,8 @@ def audit(cfg: DictConfig) -> List[Dict[str, Any]]:
     probe = create_method("tent", build(), lr=float(a.lr))
     g = per_sample_grads_functorch(probe.model, dict(probe.params), probe.sample_loss, pool[:256], {})
     clip = 0.5 * float(flatten_per_sample(g).norm(dim=1).min())
-    settings = [("clip", PrivacySpec(mode="clip", clip_norm=clip))] + [
-        (f"dp-eps{e:g}", PrivacySpec(mode="dp", clip_norm=clip,
+    settings = [("dp0", PrivacySpec(mode="dp0", clip_norm=clip))] + [
+        (f"dp-eps{e:g}", PrivacySpec(mode="dp", clip_norm=clip, noise_source=str(a.noise_source),
                                      noise_multiplier=calibrate_sigma(float(e), float(dp["delta"]))))
         for e in a.epsilons]
     tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)

@@ -130,6 +130,19 @@ def test_deyo_weights_and_filters(x):
     assert all(torch.equal(before[k], m.state_dict()[k]) for k in before)
 
 
+def test_deyo_adapts_a_batchnorm_model_and_its_shuffled_pass_leaves_the_statistics(x):
+    """The x' pass once restored the running statistics in place, which broke the backward of the
+    first forward (whose graph saved them) whenever a sample passed the filters."""
+    m, ref = model(), model()
+    method = create_method("deyo", m, lr=0.1, num_classes=10, deyo_margin_coeff=1.0, plpd_threshold=-1.0)
+    method(x)
+    assert method.kept == len(x)
+    ref.train()(x)  # one batch-statistics pass: what the running statistics should have seen
+    for k, b in ref.named_buffers():
+        assert torch.equal(b, dict(m.named_buffers())[k]), k
+    assert any(not torch.equal(p, dict(ref.named_parameters())[k]) for k, p in m.named_parameters())
+
+
 def test_methods_skip_the_update_when_every_sample_is_filtered(x):
     m = model()
     before = copy.deepcopy(m.state_dict())

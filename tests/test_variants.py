@@ -85,14 +85,17 @@ DEFAULT = {
     'sweep': {'methods': ['source', 'bn', 'tent', 'bpa'],
               'aggregators': ['none', 'sequential', 'fedavg', 'ugsa'],
               'privacy': ['plain'],
+              'noise_source': None,
               'seeds': [0],
-              'method_params': {}},
+              'method_params': {},
+              'aggregator_params': {}},
     'audit': {'client': 0,
               'epsilons': [1, 5, 10, 20],
               'trials': 200,
               'stream_size': 4,
               'confidence': 0.95,
-              'lr': 0.1},
+              'lr': 0.1,
+              'noise_source': 'seeded'},
 }
 CIFAR10 = {**DEFAULT,
     'paths': {'data_root': '../shared/data',
@@ -169,9 +172,11 @@ PRIVATE = {**DEFAULT,
                  'augment': False},
     'sweep': {'methods': ['source', 'tent', 'eata', 'sar', 'deyo', 'come', 'bpa'],
               'aggregators': ['ugsa'],
-              'privacy': ['plain', 'clip', 'dp-eps1', 'dp-eps5', 'dp-eps10', 'dp-eps20'],
+              'privacy': ['plain', 'clip', 'dp0', 'dp-eps1', 'dp-eps5', 'dp-eps10', 'dp-eps20'],
+              'noise_source': 'seeded',
               'seeds': [0],
-              'method_params': {}},
+              'method_params': {},
+              'aggregator_params': {}},
 }
 
 EXPECTED = {"mnist": DEFAULT, "cifar10": CIFAR10, "private": PRIVATE}
@@ -244,6 +249,20 @@ def test_a_variant_name_two_systems_define_is_refused():
 def test_a_bad_value_in_a_variant_fails_before_any_stage():
     with pytest.raises(ValueError, match="only dp takes -eps"):
         C.compose(["dptta.variants.private.sweep.privacy=[clip-eps5]"])
+    with pytest.raises(ValueError, match="sweep.noise_source='seedless'; valid values are: secure, seeded"):
+        C.compose(["dptta.variants.private.sweep.noise_source=seedless"])
+
+
+@pytest.mark.parametrize("source", ["conf", "params.yaml"])
+def test_the_research_grid_draws_seeded_noise_and_a_plain_dp_run_secure_noise(source):
+    """DVC reruns the private grid bit for bit, so its dp cells are seeded; a dp run outside a grid is secure."""
+    over = ["variant=private"]
+    cfg = C.compose(over) if source == "conf" else C.load(C.PARAMS, over)
+    assert C.privacy_form(cfg, "dp-eps5")["noise_source"] == "seeded"
+    assert C.arrival_config(cfg, method="tent", form="dp-eps1").privacy_config().noise_source == "seeded"
+    assert "noise_source" not in C.privacy_form(cfg, "clip")
+    assert C.arrival_config(C.compose(["privacy=dp"])).privacy_config().noise_source == "secure"
+    assert C.privacy_form(C.compose([]), "dp-eps5")["noise_source"] == "secure"
 
 
 def test_the_audit_refuses_a_variant_without_a_private_model(capsys):

@@ -29,7 +29,7 @@ from fedcore.adapt.eata import EATA, fisher_information
 from fedcore.adapt.sar import SAR
 from fedcore.adapt.simple import BatchNormAdapt, Source
 from fedcore.adapt.tent import Tent
-from fedcore.privacy.dp import PrivacySpec, PrivateGradient
+from fedcore.privacy.dp import ClippedGradient, PrivacySpec, PrivateGradient
 from fedcore.registry import Registry
 
 METHODS: Registry[TTAMethod] = Registry("adaptation method")
@@ -50,16 +50,19 @@ def _bn(*, model: nn.Module, **_) -> TTAMethod:
 def _gradient_method(cls, *, model: nn.Module, lr: float, optimizer: str = "sgd", momentum: float = 0.9,
                      steps: int = 1, adapt_params: str = "norm", privacy: PrivacySpec | None = None, **kw) -> TTAMethod:
     """Configure ``model`` (norm layers in train mode, the rest frozen), pick the adapted
-    parameters, and wire in the private gradient when ``privacy`` asks for one."""
+    parameters, and wire in the private gradient (modes ``dp``, ``dp0``) or the clip-only
+    form's clipped gradient (mode ``clip``) when ``privacy`` asks for one."""
     own = set(inspect.signature(cls.__init__).parameters) - {"self", "model", "optimizer", "params", "steps",
-                                                              "private"}
+                                                              "private", "clip"}
     unknown = sorted(set(kw) - own)
     if unknown:
         valid = sorted(own | {"lr", "optimizer", "momentum", "steps", "adapt_params"})
         raise ValueError(f"{cls.__name__} has no setting {', '.join(unknown)}; valid settings are: {', '.join(valid)}")
     configure_norm_adaptation(model, grad=False)
     params = collect_params(model, adapt_params)
-    private = None
+    private = clip = None
+    if privacy is not None and privacy.clip_only:
+        clip = ClippedGradient(clip_norm=privacy.clip_norm)
     if privacy is not None and privacy.private:
         if privacy.backend == "auto":
             # Measured (benchmarks/dp_step.py): Opacus' hooks win when only norm layers adapt,
@@ -69,7 +72,7 @@ def _gradient_method(cls, *, model: nn.Module, lr: float, optimizer: str = "sgd"
             privacy = dataclasses.replace(privacy, backend=fast)
         private = PrivateGradient(model, params, privacy)
     opt = make_optimizer(params.values(), optimizer=optimizer, lr=lr, momentum=momentum)
-    return cls(model, opt, params, steps=steps, private=private, **kw)
+    return cls(model, opt, params, steps=steps, private=private, clip=clip, **kw)
 
 
 @METHODS.register("tent")

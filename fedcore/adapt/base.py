@@ -152,17 +152,24 @@ class GradientMethod(TTAMethod):
       number of samples the filters kept, as the originals do); 0 skips the update.
 
     Plain form: one forward with gradients, loss = Σ sample_loss / normaliser + penalty.
+    Clip-only form (``clip`` given, DP-TTA's ablation): the plain form, except that
+    ∇ Σ sample_loss is replaced by Σ_i clip_C(∇ sample_loss_i) (see
+    :class:`fedcore.privacy.ClippedGradient`); the normaliser, the filters and the penalty's
+    gradient (not clipped) are the plain form's.
     Private form (``private`` given): a forward without gradients for the prediction and
     ``aux``, then the clipped, noised per-sample gradient of ``sample_loss`` divided by the
     batch size, plus the penalty's gradient. Filters there become per-sample 0/1 weights.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, params: Dict[str, nn.Parameter], *,
-                 steps: int = 1, private: Any = None):
+                 steps: int = 1, private: Any = None, clip: Any = None):
         super().__init__(model, optimizer, steps=steps)
+        if private is not None and clip is not None:
+            raise ValueError("a method runs either the private form (private) or the clip-only form (clip), not both")
         self.params = params
         self.private = private  # a fedcore.privacy.PrivateGradient, or None
-        self.kept = 0  # samples that passed the filters (plain form), summed over batches
+        self.clip = clip  # a fedcore.privacy.ClippedGradient, or None
+        self.kept = 0  # samples that passed the filters (plain and clip-only forms), summed over batches
 
     # -- what a subclass defines
     def aux(self, x: torch.Tensor, logits: torch.Tensor) -> Dict[str, torch.Tensor]:
@@ -178,7 +185,7 @@ class GradientMethod(TTAMethod):
     def plain_normaliser(self, aux: Mapping[str, torch.Tensor], n: int) -> float:
         return float(aux["mask"].sum()) if "mask" in aux else float(n)
 
-    # -- the two forms
+    # -- the three forms
     @torch.enable_grad()
     def forward_and_adapt(self, x: torch.Tensor) -> torch.Tensor:
         if self.private is not None:
@@ -188,12 +195,16 @@ class GradientMethod(TTAMethod):
         denom = self.plain_normaliser(aux, len(x))
         self.kept += int(denom)
         if denom > 0:
-            loss = self.sample_loss(logits, aux, self.params).sum() / denom
-            pen = self.penalty(self.params)
-            if pen is not None:
-                loss = loss + pen
-            loss.backward()
-            self.optimizer.step()
+            losses = self.sample_loss(logits, aux, self.params)
+            if self.clip is not None:
+                self.apply_gradient(self.clip(losses, self.params, denom))
+            else:
+                loss = losses.sum() / denom
+                pen = self.penalty(self.params)
+                if pen is not None:
+                    loss = loss + pen
+                loss.backward()
+                self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return logits.detach()
 
@@ -218,9 +229,11 @@ class GradientMethod(TTAMethod):
         return logits
 
     def diagnostics(self) -> Dict[str, float]:
-        if self.private is None:
-            return {}
-        return {f"dp_{k}": float(v) for k, v in self.private.stats.items()}
+        if self.private is not None:
+            return {f"dp_{k}": float(v) for k, v in self.private.stats.items()}
+        if self.clip is not None:
+            return {f"clip_{k}" if k != "clip_fraction" else k: float(v) for k, v in self.clip.stats.items()}
+        return {}
 
     def apply_gradient(self, grads: Mapping[str, torch.Tensor]) -> None:
         """Set ``p.grad`` to the given gradient plus the penalty's, then take an optimizer step."""

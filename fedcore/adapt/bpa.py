@@ -44,7 +44,10 @@ def prior_precision(mean_entropy: float, *, num_classes: int, sigma0: float, mod
 
 
 class BPA(GradientMethod):
-    """Private form: the precision becomes per-sample, λ_i from the global model's entropy on
+    """Clip-only form: the plain form (running-mean λ, the prior outside the clip) with the
+    entropies' gradient replaced by the sum of per-sample gradients, each clipped to C.
+
+    Private form: the precision becomes per-sample, λ_i from the global model's entropy on
     x_i alone, and the prior term ½·λ_i·‖θ − θ_G‖² joins that sample's clipped loss (its batch
     mean is the plain form's prior with the batch's mean entropy). A running mean over
     batches would couple every later update to every earlier sample, with no sensitivity bound.
@@ -53,12 +56,12 @@ class BPA(GradientMethod):
     direct_param_terms = True
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, params=None, *, num_classes: int,
-                 sigma0: float = 1.0, precision_mode: str = "confidence", steps: int = 1, private=None):
+                 sigma0: float = 1.0, precision_mode: str = "confidence", steps: int = 1, private=None, clip=None):
         prior_precision(0.0, num_classes=num_classes, sigma0=sigma0, mode=precision_mode)  # validate early
         if params is None:
             norm_params, names = collect_norm_params(model)
             params = dict(zip(names, norm_params))
-        super().__init__(model, optimizer, params, steps=steps, private=private)
+        super().__init__(model, optimizer, params, steps=steps, private=private, clip=clip)
         self.num_classes, self.sigma0, self.precision_mode = num_classes, sigma0, precision_mode
         self._anchor = {k: p.detach().clone() for k, p in params.items()}
         # The received θ_G, frozen, for Ē. It is scored as the client predicts: BatchNorm with

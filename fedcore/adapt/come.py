@@ -40,8 +40,8 @@ class COME(GradientMethod):
     aux_in_loss = True
 
     def __init__(self, model, optimizer, params, *, num_classes: int, prior_weight: float | None = None,
-                 steps: int = 1, private=None):
-        super().__init__(model, optimizer, params, steps=steps, private=private)
+                 steps: int = 1, private=None, clip=None):
+        super().__init__(model, optimizer, params, steps=steps, private=private, clip=clip)
         self.prior_weight = float(num_classes if prior_weight is None else prior_weight)
         if self.prior_weight <= 0:
             raise ValueError(f"COME prior_weight must be > 0, got {prior_weight}")

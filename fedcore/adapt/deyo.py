@@ -8,6 +8,9 @@ Plain form, as the original:
 * PLPD = p(ŷ | x) − p(ŷ | x′) for the predicted class ŷ; keep samples with PLPD > plpd_threshold (0.2);
 * weight = 1/exp(H − E₀) + 1/exp(−PLPD) with E₀ = 0.4·ln C (both detached); loss = mean over kept.
 
+Clip-only form: the plain form with the sum of the kept samples' gradients, each clipped to C,
+in place of the gradient of their summed loss (still divided by the count kept).
+
 Private form: every quantity above belongs to one sample, so the filters become 0/1 weights
 and the weights are folded into that sample's clipped loss; the batch is divided by |B|.
 
@@ -23,6 +26,7 @@ from typing import Mapping
 
 import torch
 import torch.nn.functional as F
+from torch.func import functional_call
 
 from fedcore.adapt.base import GradientMethod, softmax_entropy
 
@@ -45,8 +49,8 @@ def shuffle_patches(x: torch.Tensor, grid: int = 4, generator: torch.Generator |
 class DeYO(GradientMethod):
     def __init__(self, model, optimizer, params, *, num_classes: int, deyo_margin_coeff: float = 0.5,
                  e_margin_coeff: float = 0.4, plpd_threshold: float = 0.2, patch_len: int = 4,
-                 reweight_ent: float = 1.0, reweight_plpd: float = 1.0, steps: int = 1, private=None):
-        super().__init__(model, optimizer, params, steps=steps, private=private)
+                 reweight_ent: float = 1.0, reweight_plpd: float = 1.0, steps: int = 1, private=None, clip=None):
+        super().__init__(model, optimizer, params, steps=steps, private=private, clip=clip)
         self.deyo_margin = deyo_margin_coeff * math.log(num_classes)
         self.e_margin = e_margin_coeff * math.log(num_classes)
         self.plpd_threshold, self.patch_len = plpd_threshold, int(patch_len)
@@ -59,10 +63,11 @@ class DeYO(GradientMethod):
         h = softmax_entropy(logits)
         probs = logits.softmax(1)
         yhat = probs.argmax(1, keepdim=True)
-        saved = [b.clone() for b in self.model.buffers()]  # x' must not move BatchNorm running statistics
-        probs_prime = self.model(shuffle_patches(x, self.patch_len)).softmax(1)
-        for b, s in zip(self.model.buffers(), saved):
-            b.copy_(s)
+        # x' must not move the BatchNorm running statistics, so its pass updates copies of them. (Copying
+        # saved values back in place would bump the buffers' versions, and the first forward's graph,
+        # which saved them for backward, could no longer be differentiated.)
+        copies = {k: b.clone() for k, b in self.model.named_buffers()}
+        probs_prime = functional_call(self.model, copies, (shuffle_patches(x, self.patch_len),)).softmax(1)
         plpd = (probs.gather(1, yhat) - probs_prime.gather(1, yhat)).squeeze(1)
         keep = (h < self.deyo_margin) & (plpd > self.plpd_threshold)
         weight = self.reweight_ent * torch.exp(-(h - self.e_margin)) + self.reweight_plpd * torch.exp(plpd)

@@ -11,6 +11,10 @@ Plain form, as the original:
   cross-entropy to the model's own predictions on ``fisher_size`` source samples, and θ₀
   the parameters the client received.
 
+Clip-only form (DP-TTA's ablation): the plain form with the gradient of the weighted,
+filtered entropies replaced by the sum of the kept samples' gradients, each clipped to C,
+over the count of kept samples; the Fisher term's gradient is added unclipped.
+
 Private form: both filters are removed (the redundancy filter couples samples through the
 EMA, so no per-sample bound holds; the reliability filter goes with it, as in DP-TTA). The
 weight 1/exp(H − E₀) depends on the sample alone and is folded into its clipped loss. The
@@ -65,8 +69,8 @@ class EATA(GradientMethod):
 
     def __init__(self, model, optimizer, params, *, num_classes: int, e_margin_coeff: float = 0.4,
                  d_margin: float = 0.05, fisher_alpha: float = 2000.0, fisher: Dict[str, torch.Tensor] | None = None,
-                 steps: int = 1, private=None):
-        super().__init__(model, optimizer, params, steps=steps, private=private)
+                 steps: int = 1, private=None, clip=None):
+        super().__init__(model, optimizer, params, steps=steps, private=private, clip=clip)
         if not 0 < e_margin_coeff <= 1:
             raise ValueError(f"e_margin_coeff must be in (0, 1], got {e_margin_coeff}")
         if fisher_alpha < 0 or d_margin < 0:

@@ -9,6 +9,10 @@ Plain form, as the original:
 3. model recovery: an EMA (0.9) of the second loss; when it falls below reset_constant
    (0.2) the model and optimizer are reset to what the client received.
 
+Clip-only form (DP-TTA's ablation): all of the above, with each of the two gradients (at θ
+and at θ + ε̂) replaced by the sum of the kept samples' gradients, each clipped to C, over the
+same count of kept samples.
+
 Private form (DP-TTA): each batch costs one private gradient. The perturbation direction is
 the previous batch's private gradient (public, post-processing), so only the gradient at
 θ + ε̂ touches this batch; the first batch takes no perturbation. Both entropy filters belong
@@ -29,8 +33,8 @@ from fedcore.adapt.base import GradientMethod, softmax_entropy
 
 class SAR(GradientMethod):
     def __init__(self, model, optimizer, params, *, num_classes: int, e_margin_coeff: float = 0.4, rho: float = 0.05,
-                 reset_constant: float = 0.2, ema_momentum: float = 0.9, steps: int = 1, private=None):
-        super().__init__(model, optimizer, params, steps=steps, private=private)
+                 reset_constant: float = 0.2, ema_momentum: float = 0.9, steps: int = 1, private=None, clip=None):
+        super().__init__(model, optimizer, params, steps=steps, private=private, clip=clip)
         if rho < 0:
             raise ValueError(f"SAR rho must be >= 0, got {rho}")
         self.e_margin = e_margin_coeff * math.log(num_classes)
@@ -71,15 +75,22 @@ class SAR(GradientMethod):
         self.kept += int(kept)
         if kept == 0:
             return logits.detach()
-        loss = (softmax_entropy(logits) * aux["mask"]).sum() / kept
-        grads = torch.autograd.grad(loss, list(self.params.values()))
-        eps = self._perturb(dict(zip(self.params, grads)))
+        if self.clip is not None:  # clip-only form: each sample's gradient clipped, at both SAM evaluations
+            grads = self.clip(softmax_entropy(logits) * aux["mask"], self.params, kept)
+        else:
+            loss = (softmax_entropy(logits) * aux["mask"]).sum() / kept
+            grads = dict(zip(self.params, torch.autograd.grad(loss, list(self.params.values()))))
+        eps = self._perturb(grads)
         h2 = softmax_entropy(self.model(x))
         mask2 = aux["mask"] * (h2.detach() < self.e_margin).float()
         kept2 = float(mask2.sum())
         if kept2 > 0:
             loss2 = (h2 * mask2).sum() / kept2
-            loss2.backward()
+            if self.clip is not None:
+                for k, g in self.clip(h2 * mask2, self.params, kept2).items():
+                    self.params[k].grad = g
+            else:
+                loss2.backward()
             m = self.ema_momentum
             v = float(loss2.detach())
             self.ema = v if self.ema is None else m * self.ema + (1 - m) * v

@@ -26,7 +26,7 @@ from fedcore.engine.checkpoint import CheckpointError, RunInterrupted, load_stat
 from fedcore.engine.spec import ModelSpec
 from fedcore.engine.submit import Submit, run_now
 from fedcore.evaluate import accuracy, batch_statistics, forgetting
-from fedcore.privacy import Ledger, PrivacyConfig
+from fedcore.privacy import Ledger, PrivacyConfig, privatize_gate
 from fedcore.tensors import batches, resolve_device, state_to_cpu, to_tensor
 
 
@@ -84,12 +84,16 @@ class ArrivalConfig:
 
     @property
     def form(self) -> str:
-        """plain | clip | dp-eps<ε> | dp-sigma<σ>: the privacy form, for names and tables."""
+        """plain | clip | dp0 | dp-eps<ε> | dp-sigma<σ>: the privacy form, for names and tables.
+
+        ``clip`` is the paper's clip-only form (each method's plain form, per-sample gradients
+        clipped); ``dp0`` is the private form at σ = 0. Neither has a guarantee.
+        """
         p = self.privacy_config()
         if p.mode == "off":
             return "plain"
-        if p.mode == "clip":
-            return "clip"
+        if p.mode in ("clip", "dp0"):
+            return p.mode
         return f"dp-eps{p.epsilon:g}" if p.noise_multiplier is None else f"dp-sigma{p.noise_multiplier:g}"
 
     def fingerprint(self) -> str:
@@ -148,6 +152,7 @@ def adapt_client(*, global_state: State, spec: ModelSpec, client: TargetClient, 
     with torch.no_grad(), batch_statistics(model, cfg.method in USES_BATCH_STATS and not refused):
         ent = [softmax_entropy(model(x[sl])) for sl in batches(len(x), cfg.batch_size)]
     sigma = float(torch.cat(ent).mean())
+    sigma = privatize_gate(sigma, cfg.privacy_config(), num_classes=spec.num_classes, n=len(x))  # noised in dp mode
     return AdaptResult(state=state_to_cpu(model.state_dict()), online_acc=correct / len(x), sigma=sigma,
                        num_examples=len(x), seconds=time.perf_counter() - t0, extras=extras)
 

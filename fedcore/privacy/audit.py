@@ -87,7 +87,7 @@ def choose_canary(method, pool: torch.Tensor, candidates: int = 16) -> torch.Ten
 def canary_audit(build: Callable[[], nn.Module], pool: torch.Tensor, *, spec: PrivacySpec, delta: float,
                  num_classes: int, method: str = "tent", lr: float = 0.1, stream_size: int = 8, trials: int = 200,
                  seed: int = 0, confidence: float = 0.95, progress: bool = False) -> AuditResult:
-    """Run the canary game for one privacy setting (``spec``; mode ``clip`` means σ = 0).
+    """Run the canary game for one privacy setting (``spec``; mode ``dp0`` is the private step at σ = 0).
 
     ``build`` returns the received global model; ``pool`` holds ordinary samples (N, C, H, W)
     from which streams are drawn. The bound is tightest when every sample is clipped (a

@@ -1,19 +1,35 @@
-"""The private gradient of one test batch: per-sample clipping plus Gaussian noise.
+"""Per-sample clipping for test-time adaptation, with and without Gaussian noise.
+
+Two things live here.
+
+**The private gradient** of one test batch (modes ``dp`` and ``dp0``):
 
     ḡ_i = g_i / max(1, ‖g_i‖ / C)          Δ = (Σ_i ḡ_i + N(0, σ²C²I)) / |B|
 
 ``g_i`` is the gradient of sample i's own loss over all adapted parameters, flattened
 together. |B| is the batch size (public), never the number of samples a filter kept.
 Per-sample gradients come from torch.func (``vmap(grad(...))``, the default) or Opacus'
-GradSampleModule hooks; ``benchmarks/dp_step.py`` compares the two.
+GradSampleModule hooks; ``benchmarks/dp_step.py`` compares the two. ``dp0`` is this private
+form at σ = 0: no guarantee, and not the paper's clip-only ablation (below).
+
+**The paper's clip-only form** (mode ``clip``, :class:`ClippedGradient`): each method's plain
+update, filters and normaliser unchanged, with the gradient of the summed per-sample loss
+replaced by the sum of the per-sample gradients, each clipped to C.
+
+The noise comes from a source chosen by name (:data:`NOISE_SOURCES`, :func:`gaussian_noise`):
+``secure`` draws from the operating system's entropy pool, so nobody can regenerate it from
+the run's logged seed; ``seeded`` draws from torch's generator, for reproducible research runs.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, Mapping
 
+import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
@@ -21,49 +37,118 @@ from torch.func import functional_call, grad, vmap
 from fedcore.privacy.accountant import check_clip_norm, check_sigma
 
 BACKENDS = ("auto", "functorch", "opacus")
-MODES = ("off", "clip", "dp")
+# off: plain; clip: the paper's clip-only form; dp0: the private form at sigma = 0; dp: the private form.
+MODES = ("off", "clip", "dp0", "dp")
+PRIVATE_MODES = ("dp0", "dp")  # the modes that run the private form (PrivateGradient)
+NOISE_SOURCES = ("secure", "seeded")
 
 Params = Dict[str, torch.Tensor]
 # sample_loss(logits, aux, params) -> per-sample losses (N,); aux holds per-sample tensors.
 SampleLoss = Callable[[torch.Tensor, Mapping[str, torch.Tensor], Params], torch.Tensor]
 
 
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"unknown privacy mode {mode!r}; valid names are: {', '.join(MODES)} "
+                         "(clip: the paper's clip-only form; dp0: the private form at sigma = 0)")
+    return mode
+
+
+def check_noise_source(source: str) -> str:
+    if source not in NOISE_SOURCES:
+        raise ValueError(f"unknown privacy noise_source {source!r}; valid names are: {', '.join(NOISE_SOURCES)} "
+                         "(secure: OS entropy, for any run whose guarantee matters; seeded: torch's generator, "
+                         "reproducible from the run's seed, for research grids)")
+    return source
+
+
 @dataclass(frozen=True)
 class PrivacySpec:
     """How a client's updates are privatised.
 
-    ``mode``: ``off`` (plain), ``clip`` (per-sample clipping, σ = 0: no privacy, the paper's
-    stabilisation finding) or ``dp`` (clipping and noise σ). In ``dp`` mode ``noise_multiplier``
-    is the σ already calibrated for the target ε (see :func:`calibrate_sigma`).
+    ``mode``: ``off`` (plain); ``clip`` (the paper's clip-only ablation: each method's plain form
+    with per-sample clipping, no noise, no privacy); ``dp0`` (the private form below at σ = 0:
+    no privacy either); ``dp`` (the private form: clipping and noise σ). In ``dp`` mode
+    ``noise_multiplier`` is the σ already calibrated for the target ε (see :func:`calibrate_sigma`),
+    and ``noise_source`` says where the noise comes from (:func:`gaussian_noise`).
     """
 
     mode: str = "off"
     clip_norm: float = 1.0
     noise_multiplier: float = 0.0
     backend: str = "auto"  # auto: Opacus hooks for norm-only adaptation, torch.func otherwise (benchmarks/dp_step.py)
+    noise_source: str = "secure"
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"unknown privacy mode {self.mode!r}; valid names are: {', '.join(MODES)}")
+        check_mode(self.mode)
+        check_noise_source(self.noise_source)
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown per-sample gradient backend {self.backend!r}; "
                              f"valid names are: {', '.join(BACKENDS)}")
         if self.mode != "off":
             check_clip_norm(self.clip_norm)
         check_sigma(self.noise_multiplier)
-        if self.mode == "clip" and self.noise_multiplier != 0:
-            raise ValueError("clip-only mode adds no noise; set noise_multiplier to 0 or use mode 'dp'")
+        if self.mode in ("clip", "dp0") and self.noise_multiplier != 0:
+            raise ValueError(f"mode {self.mode!r} adds no noise; set noise_multiplier to 0 or use mode 'dp'")
         if self.mode == "dp" and self.noise_multiplier == 0:
-            raise ValueError("mode 'dp' needs a noise multiplier > 0 (calibrate it from epsilon); "
-                             "for clipping without noise use mode 'clip'")
+            raise ValueError("mode 'dp' needs a noise multiplier > 0 (calibrate it from epsilon); for clipping "
+                             "without noise use mode 'clip' (the paper's clip-only form) or 'dp0' (the private "
+                             "form at sigma = 0)")
 
     @property
     def private(self) -> bool:
-        return self.mode != "off"
+        """True for the private form (``dp0``, ``dp``)."""
+        return self.mode in PRIVATE_MODES
+
+    @property
+    def clip_only(self) -> bool:
+        """True for the paper's clip-only form (``clip``)."""
+        return self.mode == "clip"
+
+
+def _secure_standard_normal(n: int) -> torch.Tensor:
+    """``n`` float64 N(0, 1) draws from OS entropy: 2×53-bit uniforms per pair, Box–Muller.
+
+    Each output is the sum of four such draws over 2 (still N(0, 1)), Opacus' ``secure_mode``
+    remedy against attacks on the floating-point gaps of a single Box–Muller draw (Mironov 2012;
+    Holohan & Braghin 2021, section 5.1).
+    """
+    pairs = 2 * n  # four draws per output, two per Box–Muller pair
+    words = np.frombuffer(os.urandom(16 * pairs), dtype=np.uint64).reshape(2, pairs)
+    u1 = ((words[0] >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0 ** -53  # (0, 1]: log is finite
+    u2 = (words[1] >> np.uint64(11)).astype(np.float64) * 2.0 ** -53  # [0, 1)
+    r = np.sqrt(-2.0 * np.log(u1))
+    z = np.concatenate([r * np.cos(2 * np.pi * u2), r * np.sin(2 * np.pi * u2)])[: 4 * n]
+    return torch.from_numpy(z.reshape(4, n).sum(0) / 2.0)
+
+
+def gaussian_noise(shape, *, std: float, source: str, device=None, dtype=torch.float32,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """N(0, std²) of the given shape from the named source (:data:`NOISE_SOURCES`).
+
+    ``seeded``: ``torch.randn`` on ``generator`` (default: torch's global generator, which
+    the engine seeds per arrival), so a run is reproducible bit for bit, and anyone who reads
+    its seed can regenerate the noise and subtract it: no guarantee. ``secure``: drawn from
+    ``os.urandom`` in float64 (:func:`_secure_standard_normal`), then cast; it cannot be
+    regenerated. We do not use a torch generator seeded from OS entropy: its stream is
+    Mersenne Twister (CPU) or Philox (CUDA), not a cryptographic generator, and its 64-bit
+    seed bounds the entropy of every draw it makes. torchcsprng, which Opacus' secure mode
+    needs, has no build for torch 2.x on pip.
+    """
+    check_noise_source(source)
+    shape = tuple(shape)
+    if source == "seeded":
+        return std * torch.randn(shape, generator=generator, device=device, dtype=dtype)
+    n = math.prod(shape)
+    return (std * _secure_standard_normal(n)).reshape(shape).to(device=device, dtype=dtype)
 
 
 def check_private_model(model: nn.Module) -> None:
-    """BatchNorm in train mode mixes the samples of a batch: no per-sample sensitivity bound."""
+    """BatchNorm in train mode mixes the samples of a batch: no per-sample sensitivity bound.
+
+    The private form (``dp``, ``dp0``) refuses it; the clip-only form does not need the bound
+    (see :class:`ClippedGradient`).
+    """
     bns = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if bns:
         raise ValueError(
@@ -124,13 +209,16 @@ def flatten_per_sample(per_sample: Params) -> torch.Tensor:
     return torch.cat([g.reshape(g.shape[0], -1) for g in per_sample.values()], dim=1)
 
 
-def privatize(per_sample: Params, *, clip_norm: float, noise_multiplier: float, batch_size: int,
+def privatize(per_sample: Params, *, clip_norm: float, noise_multiplier: float, batch_size: float,
+              noise_source: str = "secure",
               generator: torch.Generator | None = None) -> tuple[Params, Dict[str, float]]:
     """Clip each sample's joint gradient to ``clip_norm``, sum, add N(0, σ²C²), divide by ``batch_size``.
 
-    Returns the private gradient and two diagnostics computed from the clipped quantities'
-    inputs (``clip_fraction``: share of samples clipped; ``grad_norm``: mean per-sample norm).
-    The diagnostics are not private; they are for the operator's console only.
+    The noise comes from ``noise_source`` (:func:`gaussian_noise`; ``generator`` only for
+    ``seeded``). Returns the gradient and two diagnostics (``clip_fraction``: share of samples
+    clipped; ``grad_norm``: mean per-sample norm), over the samples whose gradient is not
+    zero (a sample a filter dropped has none). They are not private; they are for the
+    operator's console only.
     """
     keys = list(per_sample)
     norms = flatten_per_sample(per_sample).norm(dim=1)
@@ -140,33 +228,89 @@ def privatize(per_sample: Params, *, clip_norm: float, noise_multiplier: float, 
         g = per_sample[k]
         summed = torch.einsum("b,b...->...", factor, g)
         if noise_multiplier > 0:
-            summed = summed + noise_multiplier * clip_norm * torch.randn(
-                summed.shape, generator=generator, device=summed.device, dtype=summed.dtype)
+            summed = summed + gaussian_noise(summed.shape, std=noise_multiplier * clip_norm, source=noise_source,
+                                             generator=generator, device=summed.device, dtype=summed.dtype)
         out[k] = summed / batch_size
-    stats = {"clip_fraction": float((norms > clip_norm).float().mean()), "grad_norm": float(norms.mean())}
+    live = norms[norms > 0]
+    stats = {"clip_fraction": float((live > clip_norm).float().mean()) if len(live) else 0.0,
+             "grad_norm": float(live.mean()) if len(live) else 0.0}
     return out, stats
 
 
-class PrivateGradient:
+class _RunningStats:
+    """Running means of the per-batch diagnostics over a client's batches."""
+
+    def __init__(self) -> None:
+        self.stats: Dict[str, float] = {"clip_fraction": 0.0, "grad_norm": 0.0}
+        self._calls = 0
+
+    def _add(self, stats: Mapping[str, float]) -> None:
+        self._calls += 1
+        for k, v in stats.items():
+            self.stats[k] += (v - self.stats[k]) / self._calls
+
+
+def per_sample_grads_joint(losses: torch.Tensor, params: Mapping[str, torch.Tensor]) -> Params:
+    """{name: (N, *shape)}: the gradient of each entry of ``losses`` (N,), from the one forward
+    pass that computed them all (the graph is kept for the caller's other uses)."""
+    eye = torch.eye(len(losses), dtype=losses.dtype, device=losses.device)
+    names = list(params)
+    grads = torch.autograd.grad(losses, [params[k] for k in names], grad_outputs=eye, is_grads_batched=True,
+                                allow_unused=True, retain_graph=True)
+    return {k: torch.zeros((len(losses), *params[k].shape), dtype=params[k].dtype, device=params[k].device)
+            if g is None else g for k, g in zip(names, grads)}
+
+
+class ClippedGradient(_RunningStats):
+    """The paper's clip-only form: Σ_i clip_C(∇ℓ_i) / normaliser in place of ∇(Σ_i ℓ_i) / normaliser.
+
+    DP-TTA's ablation keeps each method exactly as published (its filters, its normaliser,
+    SAR's two gradient evaluations and recovery, EATA's Fisher term) and only clips each
+    sample's gradient; no noise, so no privacy. The method calls this with the per-sample
+    losses of its ordinary forward pass and its own normaliser.
+
+    **What "per-sample gradient" means here**, and why BatchNorm models are allowed: g_i is
+    the gradient of sample i's loss ℓ_i through the joint forward pass of the whole batch,
+    computed by autograd with one batched backward (``is_grads_batched``). So Σ_i g_i is the
+    plain batch gradient exactly, on any model, and with C = ∞ this form *is* the plain form.
+    Under train-mode BatchNorm, g_i also carries sample i's pull on the batch statistics that
+    the other samples are normalised with; clipping then bounds how hard each loss term pulls,
+    which is what the ablation is about (stabilisation), while it bounds no sensitivity, which
+    it never claims. The per-sample alternative of torch.func or Opacus (one forward per
+    sample, or per-layer hooks) would be wrong on BatchNorm: a batch of one has other
+    statistics than the batch the method predicts with, so Σ_i g_i would not be the plain
+    gradient. On GroupNorm or LayerNorm models both definitions agree.
+    """
+
+    def __init__(self, *, clip_norm: float):
+        super().__init__()
+        self.clip_norm = check_clip_norm(clip_norm)
+
+    def __call__(self, losses: torch.Tensor, params: Mapping[str, torch.Tensor], normaliser: float) -> Params:
+        """Σ_i clip(∇ losses_i) / ``normaliser``, by parameter name; ``losses`` (N,) still has its graph."""
+        g, stats = privatize(per_sample_grads_joint(losses, params), clip_norm=self.clip_norm, noise_multiplier=0.0,
+                             batch_size=normaliser)
+        self._add(stats)
+        return g
+
+
+class PrivateGradient(_RunningStats):
     """Computes the private gradient of a batch for one method's per-sample loss."""
 
     def __init__(self, model: nn.Module, params: Dict[str, nn.Parameter], spec: PrivacySpec):
         if not spec.private:
-            raise ValueError("PrivateGradient needs privacy mode 'clip' or 'dp'")
+            raise ValueError("PrivateGradient needs privacy mode 'dp' or 'dp0'")
         check_private_model(model)
         if spec.backend == "auto":
             raise ValueError("resolve backend 'auto' before building the private gradient (see adapt._gradient_method)")
+        super().__init__()
         self.model, self.params, self.spec = model, params, spec
         self._fn = per_sample_grads_functorch if spec.backend == "functorch" else per_sample_grads_opacus
-        self.stats: Dict[str, float] = {"clip_fraction": 0.0, "grad_norm": 0.0}
-        self._calls = 0
 
     def __call__(self, sample_loss: SampleLoss, x: torch.Tensor, aux: Mapping[str, torch.Tensor]):
         """The private gradient, and the logits of the forward pass that computed it."""
         per_sample, logits = self._fn(self.model, dict(self.params), sample_loss, x, aux, with_logits=True)
         g, stats = privatize(per_sample, clip_norm=self.spec.clip_norm, noise_multiplier=self.spec.noise_multiplier,
-                             batch_size=len(x))
-        self._calls += 1
-        for k, v in stats.items():  # running means over the client's batches
-            self.stats[k] += (v - self.stats[k]) / self._calls
+                             batch_size=len(x), noise_source=self.spec.noise_source)
+        self._add(stats)
         return g, logits

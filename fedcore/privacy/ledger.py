@@ -13,21 +13,29 @@ from fedcore.privacy.accountant import (
     check_clip_norm,
     check_delta,
     check_epsilon,
+    check_gate_noise,
     check_sigma,
+    gate_mu,
     gdp_epsilon,
     mu_from_sigma,
 )
-from fedcore.privacy.dp import BACKENDS, MODES, PrivacySpec
+from fedcore.privacy.dp import BACKENDS, PrivacySpec, check_mode, check_noise_source
 
 
 @dataclass(frozen=True)
 class PrivacyConfig:
     """The privacy form of a run, as configured (``conf/privacy``).
 
-    ``mode``: ``off`` | ``clip`` (σ = 0) | ``dp``. In ``dp`` mode σ is calibrated so that one
+    ``mode``: ``off`` | ``clip`` (the paper's clip-only form) | ``dp0`` (the private form at
+    σ = 0) | ``dp``. Neither ``clip`` nor ``dp0`` has a guarantee. In ``dp`` mode σ is calibrated so that one
     arrival (every stream sample used ``uses`` times) costs ``epsilon`` at ``delta``, unless
     ``noise_multiplier`` gives σ directly. ``budget`` caps a client's cumulative ε over all its
-    arrivals; a client that would exceed it is refused the update.
+    arrivals; a client that would exceed it is refused the update. ``gate_noise_multiplier`` (z):
+    in ``dp`` mode the gate statistic σ_k is released with noise std z·ln C / n, which costs
+    μ_g = 1/z of every arrival; σ is calibrated for what is left (see
+    :func:`~fedcore.privacy.accountant.calibrate_sigma`). ``noise_source``: ``secure``
+    (OS entropy, the default: the only source under which the guarantee holds against someone who
+    can read the run's seed) or ``seeded`` (torch's generator, for reproducible research runs).
     """
 
     mode: str = "off"
@@ -38,10 +46,12 @@ class PrivacyConfig:
     calibration: str = "dp-tta"
     backend: str = "auto"
     budget: Optional[float] = None
+    noise_source: str = "secure"
+    gate_noise_multiplier: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"unknown privacy mode {self.mode!r}; valid names are: {', '.join(MODES)}")
+        check_mode(self.mode)
+        check_noise_source(self.noise_source)
         if self.calibration not in CALIBRATIONS:
             raise ValueError(f"unknown calibration {self.calibration!r}; valid names are: {', '.join(CALIBRATIONS)}")
         if self.backend not in BACKENDS:
@@ -50,19 +60,21 @@ class PrivacyConfig:
         if self.mode == "off":
             return
         check_clip_norm(self.clip_norm)
-        if self.mode == "clip":
+        if self.mode in ("clip", "dp0"):
             if self.budget is not None or self.epsilon is not None:
-                raise ValueError("clip-only mode (sigma = 0) gives no privacy guarantee, so epsilon and budget "
-                                 "do not apply; use privacy mode 'dp' for a guarantee")
+                raise ValueError(f"privacy mode {self.mode!r} adds no noise and gives no privacy guarantee, so "
+                                 "epsilon and budget do not apply; use privacy mode 'dp' for a guarantee")
             return
         check_delta(self.delta)
+        check_gate_noise(self.gate_noise_multiplier)
         if self.noise_multiplier is None:
             if self.epsilon is None:
                 raise ValueError("privacy mode 'dp' needs a target epsilon per arrival (privacy.epsilon) "
                                  "or an explicit privacy.noise_multiplier")
             check_epsilon(self.epsilon)
         elif check_sigma(self.noise_multiplier) == 0:
-            raise ValueError("privacy mode 'dp' needs noise_multiplier > 0; for sigma = 0 use mode 'clip'")
+            raise ValueError("privacy mode 'dp' needs noise_multiplier > 0; for sigma = 0 use mode 'dp0' (the "
+                             "private form) or 'clip' (the paper's clip-only form)")
         if self.budget is not None:
             check_epsilon(self.budget)
 
@@ -81,15 +93,25 @@ class PrivacyConfig:
             return 0.0
         if self.noise_multiplier is not None:
             return float(self.noise_multiplier)
-        return calibrate_sigma(self.epsilon, self.delta, uses=uses, method=self.calibration)
+        return calibrate_sigma(self.epsilon, self.delta, uses=uses, method=self.calibration, reserved_mu=self.gate_mu)
 
     def spec(self, uses: int) -> PrivacySpec:
         return PrivacySpec(mode=self.mode, clip_norm=self.clip_norm, noise_multiplier=self.sigma(uses),
-                           backend=self.backend)
+                           backend=self.backend, noise_source=self.noise_source)
 
     @property
     def accounted(self) -> bool:
         return self.mode == "dp"
+
+    @property
+    def gate(self) -> Optional[float]:
+        """The gate statistic's noise multiplier z where it is privatised (``dp`` mode), else None."""
+        return self.gate_noise_multiplier if self.accounted else None
+
+    @property
+    def gate_mu(self) -> float:
+        """μ of one gate release (1/z in ``dp`` mode; 0 otherwise, where nothing is accounted)."""
+        return gate_mu(self.gate)
 
 
 class Ledger:
@@ -107,17 +129,23 @@ class Ledger:
         return self.account(client).get_epsilon(self.cfg.delta) if self.cfg.accounted else math.inf
 
     def arrival_epsilon(self) -> float:
-        return gdp_epsilon(mu_from_sigma(self.sigma, self.uses), self.cfg.delta) if self.cfg.accounted else math.inf
+        """ε of one arrival: the update and the gate release, composed."""
+        if not self.cfg.accounted:
+            return math.inf
+        mu = math.sqrt(mu_from_sigma(self.sigma, self.uses) ** 2 + self.cfg.gate_mu ** 2)
+        return gdp_epsilon(mu, self.cfg.delta)
 
     def would_exceed(self, client: int) -> bool:
         if not self.cfg.accounted or self.cfg.budget is None:
             return False
-        after = self.account(client).epsilon_after(noise_multiplier=self.sigma, uses=self.uses, delta=self.cfg.delta)
+        after = self.account(client).epsilon_after(noise_multiplier=self.sigma, uses=self.uses, delta=self.cfg.delta,
+                                                   gate_noise_multiplier=self.cfg.gate)
         return after > self.cfg.budget * (1 + 1e-9)
 
     def charge(self, client: int) -> None:
         if self.cfg.accounted:
-            self.account(client).step(noise_multiplier=self.sigma, uses=self.uses)
+            self.account(client).step(noise_multiplier=self.sigma, uses=self.uses,
+                                      gate_noise_multiplier=self.cfg.gate)
 
     def state_dict(self) -> Dict[int, Dict[str, Any]]:
         return {k: a.state_dict() for k, a in sorted(self.accountants.items())}
