@@ -66,6 +66,8 @@ def test_budget_refuses_the_second_pass_and_the_run_continues(tiny_gn):
     first, second = res.records[:K], res.records[K:]
     assert all(r["privacy_refused"] == 0 for r in first)
     assert all(r["privacy_refused"] == 1 and r["weight"] == 0.0 and r["drift_step"] == 0.0 for r in second)
+    assert all("sigma" in r for r in first) and not any("sigma" in r for r in second), \
+        "a refused client releases no gate statistic (it would be charged to nobody)"
     assert all(r["eps_client_total"] <= budget for r in res.records)
     assert all(r["eps_budget_remaining"] == pytest.approx(budget - r["eps_client_total"]) for r in res.records)
     assert res.summary["privacy_refusals"] == K

@@ -152,7 +152,9 @@ def adapt_client(*, global_state: State, spec: ModelSpec, client: TargetClient, 
     with torch.no_grad(), batch_statistics(model, cfg.method in USES_BATCH_STATS and not refused):
         ent = [softmax_entropy(model(x[sl])) for sl in batches(len(x), cfg.batch_size)]
     sigma = float(torch.cat(ent).mean())
-    sigma = privatize_gate(sigma, cfg.privacy_config(), num_classes=spec.num_classes, n=len(x))  # noised in dp mode
+    # Released noised in dp mode; a refused client releases nothing (the server ignores it anyway).
+    sigma = math.nan if refused else privatize_gate(sigma, cfg.privacy_config(), num_classes=spec.num_classes,
+                                                    n=len(x))
     return AdaptResult(state=state_to_cpu(model.state_dict()), online_acc=correct / len(x), sigma=sigma,
                        num_examples=len(x), seconds=time.perf_counter() - t0, extras=extras)
 
@@ -323,7 +325,7 @@ def run_arrivals(partition: Partition, spec: ModelSpec, source_state: State, cfg
         row = [ev["holdout"].get(j, math.nan) for j in range(K)]
         record = {
             "arrival": a, "pass": a // K, "client_id": k, "corruption": partition.targets[k].corruption,
-            "online_acc": res.online_acc, "sigma": res.sigma, "weight": weight,
+            "online_acc": res.online_acc, **({} if refused else {"sigma": res.sigma}), "weight": weight,
             "drift_step": l2_distance(new_global, st.global_state, param_keys),
             "drift_total": l2_distance(new_global, st.theta0, param_keys),
             "source_acc": ev["source_acc"], "holdout_acc_client": ev["holdout"][k],

@@ -69,7 +69,8 @@ def plot_arrivals(records: List[Dict], acc_matrix: np.ndarray, corruptions: Sequ
     ax1.set_xlabel("arrival")
     ax1.set_ylabel("w_k", color="tab:blue")
     ax2 = ax1.twinx()
-    ax2.plot(a, [r["sigma"] for r in records], "o-", color="tab:red", label="sigma_k (entropy)")
+    ax2.plot(a, [r.get("sigma", np.nan) for r in records], "o-", color="tab:red",
+             label="sigma_k (entropy)")  # a refused client reports none
     ax2.set_ylabel("sigma_k (nats)", color="tab:red")
     ax1.set_title(f"{title} gate weights")
     paths.append(save(fig, folder / "gate_weights.png"))
