@@ -4,7 +4,8 @@ A stage's lock entry holds the hash of each code file or folder and each param i
 If the code changes and the lock does not, ``dvc repro`` in a fresh clone reruns stages nobody meant to
 rerun, ``make pull`` restores outputs that this code did not build, and ``flows.integrity`` checks inputs
 against a lock that is out of date. Only what a fresh clone has is compared: git-tracked code and conf/
-(through params.yaml); a dependency that is another stage's output is absent there, and rebuilt by DVC.
+(through params.yaml); a dependency that is another stage's output (or a folder holding such outputs) is
+absent there, and rebuilt by DVC.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ def stale_code_deps(root: Path) -> Dict[str, List[str]]:
             for dep in stage.deps:
                 if not isinstance(dep, ParamsDependency):
                     path = Path(dep.fs_path)
-                    if any(path == o or o in path.parents for o in outs):
-                        continue
+                    if any(path == o or o in path.parents or path in o.parents for o in outs):
+                        continue  # another stage's output, inside one, or a folder of them (stress_report)
                 for name, status in dep.status().items():
                     what = (", ".join(f"{k} {v}" for k, v in status.items()) if isinstance(status, dict)
                             else status)
