@@ -141,24 +141,25 @@ def _form_name(privacy: DictConfig) -> str:
     return {"off": "plain"}.get(str(privacy.mode), str(privacy.mode))
 
 
+def _with_sweep_settings(cfg: DictConfig, params: DictConfig, key: str) -> Dict[str, Any]:
+    """A method's (aggregator's) params with ``sweep.<key>`` laid over the settings it has: ``{lr: 0.1}``
+    reaches every swept method with an lr, ``{beta: 0}`` every aggregator with a beta."""
+    out = dict(OmegaConf.to_container(params, resolve=True))
+    shared = cfg.sweep.get(key, None) if "sweep" in cfg else None
+    shared = OmegaConf.to_container(shared, resolve=True) if shared is not None else {}
+    out.update({k: v for k, v in shared.items() if k in out})
+    return out
+
+
 def arrival_config(cfg: DictConfig, *, method: str | None = None, aggregator: str | None = None,
                    seed: int | None = None, form: str | None = None) -> ArrivalConfig:
     """The arrival settings; ``method``/``aggregator``/``seed``/``form`` pick a sweep cell (defaults from conf/)."""
     mcfg = cfg.method if method is None or method == cfg.method.name else _group("method", method)
     acfg = cfg.aggregator if aggregator is None or aggregator == cfg.aggregator.name else _group("aggregator", aggregator)
     a = cfg.adapt
-    method_params = dict(OmegaConf.to_container(mcfg.params, resolve=True))
-    # sweep.method_params (e.g. {lr: 0.1}) reaches every swept method that has the setting
-    shared = cfg.sweep.get("method_params", None)
-    shared = OmegaConf.to_container(shared, resolve=True) if shared is not None else {}
-    method_params.update({k: v for k, v in shared.items() if k in method_params})
-    aggregator_params = dict(OmegaConf.to_container(acfg.params, resolve=True))
-    shared = cfg.sweep.get("aggregator_params", None)  # e.g. {beta: 0}: reaches every swept aggregator that has it
-    shared = OmegaConf.to_container(shared, resolve=True) if shared is not None else {}
-    aggregator_params.update({k: v for k, v in shared.items() if k in aggregator_params})
     return ArrivalConfig(
-        method=str(mcfg.name), method_params=method_params,
-        aggregator=str(acfg.name), aggregator_params=aggregator_params,
+        method=str(mcfg.name), method_params=_with_sweep_settings(cfg, mcfg.params, "method_params"),
+        aggregator=str(acfg.name), aggregator_params=_with_sweep_settings(cfg, acfg.params, "aggregator_params"),
         passes=int(a.passes), order=None if a.order is None else list(a.order), batch_size=int(a.batch_size),
         seed=int(cfg.seed if seed is None else seed), device=str(cfg.device), privacy=privacy_form(cfg, form),
         stream=str(a.get("stream", "shuffled")),
