@@ -92,22 +92,19 @@ def describe(cfg: DictConfig, cell: str) -> str:
 def online_curves(folder: Path) -> Dict[str, np.ndarray]:
     """``{method+aggregator: (seeds, arrivals) online accuracy}`` from a cell's ``cells/*/arrivals.csv``."""
     curves: Dict[str, List[List[float]]] = {}
-    for csv_path in sorted((folder / "cells").glob("*/arrivals.csv"), key=lambda p: _run_order(p.parent.name)):
+    for csv_path in sorted((folder / "cells").glob("*/arrivals.csv")):  # <method>-<aggregator>-s<seed>/
         method, aggregator = csv_path.parent.name.split("-")[:2]
         with csv_path.open() as fh:
             acc = [float(row["online_acc"]) for row in csv.DictReader(fh)]
         curves.setdefault(f"{method}+{aggregator}", []).append(acc)
-    return {k: np.asarray(v) for k, v in curves.items()}
+    return {k: np.asarray(curves[k]) for k in sorted(curves, key=_sweep_order)}
 
 
-def _run_order(run: str) -> tuple:
-    """A run folder (``<method>-<aggregator>-s<seed>``) in the sweep's order: method, then aggregator, then seed."""
-    methods = ("source", "bn", "tent", "bpa")
-    aggregators = ("none", "sequential", "fedavg", "ugsa")
-    method, aggregator, seed = run.split("-")[0], run.split("-")[1], run.rsplit("-s", 1)[-1]
-    return (methods.index(method) if method in methods else len(methods), method,
-            aggregators.index(aggregator) if aggregator in aggregators else len(aggregators), aggregator,
-            int(seed) if seed.isdigit() else 0)
+def _sweep_order(name: str) -> tuple:
+    """A ``method+aggregator`` key in the sweep's order: method, then aggregator (unknown names last)."""
+    method, aggregator = name.split("+")
+    rank = lambda v, order: (order.index(v) if v in order else len(order), v)  # noqa: E731
+    return rank(method, ("source", "bn", "tent", "bpa")) + rank(aggregator, ("none", "sequential", "fedavg", "ugsa"))
 
 
 def plot_cell(folder: Path, *, title: str) -> Path:
@@ -177,7 +174,7 @@ def report(cfg: DictConfig) -> str:
         cell = load_cell(root / c)
         lines += [f"## {c}: {describe(cfg, c)}", "", "| method | " + " | ".join(n for _, n in METRICS) + " |",
                   "|---|" + "---|" * len(METRICS)]
-        for name, by_seed in sorted(cell.items(), key=lambda kv: _run_order(kv[0].replace("+", "-") + "-s0")):
+        for name, by_seed in sorted(cell.items(), key=lambda kv: _sweep_order(kv[0])):
             vals = [[by_seed[s][m] for s in sorted(by_seed)] for m, _ in METRICS]
             lines.append(f"| {name} | " + " | ".join(f"{np.mean(v):.3f} ± {np.std(v):.3f}" for v in vals) + " |")
         lines.append("")
