@@ -131,7 +131,8 @@ def main(overrides: list[str]) -> None:
     flowed("flow, Prefect server up")
     # 3. Prefect and Ray both up (a long-lived Ray, as `ray start` or an earlier flow leaves it):
     #    the first run warms the workers, the second is measured.
-    ray.init(**runtime.ray_init_kwargs(num_cpus=int(cfg.flow.num_cpus), prefect_api_url=url, root=C.ROOT))
+    with runtime.loopback_ray():
+        ray.init(**runtime.ray_init_kwargs(num_cpus=int(cfg.flow.num_cpus), prefect_api_url=url, root=C.ROOT))
     flowed("flow, Prefect + Ray up, cold workers")
     flowed("flow, Prefect + Ray up, warm workers")
     # This machine's speed drifts by 20-40% over minutes, as much as the effect measured: time the

@@ -179,7 +179,8 @@ def main() -> int:
                 continue
             if up:  # a long-lived Ray and Prefect server, as a deployment has; one run warms the workers
                 url = runtime.ensure_prefect_api()
-                ray.init(**runtime.ray_init_kwargs(num_cpus=2, prefect_api_url=url, root=ROOT))
+                with runtime.loopback_ray():
+                    ray.init(**runtime.ray_init_kwargs(num_cpus=2, prefect_api_url=url, root=ROOT))
                 run_flow(kind, data, spec, cfg, uri)
             res, wall_f, startup, per_round_f = run_flow(kind, data, spec, cfg, uri)
             if up:
@@ -201,7 +202,8 @@ def main() -> int:
         # deployment case is also timed as pairs (plain loop, then the flow, back to back) and each
         # pair gives one ratio.
         url = runtime.ensure_prefect_api()
-        ray.init(**runtime.ray_init_kwargs(num_cpus=2, prefect_api_url=url, root=ROOT))
+        with runtime.loopback_ray():
+            ray.init(**runtime.ray_init_kwargs(num_cpus=2, prefect_api_url=url, root=ROOT))
         run_flow("round", data, spec, cfg, uri)
         pairs = []
         for _ in range(args.paired):

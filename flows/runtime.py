@@ -109,6 +109,26 @@ def stop_prefect_api() -> None:
         _SERVER = None
 
 
+@contextlib.contextmanager
+def loopback_ray() -> Iterator[None]:
+    """Within this block, a Ray started here binds loopback only (node, GCS, raylet, workers: 127.0.0.1).
+
+    On Linux ``ray.init()`` takes the address the host routes outward, and maps
+    ``_node_ip_address="127.0.0.1"`` to it too, so a local Ray would listen on the machine's network.
+    Ray keeps a node on loopback where multi-node clusters are off (its constant ``ENABLE_RAY_CLUSTER``,
+    read when a node's address is chosen). It is switched off only while the block runs: left off, a
+    later ``ray start --address`` or a join of a real cluster from this process would be refused.
+    """
+    import ray._private.ray_constants as ray_constants
+
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before
+
+
 def ray_init_kwargs(*, num_cpus: int, prefect_api_url: str, root: Path) -> Dict[str, Any]:
     # OMP_NUM_THREADS is left to Ray (it sets it from each task's num_cpus); tasks that get
     # several CPUs call torch.set_num_threads themselves.
@@ -267,14 +287,16 @@ def start_ray(*, address: str | None, num_cpus: int, root: Path) -> Dict[str, An
     kwargs = init_kwargs(url)
     try:
         if not ray.is_initialized():  # the runner then uses this Ray; shutdown_ray() stops it
-            ray.init(address=address, **kwargs)
+            with loopback_ray() if not address else contextlib.nullcontext():
+                ray.init(address=address, **kwargs)
             _OWN_RAY = True
             if not address:
                 _prewarm_workers(num_cpus)
         if wait() != url:  # the server had to move: tell the workers
             ray.shutdown()
             kwargs = init_kwargs(os.environ["PREFECT_API_URL"])
-            ray.init(address=address, **kwargs)
+            with loopback_ray() if not address else contextlib.nullcontext():
+                ray.init(address=address, **kwargs)
     except BaseException:
         shutdown_ray()
         raise

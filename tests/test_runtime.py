@@ -78,14 +78,22 @@ def test_background_arrival_log_keeps_order_nesting_and_errors(tmp_path):
         mlflow.set_tracking_uri(before)
 
 
-def test_a_ray_the_caller_started_is_left_running():
-    """shutdown_ray() stops only the Ray that make_task_runner started; threads fit the largest node."""
+def test_a_ray_the_caller_started_is_left_running_and_ours_binds_loopback():
+    """shutdown_ray() stops only the Ray that make_task_runner started; threads fit the largest node.
+    A Ray started under loopback_ray() (as start_ray starts one) has its node and GCS on 127.0.0.1, and
+    Ray's cluster switch is restored after, so joining a multi-node cluster later still works."""
     import ray
+    import ray._private.ray_constants as ray_constants
 
     from flows import runtime
 
-    ray.init(num_cpus=1, include_dashboard=False)
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    with runtime.loopback_ray():
+        ray.init(num_cpus=1, include_dashboard=False)
     try:
+        assert ray_constants.ENABLE_RAY_CLUSTER == before
+        assert [n["NodeManagerAddress"] for n in ray.nodes()] == ["127.0.0.1"]
+        assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
         assert runtime.largest_node_cpus() == 1  # a 2-thread task would never be scheduled here
         runtime.shutdown_ray()
         assert ray.is_initialized()
