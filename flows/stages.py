@@ -7,6 +7,7 @@
     python -m flows.stages pretrain variant=private && python -m flows.stages adapt variant=private   # private-TTA grid
     python -m flows.stages audit variant=private     # canary membership audit of the private form
     python -m flows.stages stress bpfedctta.stress.cell=lr1e-1-p3 && python -m flows.stages stress_report
+    python -m flows.stages stress_private dptta.stress.cell=lr1e-1-p3 && python -m flows.stages stress_private_report
     python -m flows.stages partition_domains fedpad.grid=digits && python -m flows.stages fedpad fedpad.grid=digits
     python -m flows.stages rounds trainer=proto strategy=fedpad     # one FedPAD run, a Prefect task per round
     python -m flows.stages partition_fedpd fedpd.grid=digits && python -m flows.stages fedpd fedpd.grid=digits
@@ -275,19 +276,21 @@ def _on_variant(step):
     return lambda cfg: _pointing_at(cfg, lambda: step(cfg))
 
 
-def _stress(cfg) -> None:
+def _stress(cfg, protocol: str = "bpfedctta") -> None:
     from flows.stress import run_cell
 
-    print(f"figure -> {run_cell(cfg)}")
+    print(f"figure -> {run_cell(cfg, protocol)}")
 
 
-def _stress_report(cfg) -> None:
+def _stress_report(cfg, protocol: str = "bpfedctta") -> None:
     from flows.stress import report
 
-    print(report(cfg))
+    print(report(cfg, protocol))
 
 
-STAGES = {"stress": _stress, "stress_report": _stress_report, "partition_domains": _partition_domains, "fedpad": lambda cfg: _grid(cfg, "fedpad"),
+STAGES = {"stress": _stress, "stress_report": _stress_report,
+          "stress_private": lambda cfg: _stress(cfg, "dptta"),
+          "stress_private_report": lambda cfg: _stress_report(cfg, "dptta"), "partition_domains": _partition_domains, "fedpad": lambda cfg: _grid(cfg, "fedpad"),
           "fedpad_report": _fedpad_report, "rounds": _rounds,
           "partition_fedpd": lambda cfg: _partition_domains(cfg, "fedpd"), "fedpd": lambda cfg: _grid(cfg, "fedpd"),
           "rounds_fedpd": lambda cfg: _rounds(cfg, "fedpd"),

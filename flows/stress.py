@@ -1,19 +1,27 @@
-"""BPFedCTTA's stress protocol: where continual adaptation degrades, and whether BPA or UGSA prevent it.
+"""Stress protocols: where continual test-time adaptation degrades, and what prevents it.
 
-A stress cell (``bpfedctta.stress.cells.<name>``) lays a few settings over the ``mnist`` variant:
-the adaptation ``lr`` of every gradient method, the number of ``passes`` over the 10 clients, the
-``stream`` order and the ``batch_size``. Each cell is the sweep {source, bn, tent, bpa} × {none,
-sequential, fedavg, ugsa} × seeds (``bpfedctta.stress``), written to ``results/stress/<cell>/`` by
-``dvc repro stress@<cell>``, with one figure of online accuracy per arrival for every method.
-``dvc repro stress_report`` pairs the cells that were run: mean ± std, and paired tests of BPA+UGSA.
+Two protocols share this code, each a block ``<system>.stress`` of the config:
+
+- ``bpfedctta`` (``bpfedctta.stress``, DVC ``stress@<cell>``): a cell lays a few settings over the
+  ``mnist`` variant: the adaptation ``lr`` of every gradient method, the number of ``passes`` over the
+  10 clients, the ``stream`` order and the ``batch_size``. Each cell is the sweep {source, bn, tent,
+  bpa} × {none, sequential, fedavg, ugsa} × seeds. Do BPA or UGSA prevent continual Tent's decline?
+- ``dptta`` (``dptta.stress``, DVC ``stress_private@<cell>``): the same over the ``private`` variant
+  (GroupNorm model): {source, tent, sar, deyo, come} in the continual setting (``sequential``) × privacy
+  forms {plain, clip, dp} × seeds. Where do the plain methods fall below the source model, and do
+  clipping (the paper's clip-only form) or DP recover them?
+
+Each cell writes ``results/<protocol folder>/<cell>/``, with one figure of online accuracy per arrival
+for every method; the report stage pairs the cells that were run (mean ± std, paired tests by seed).
 """
 
 from __future__ import annotations
 
 import csv
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Mapping, Sequence
+from typing import Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
@@ -23,63 +31,103 @@ from flows import config as C
 CELL_KEYS = {"lr": "sweep.method_params.lr", "passes": "adapt.passes", "stream": "adapt.stream",
              "batch_size": "adapt.batch_size", "beta": "sweep.aggregator_params.beta",
              "normalizer": "sweep.aggregator_params.normalizer", "methods": "sweep.methods",
-             "aggregators": "sweep.aggregators"}
-TARGET = "bpa+ugsa"
-PAIRED_AGAINST = ("tent+sequential", "tent+ugsa", "bpa+sequential")
+             "aggregators": "sweep.aggregators", "privacy": "sweep.privacy"}
 METRICS = (("final_avg_holdout_acc", "final hold-out"), ("avg_online_acc", "online"),
            ("final_worst_holdout_acc", "worst hold-out"), ("forgetting", "forgetting"))
 
 
-def cell_names(cfg: DictConfig) -> List[str]:
-    return [str(k) for k in cfg.bpfedctta.stress.cells]
+@dataclass(frozen=True)
+class Protocol:
+    """Where a stress protocol lives in the config and DVC, and what its report pairs."""
+
+    system: str                     # the config block holding ``stress`` (and the variant)
+    variant: str                    # the variant every cell is laid over
+    stage: str                      # the DVC foreach stage, ``<stage>@<cell>``
+    title: str
+    order: Tuple[Tuple[str, ...], ...]  # the sweep's display order: methods, aggregators, privacy forms
+    gaps: str                       # what the report's gaps are, in words
+    target: str | None = None       # one run paired against ``against`` in every cell, and pooled
+    target_label: str = ""
+    against: Tuple[str, ...] = ()
 
 
-def results_root(cfg: DictConfig) -> Path:
-    return C.resolve_path(cfg.bpfedctta.stress.results)
+PROTOCOLS = {
+    "bpfedctta": Protocol("bpfedctta", "mnist", "stress", "BPFedCTTA stress protocol",
+                          (("source", "bn", "tent", "bpa"), ("none", "sequential", "fedavg", "ugsa")),
+                          "BPA+UGSA minus the named method", target="bpa+ugsa", target_label="BPA+UGSA",
+                          against=("tent+sequential", "tent+ugsa", "bpa+sequential")),
+    "dptta": Protocol("dptta", "private", "stress_private", "DP-TTA stress protocol (GroupNorm)",
+                      (("source", "tent", "eata", "sar", "deyo", "come", "bpa"),
+                       ("none", "sequential", "fedavg", "ugsa"),
+                       ("plain", "clip", "dp0", "dp-eps1", "dp-eps5", "dp-eps10", "dp-eps20")),
+                      "each plain method minus the source model, and each privacy form minus its plain method"),
+}
 
 
-def cell_config(cfg: DictConfig, cell: str) -> DictConfig:
-    """The ``mnist`` variant with stress cell ``cell`` laid over it, writing to its own results folder."""
-    stress = cfg.bpfedctta.stress
+def protocol(name: str) -> Protocol:
+    if name not in PROTOCOLS:
+        raise ValueError(f"unknown stress protocol {name!r}; valid names are: {', '.join(PROTOCOLS)}")
+    return PROTOCOLS[name]
+
+
+def _stress(cfg: DictConfig, proto: Protocol) -> DictConfig:
+    return cfg[proto.system].stress
+
+
+def cell_names(cfg: DictConfig, name: str = "bpfedctta") -> List[str]:
+    return [str(k) for k in _stress(cfg, protocol(name)).cells]
+
+
+def results_root(cfg: DictConfig, name: str = "bpfedctta") -> Path:
+    return C.resolve_path(_stress(cfg, protocol(name)).results)
+
+
+def cell_config(cfg: DictConfig, cell: str, name: str = "bpfedctta") -> DictConfig:
+    """The protocol's variant with stress cell ``cell`` laid over it, writing to its own results folder."""
+    proto = protocol(name)
+    stress = _stress(cfg, proto)
     if cell not in stress.cells:
-        raise ValueError(f"unknown stress cell {cell!r}; valid names are: {', '.join(cell_names(cfg))}")
+        raise ValueError(f"unknown stress cell {cell!r}; valid names are: {', '.join(cell_names(cfg, name))}")
     settings = dict(stress.cells[cell])
     unknown = sorted(set(settings) - set(CELL_KEYS))
     if unknown:
         raise ValueError(f"stress cell {cell!r} sets {unknown}; a cell may set: {', '.join(CELL_KEYS)}")
-    out = C.with_variant(cfg, "mnist")
+    out = C.with_variant(cfg, proto.variant)
     OmegaConf.set_struct(out, False)
     out.sweep.methods = list(stress.methods)
     out.sweep.aggregators = list(stress.aggregators)
+    out.sweep.privacy = list(stress.get("privacy", ["plain"]))
     for key, value in settings.items():
         OmegaConf.update(out, CELL_KEYS[key], value, force_add=True)
     out.sweep.seeds = [int(s) for s in stress.seeds]
-    out.sweep.privacy = ["plain"]
     out.paths.results = str(Path(str(stress.results)) / cell)
-    out.paths.checkpoints = str(Path(str(cfg.paths.checkpoints)) / "stress" / cell)
+    out.paths.checkpoints = str(Path(str(cfg.paths.checkpoints)) / Path(str(stress.results)).name / cell)
     out.flow.experiment = str(stress.experiment)
     out.flow.register = "none"  # a stress cell is a measurement, not a model to deploy
     return out
 
 
-def run_cell(cfg: DictConfig) -> Path:
-    """The sweep of the cell named by ``bpfedctta.stress.cell``, then its figure (also logged to MLflow)."""
+def run_cell(cfg: DictConfig, name: str = "bpfedctta") -> Path:
+    """The sweep of the cell named by ``<system>.stress.cell``, then its figure (also logged to MLflow)."""
     from flows.stages import _adapt
 
-    cell = cfg.bpfedctta.stress.cell
+    proto = protocol(name)
+    cell = _stress(cfg, proto).cell
     if cell is None:
-        raise ValueError(f"name a stress cell: bpfedctta.stress.cell=<name>, one of {', '.join(cell_names(cfg))}")
-    ccfg = cell_config(cfg, str(cell))
+        raise ValueError(f"name a stress cell: {proto.system}.stress.cell=<name>, one of "
+                         f"{', '.join(cell_names(cfg, name))}")
+    ccfg = cell_config(cfg, str(cell), name)
     _adapt(ccfg)
     folder = C.resolve_path(ccfg.paths.results)
-    fig = plot_cell(folder, title=f"stress cell {cell}: {describe(cfg, str(cell))}")
-    _log_figure(ccfg, str(cell), fig)
+    fig = plot_cell(folder, title=f"stress cell {cell}: {describe(cfg, str(cell), name)}", name=name)
+    _log_figure(ccfg, str(cell), fig, proto)
     return fig
 
 
-def describe(cfg: DictConfig, cell: str) -> str:
-    s = dict(cfg.bpfedctta.stress.cells[cell])
-    base = cfg.adapt
+def describe(cfg: DictConfig, cell: str, name: str = "bpfedctta") -> str:
+    proto = protocol(name)
+    s = dict(_stress(cfg, proto).cells[cell])
+    base = C.with_variant(cfg, proto.variant).adapt
     text = (f"lr {s.get('lr', 'per method')}, {s.get('passes', base.passes)} passes, "
             f"{s.get('stream', base.get('stream', 'shuffled'))} stream, batch {s.get('batch_size', base.batch_size)}")
     if "beta" in s or "normalizer" in s:
@@ -89,56 +137,71 @@ def describe(cfg: DictConfig, cell: str) -> str:
     return text
 
 
-def online_curves(folder: Path) -> Dict[str, np.ndarray]:
-    """``{method+aggregator: (seeds, arrivals) online accuracy}`` from a cell's ``cells/*/arrivals.csv``."""
+def _runs(folder: Path) -> List[Tuple[str, int, str]]:
+    """``(method+aggregator[+form], seed, run folder name)`` of every run in a cell's summary.json.
+
+    The run folders are named ``method-aggregator[-form]-s<seed>`` (flows.tasks.cell_name), and a
+    privacy form may hold a hyphen itself (``dp-eps10``): so the names come from summary.json's keys.
+    """
+    raw = json.loads((folder / "summary.json").read_text())
+    out = []
+    for key in raw:
+        if key == "headline":
+            continue
+        parts = key.split("+")
+        out.append(("+".join(parts[:-1]), int(parts[-1][1:]), "-".join(parts)))
+    return out
+
+
+def online_curves(folder: Path, name: str = "bpfedctta") -> Dict[str, np.ndarray]:
+    """``{method+aggregator[+form]: (seeds, arrivals) online accuracy}`` from a cell's run folders."""
     curves: Dict[str, List[List[float]]] = {}
-    for csv_path in sorted((folder / "cells").glob("*/arrivals.csv")):  # <method>-<aggregator>-s<seed>/
-        method, aggregator = csv_path.parent.name.split("-")[:2]
-        with csv_path.open() as fh:
+    for key, _seed, run in sorted(_runs(folder), key=lambda r: r[1]):
+        with (folder / "cells" / run / "arrivals.csv").open() as fh:
             acc = [float(row["online_acc"]) for row in csv.DictReader(fh)]
-        curves.setdefault(f"{method}+{aggregator}", []).append(acc)
-    return {k: np.asarray(curves[k]) for k in sorted(curves, key=_sweep_order)}
+        curves.setdefault(key, []).append(acc)
+    return {k: np.asarray(curves[k]) for k in sorted(curves, key=lambda k: _sweep_order(k, name))}
 
 
-def _sweep_order(name: str) -> tuple:
-    """A ``method+aggregator`` key in the sweep's order: method, then aggregator (unknown names last)."""
-    method, aggregator = name.split("+")
+def _sweep_order(key: str, name: str = "bpfedctta") -> tuple:
+    """A ``method+aggregator[+form]`` key in the sweep's order: method, aggregator, form (unknown last)."""
+    parts = key.split("+")
+    parts += ["plain"] * (3 - len(parts))
     rank = lambda v, order: (order.index(v) if v in order else len(order), v)  # noqa: E731
-    return rank(method, ("source", "bn", "tent", "bpa")) + rank(aggregator, ("none", "sequential", "fedavg", "ugsa"))
+    order = protocol(name).order + (("plain",),) * (3 - len(protocol(name).order))
+    return sum((rank(v, o) for v, o in zip(parts, order)), ())
 
 
-def plot_cell(folder: Path, *, title: str) -> Path:
-    """Online accuracy per arrival of every method+aggregator, and each minus BN's (when BN ran)."""
+def plot_cell(folder: Path, *, title: str, name: str = "bpfedctta") -> Path:
+    """Online accuracy per arrival of every run, and each minus the reference's (BN, else the source)."""
     from fedcore.evaluate.plots import plot_curves
 
-    curves = online_curves(folder)
+    curves = online_curves(folder, name)
+    reference = next((k for k in curves if k.startswith("bn+")), None) or next(
+        (k for k in curves if k.startswith("source+")), None)
     return plot_curves(curves, folder / "online_by_method.png", title=title, xlabel="arrival",
-                       ylabel="online accuracy (mean over seeds)",
-                       reference=next((k for k in curves if k.startswith("bn+")), None))
+                       ylabel="online accuracy (mean over seeds)", reference=reference)
 
 
-def _log_figure(cfg: DictConfig, cell: str, path: Path) -> None:
+def _log_figure(cfg: DictConfig, cell: str, path: Path, proto: Protocol) -> None:
     import mlflow
 
     from flows import tracking
 
     tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
-    with mlflow.start_run(run_name=f"stress-{cell}"):
-        mlflow.set_tags({"fedcore.kind": "stress-cell", "stress.cell": cell})
-        mlflow.log_params({k: v for k, v in dict(cfg.bpfedctta.stress.cells[cell]).items()})
+    with mlflow.start_run(run_name=f"{proto.stage.replace('_', '-')}-{cell}"):
+        mlflow.set_tags({"fedcore.kind": "stress-cell", "stress.cell": cell, "stress.protocol": proto.system})
+        mlflow.log_params({k: v for k, v in dict(_stress(cfg, proto).cells[cell]).items()})
         mlflow.log_artifact(str(path))
 
 
 # ------------------------------------------------------------------------------------ report
 def load_cell(folder: Path) -> Dict[str, Dict[int, Mapping[str, float]]]:
-    """``{method+aggregator: {seed: summary}}`` from a cell's summary.json."""
+    """``{method+aggregator[+form]: {seed: summary}}`` from a cell's summary.json."""
     raw = json.loads((folder / "summary.json").read_text())
     out: Dict[str, Dict[int, Mapping[str, float]]] = {}
-    for key, summary in raw.items():
-        if key == "headline":
-            continue
-        parts = key.split("+")
-        out.setdefault(f"{parts[0]}+{parts[1]}", {})[int(parts[-1][1:])] = summary
+    for key, seed, _run in _runs(folder):
+        out.setdefault(key, {})[seed] = raw[f"{key}+s{seed}"]
     return out
 
 
@@ -155,72 +218,104 @@ def paired(cell: Mapping[str, Mapping[int, Mapping[str, float]]], metric: str, t
     return {"n": len(seeds), "gap": float(gap.mean()), "wins": int((gap > 0).sum()), "p": p}
 
 
-def report(cfg: DictConfig) -> str:
-    """Mean ± std per cell, the paired tests of BPA+UGSA, and the same pooled over cells × seeds (Wilcoxon)."""
+def privacy_pairs(cell: Mapping[str, object]) -> List[Tuple[str, str]]:
+    """DP-TTA's questions, per gradient method and aggregator: plain − source, then each form − plain."""
+    pairs = []
+    sources = [k for k in cell if k.startswith("source+")]
+    for key in cell:
+        method, aggregator, *form = key.split("+")
+        if method == "source":
+            continue
+        if not form:
+            pairs += [(key, src) for src in sources]
+        else:
+            plain = f"{method}+{aggregator}"
+            if plain in cell:
+                pairs.append((key, plain))
+    return pairs
+
+
+def _pair_rows(cell, pairs: Sequence[Tuple[str, str]], *, label) -> List[str]:
+    rows = []
+    for target, other in pairs:
+        h = paired(cell, "final_avg_holdout_acc", target, other)
+        o = paired(cell, "avg_online_acc", target, other)
+        rows.append(f"| {label(target, other)} | {h['gap']:+.3f} | {h['wins']}/{h['n']} | {h['p']:.3f} | "
+                    f"{o['gap']:+.3f} | {o['wins']}/{o['n']} | {o['p']:.3f} |")
+    return rows
+
+
+def report(cfg: DictConfig, name: str = "bpfedctta") -> str:
+    """Mean ± std per cell, the paired tests, and (with a target) those pooled over cells × seeds (Wilcoxon)."""
     from fedcore.evaluate.stats import wilcoxon_against
 
-    root = results_root(cfg)
-    ran = [c for c in cell_names(cfg) if (root / c / "summary.json").is_file()]
+    proto = protocol(name)
+    root = results_root(cfg, name)
+    ran = [c for c in cell_names(cfg, name) if (root / c / "summary.json").is_file()]
     if not ran:
         raise FileNotFoundError(f"no stress cell has results under {root}. Build one with "
-                                f"`dvc repro stress@{cell_names(cfg)[0]}` (or `make stress` for all).")
-    lines = ["# BPFedCTTA stress protocol", "",
-             f"Cells run: {len(ran)} of {len(cell_names(cfg))} ({', '.join(ran)}). "
-             "Mean ± std over seeds; gaps are BPA+UGSA minus the named method, paired by seed "
+                                f"`dvc repro {proto.stage}@{cell_names(cfg, name)[0]}` (or all of them with "
+                                f"`dvc repro {proto.stage}_report`).")
+    lines = [f"# {proto.title}", "",
+             f"Cells run: {len(ran)} of {len(cell_names(cfg, name))} ({', '.join(ran)}). "
+             f"Mean ± std over seeds; gaps are {proto.gaps}, paired by seed "
              "(p: paired t-test, nan when a gap cannot vary).", ""]
     pooled: Dict[str, List[float]] = {}
     summary: Dict[str, Dict] = {}
     for c in ran:
         cell = load_cell(root / c)
-        lines += [f"## {c}: {describe(cfg, c)}", "", "| method | " + " | ".join(n for _, n in METRICS) + " |",
+        lines += [f"## {c}: {describe(cfg, c, name)}", "", "| method | " + " | ".join(n for _, n in METRICS) + " |",
                   "|---|" + "---|" * len(METRICS)]
-        for name, by_seed in sorted(cell.items(), key=lambda kv: _sweep_order(kv[0])):
+        for key, by_seed in sorted(cell.items(), key=lambda kv: _sweep_order(kv[0], name)):
             vals = [[by_seed[s][m] for s in sorted(by_seed)] for m, _ in METRICS]
-            lines.append(f"| {name} | " + " | ".join(f"{np.mean(v):.3f} ± {np.std(v):.3f}" for v in vals) + " |")
+            lines.append(f"| {key} | " + " | ".join(f"{np.mean(v):.3f} ± {np.std(v):.3f}" for v in vals) + " |")
         lines.append("")
-        summary[c] = {name: {m: float(np.mean([by_seed[s][m] for s in by_seed])) for m, _ in METRICS}
-                      for name, by_seed in cell.items()}
-        if TARGET in cell:
-            lines += ["| BPA+UGSA against | final hold-out gap | wins | p | online gap | wins | p |",
-                      "|---|---|---|---|---|---|---|"]
-            for other in PAIRED_AGAINST:
-                if other not in cell:
-                    continue
-                h = paired(cell, "final_avg_holdout_acc", TARGET, other)
-                o = paired(cell, "avg_online_acc", TARGET, other)
-                lines.append(f"| {other} | {h['gap']:+.3f} | {h['wins']}/{h['n']} | {h['p']:.3f} | "
-                             f"{o['gap']:+.3f} | {o['wins']}/{o['n']} | {o['p']:.3f} |")
+        summary[c] = {key: {m: float(np.mean([by_seed[s][m] for s in by_seed])) for m, _ in METRICS}
+                      for key, by_seed in cell.items()}
+        head = "| final hold-out gap | wins | p | online gap | wins | p |"
+        if proto.target and proto.target in cell:
+            lines += [f"| {proto.target_label} against {head}", "|---|---|---|---|---|---|---|"]
+            lines += _pair_rows(cell, [(proto.target, o) for o in proto.against if o in cell],
+                                label=lambda t, o: o)
             lines.append("")
-            common = sorted(set.intersection(*(set(cell[m]) for m in (TARGET, *PAIRED_AGAINST) if m in cell)))
-            for m in (TARGET, *PAIRED_AGAINST):
+            common = sorted(set.intersection(*(set(cell[m]) for m in (proto.target, *proto.against) if m in cell)))
+            for m in (proto.target, *proto.against):
                 if m in cell:
                     pooled.setdefault(m, []).extend(cell[m][s]["final_avg_holdout_acc"] for s in common)
+        elif not proto.target:
+            pairs = sorted(privacy_pairs(cell), key=lambda p: (_sweep_order(p[0], name), _sweep_order(p[1], name)))
+            if pairs:
+                lines += [f"| comparison {head}", "|---|---|---|---|---|---|---|"]
+                lines += _pair_rows(cell, pairs, label=lambda t, o: f"{t} − {o}")
+                lines.append("")
         lines.append(f"![online accuracy per arrival]({c}/online_by_method.png)")
         lines.append("")
-    if TARGET in pooled and len(pooled[TARGET]) >= 2:
+    target = proto.target
+    if target and target in pooled and len(pooled[target]) >= 2:
         lines += ["## Pooled over cells × seeds (final hold-out accuracy, Wilcoxon signed-rank)", "",
-                  "| BPA+UGSA against | blocks | mean gap | wins | p |", "|---|---|---|---|---|"]
-        usable = {m: v for m, v in pooled.items() if len(v) == len(pooled[TARGET])}
-        for t in wilcoxon_against(usable, TARGET):
+                  f"| {proto.target_label} against | blocks | mean gap | wins | p |", "|---|---|---|---|---|"]
+        usable = {m: v for m, v in pooled.items() if len(v) == len(pooled[target])}
+        for t in wilcoxon_against(usable, target):
             lines.append(f"| {t.other} | {t.n} | {t.mean_gap:+.3f} | {t.wins}/{t.n} | {t.p_value:.3f} |")
         lines.append("")
     text = "\n".join(lines).replace("](", f"]({root.name}/")
-    report_md, summary_json = report_paths(cfg)
+    report_md, summary_json = report_paths(cfg, name)
     report_md.write_text(text)
     summary_json.write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
     return text
 
 
-def report_paths(cfg: DictConfig) -> tuple:
+def report_paths(cfg: DictConfig, name: str = "bpfedctta") -> tuple:
     """Beside the cells' folder, not in it: the report stage reads that whole folder."""
-    root = results_root(cfg)
+    root = results_root(cfg, name)
     return root.parent / f"{root.name}_report.md", root.parent / f"{root.name}_summary.json"
 
 
-def check(cfg: DictConfig, cells: Sequence[str] | None = None) -> None:
+def check(cfg: DictConfig, cells: Sequence[str] | None = None, name: str = "bpfedctta") -> None:
     """Every cell composes into a valid sweep, before any work (a typo fails in a second)."""
-    for cell in cells or cell_names(cfg):
-        ccfg = cell_config(cfg, cell)
-        for m in ccfg.sweep.methods:
-            for a in ccfg.sweep.aggregators:
-                C.arrival_config(ccfg, method=str(m), aggregator=str(a))
+    from flows.tasks import sweep_cells
+
+    for cell in cells or cell_names(cfg, name):
+        ccfg = cell_config(cfg, cell, name)
+        for m, a, f, s in sweep_cells(ccfg):
+            C.arrival_config(ccfg, method=m, aggregator=a, form=f, seed=s)

@@ -108,3 +108,59 @@ def test_an_ablation_cell_sets_the_gate_and_narrows_the_sweep(cfg):
     ugsa = C.arrival_config(out, method="bpa", aggregator="ugsa")
     assert ugsa.aggregator_params == {"gamma": 0.5, "beta": 0, "normalizer": "none"}
     assert "β = 0, normaliser none" in S.describe(cfg, "ugsa-none-b0")
+
+
+def test_a_private_cell_lays_its_lr_over_the_groupnorm_variant(cfg):
+    out = S.cell_config(cfg, "lr1e-1-p3", "dptta")
+    sar = C.arrival_config(out, method="sar", aggregator="sequential", form="dp-eps10", seed=1)
+    assert sar.method_params["lr"] == 0.1 and sar.passes == 3 and sar.seed == 1
+    assert out.model.norm == "group" and out.paths.models == "models_group"
+    assert out.sweep.noise_source == "seeded", "a research grid: DVC reruns it bit for bit"
+    assert list(out.sweep.privacy) == ["plain", "clip", "dp-eps10"] and list(out.sweep.aggregators) == ["sequential"]
+    assert out.paths.results == "results/stress_private/lr1e-1-p3"
+    assert out.paths.checkpoints == "checkpoints/stress_private/lr1e-1-p3"
+    S.check(cfg, name="dptta")
+    with pytest.raises(ValueError, match="unknown stress protocol 'dp'; valid names are: bpfedctta, dptta"):
+        S.cell_config(cfg, "lr1e-1-p3", "dp")
+    with pytest.raises(FileNotFoundError, match=r"dvc repro stress_private@lr1e-3-p3"):
+        S.report(OmegaConf.merge(cfg, {"dptta": {"stress": {"results": "/nonexistent/stress_private"}}}), "dptta")
+
+
+def _write_private_cell(folder, acc):
+    """A fake private cell: ``acc[key][seed]`` final accuracy of each ``method+aggregator[+form]``."""
+    summary = {}
+    for key, by_seed in acc.items():
+        for seed, a in enumerate(by_seed):
+            summary[f"{key}+s{seed}"] = {"final_avg_holdout_acc": a, "avg_online_acc": a,
+                                         "final_worst_holdout_acc": a, "forgetting": 0.0}
+            run = folder / "cells" / f"{key.replace('+', '-')}-s{seed}"  # dp-eps10 keeps its hyphen
+            run.mkdir(parents=True)
+            (run / "arrivals.csv").write_text("arrival,online_acc\n" + "".join(f"{i},{a}\n" for i in range(3)))
+    (folder / "summary.json").write_text(json.dumps(summary))
+
+
+def test_the_private_report_pairs_plain_with_source_and_each_form_with_plain(cfg, tmp_path):
+    # Arrange: tent falls below the source; clip recovers it, DP recovers part
+    root = tmp_path / "stress_private"
+    _write_private_cell(root / "lr1e-1-p3", {
+        "source+sequential": [0.8, 0.8, 0.8], "tent+sequential": [0.5, 0.6, 0.4],
+        "tent+sequential+clip": [0.8, 0.85, 0.8], "tent+sequential+dp-eps10": [0.6, 0.6, 0.5]})
+    c = OmegaConf.merge(cfg, {"dptta": {"stress": {"results": str(root)}}})
+
+    # Act
+    text = S.report(c, "dptta")
+    cell = S.load_cell(root / "lr1e-1-p3")
+    curves = S.online_curves(root / "lr1e-1-p3", "dptta")
+
+    # Assert
+    assert sorted(S.privacy_pairs(cell)) == [("tent+sequential", "source+sequential"),
+                                             ("tent+sequential+clip", "tent+sequential"),
+                                             ("tent+sequential+dp-eps10", "tent+sequential")]
+    assert "| tent+sequential − source+sequential | -0.300 | 0/3 |" in text
+    assert "| tent+sequential+clip − tent+sequential | +0.317 | 3/3 |" in text
+    assert "| tent+sequential+dp-eps10 − tent+sequential | +0.067 | 2/3 |" in text
+    assert list(curves) == ["source+sequential", "tent+sequential", "tent+sequential+clip",
+                            "tent+sequential+dp-eps10"], "the sweep's order: method, then form"
+    np.testing.assert_allclose(curves["tent+sequential+dp-eps10"].mean(1), [0.6, 0.6, 0.5])
+    assert S.report_paths(c, "dptta")[0].name == "stress_private_report.md"
+    assert S.plot_cell(root / "lr1e-1-p3", title="t", name="dptta").stat().st_size > 0
