@@ -332,6 +332,9 @@ def test_clip_only_clips_each_sample_and_keeps_the_plain_normaliser(x, name, nor
     expected, denom = _reference_clipped_step(ref, x, C)
     before = {k: p.detach().clone() for k, p in ref.params.items()}
     method = build(name, norm, seed=3, x=x, privacy=PrivacySpec(mode="clip", clip_norm=C), momentum=0.0)
+    # g_i from Opacus' hooks where no layer mixes samples and the loss has no parameter terms of its
+    # own; else from the joint pass: the reference holds either way
+    assert method.clip_by_hooks == (norm == "group" and name != "bpa")
     torch.manual_seed(7)
     method(x)
     assert 0 < denom and method.kept == int(denom)
@@ -390,6 +393,7 @@ def test_clip_only_sar_clips_at_both_sam_evaluations_and_recovers(x):
     g2 = {k: v / float(mask2.sum()) for k, v in clipped(h2 * mask2).items()}
     method = build("sar", seed=3, x=x, rho=rho, momentum=0.0, reset_constant=0.0,
                    privacy=PrivacySpec(mode="clip", clip_norm=C))
+    assert method.clip_by_hooks  # GroupNorm: both evaluations take g_i from hooks
     method(x)
     for k, p in method.params.items():
         assert torch.allclose(p.detach(), theta[k] - lr * g2[k], atol=1e-6), k

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from fedcore.models.norm import NORM_TYPES
+from fedcore.privacy.dp import has_batchnorm
 
 
 def softmax_entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -169,6 +170,9 @@ class GradientMethod(TTAMethod):
         self.params = params
         self.private = private  # a fedcore.privacy.PrivateGradient, or None
         self.clip = clip  # a fedcore.privacy.ClippedGradient, or None
+        # The clip-only form takes per-sample gradients from hooks (one backward) where they equal
+        # the joint pass's (ClippedGradient.by_hooks); on BatchNorm models, one backward per sample.
+        self.clip_by_hooks = clip is not None and not has_batchnorm(model) and not self.direct_param_terms
         self.kept = 0  # samples that passed the filters (plain and clip-only forms), summed over batches
 
     # -- what a subclass defines
@@ -190,6 +194,8 @@ class GradientMethod(TTAMethod):
     def forward_and_adapt(self, x: torch.Tensor) -> torch.Tensor:
         if self.private is not None:
             return self._private_step(x)
+        if self.clip_by_hooks:
+            return self._clip_step_by_hooks(x)
         logits = self.model(x)
         aux = self.aux(x, logits.detach())
         denom = self.plain_normaliser(aux, len(x))
@@ -213,6 +219,18 @@ class GradientMethod(TTAMethod):
     aux_in_loss = False
     # True when sample_loss depends on the parameters directly, not only through the logits.
     direct_param_terms = False
+
+    def _clip_step_by_hooks(self, x: torch.Tensor) -> torch.Tensor:
+        """The clip-only form's step as above, with g_i from hooks: the prediction and ``aux`` without gradients."""
+        with torch.no_grad():
+            logits = self.model(x)
+            aux = self.aux(x, logits)
+        denom = self.plain_normaliser(aux, len(x))
+        self.kept += int(denom)
+        if denom > 0:
+            self.apply_gradient(self.clip.by_hooks(self.model, self.params, self.sample_loss, x, aux, denom))
+        self.optimizer.zero_grad(set_to_none=True)
+        return logits
 
     def _private_step(self, x: torch.Tensor) -> torch.Tensor:
         if self.aux_in_loss:

@@ -23,6 +23,7 @@ loss of the whole batch, a data-dependent switch with no sensitivity bound, so i
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Dict, Mapping
 
@@ -69,25 +70,29 @@ class SAR(GradientMethod):
     def forward_and_adapt(self, x: torch.Tensor) -> torch.Tensor:
         if self.private is not None:
             return self._private_sam_step(x)
-        logits = self.model(x)
+        hooks = self.clip_by_hooks  # then the forwards run without gradients and hooks give each g_i
+        with torch.no_grad() if hooks else contextlib.nullcontext():
+            logits = self.model(x)
         aux = self.aux(x, logits.detach())
         kept = float(aux["mask"].sum())
         self.kept += int(kept)
         if kept == 0:
             return logits.detach()
         if self.clip is not None:  # clip-only form: each sample's gradient clipped, at both SAM evaluations
-            grads = self.clip(softmax_entropy(logits) * aux["mask"], self.params, kept)
+            grads = self._clipped(x, logits, aux["mask"], kept)
         else:
             loss = (softmax_entropy(logits) * aux["mask"]).sum() / kept
             grads = dict(zip(self.params, torch.autograd.grad(loss, list(self.params.values()))))
         eps = self._perturb(grads)
-        h2 = softmax_entropy(self.model(x))
+        with torch.no_grad() if hooks else contextlib.nullcontext():
+            logits2 = self.model(x)
+        h2 = softmax_entropy(logits2)
         mask2 = aux["mask"] * (h2.detach() < self.e_margin).float()
         kept2 = float(mask2.sum())
         if kept2 > 0:
             loss2 = (h2 * mask2).sum() / kept2
             if self.clip is not None:
-                for k, g in self.clip(h2 * mask2, self.params, kept2).items():
+                for k, g in self._clipped(x, logits2, mask2, kept2).items():
                     self.params[k].grad = g
             else:
                 loss2.backward()
@@ -102,6 +107,12 @@ class SAR(GradientMethod):
             self.reset()
             self.resets += 1
         return logits.detach()
+
+    def _clipped(self, x, logits, mask, kept) -> Dict[str, torch.Tensor]:
+        """Σ_i clip(∇ mask_i·H_i) / kept at the current parameters: from ``logits``' graph, or from hooks."""
+        if self.clip_by_hooks:
+            return self.clip.by_hooks(self.model, self.params, lambda lg, _a, _p: softmax_entropy(lg) * mask, x, {}, kept)
+        return self.clip(softmax_entropy(logits) * mask, self.params, kept)
 
     def _private_sam_step(self, x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
