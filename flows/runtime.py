@@ -285,9 +285,12 @@ def start_ray(*, address: str | None, num_cpus: int, root: Path) -> Dict[str, An
 
     global _OWN_RAY
     kwargs = init_kwargs(url)
+    # ray.init(address=None) joins the cluster RAY_ADDRESS names; only a Ray it starts is kept on loopback
+    local = (not address or address == "local") and not os.environ.get("RAY_ADDRESS")
+    own_node = loopback_ray if local else contextlib.nullcontext
     try:
         if not ray.is_initialized():  # the runner then uses this Ray; shutdown_ray() stops it
-            with loopback_ray() if not address else contextlib.nullcontext():
+            with own_node():
                 ray.init(address=address, **kwargs)
             _OWN_RAY = True
             if not address:
@@ -295,7 +298,7 @@ def start_ray(*, address: str | None, num_cpus: int, root: Path) -> Dict[str, An
         if wait() != url:  # the server had to move: tell the workers
             ray.shutdown()
             kwargs = init_kwargs(os.environ["PREFECT_API_URL"])
-            with loopback_ray() if not address else contextlib.nullcontext():
+            with own_node():
                 ray.init(address=address, **kwargs)
     except BaseException:
         shutdown_ray()

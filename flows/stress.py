@@ -226,8 +226,9 @@ def privacy_pairs(cell: Mapping[str, object]) -> List[Tuple[str, str]]:
         method, aggregator, *form = key.split("+")
         if method == "source":
             continue
-        if not form:
-            pairs += [(key, src) for src in sources]
+        if not form:  # the source run under the same aggregator, else the one there is
+            same = f"source+{aggregator}"
+            pairs += [(key, same)] if same in cell else [(key, src) for src in sources]
         else:
             plain = f"{method}+{aggregator}"
             if plain in cell:

@@ -164,3 +164,9 @@ def test_the_private_report_pairs_plain_with_source_and_each_form_with_plain(cfg
     np.testing.assert_allclose(curves["tent+sequential+dp-eps10"].mean(1), [0.6, 0.6, 0.5])
     assert S.report_paths(c, "dptta")[0].name == "stress_private_report.md"
     assert S.plot_cell(root / "lr1e-1-p3", title="t", name="dptta").stat().st_size > 0
+
+
+def test_a_plain_method_is_paired_with_the_source_run_under_its_own_aggregator():
+    cell = {"source+none": {}, "source+ugsa": {}, "tent+ugsa": {}, "tent+ugsa+clip": {}, "tent+fedavg": {}}
+    assert sorted(S.privacy_pairs(cell)) == [("tent+fedavg", "source+none"), ("tent+fedavg", "source+ugsa"),
+                                             ("tent+ugsa", "source+ugsa"), ("tent+ugsa+clip", "tent+ugsa")]

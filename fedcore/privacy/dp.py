@@ -305,7 +305,7 @@ class ClippedGradient(_RunningStats):
         ``sample_loss`` reaches the parameters only through the model's output. There sample i's loss
         depends on sample i's activations alone, so these g_i equal the joint pass's (a test checks
         each method), at the cost of one backward instead of one per sample: measured on the GroupNorm
-        CNN, a batch of 64 takes about a thirtieth of the joint pass's time. The caller's own forward
+        CNN, a Tent step on 64 samples took 0.05 s against the joint pass's 0.84 s. The caller's own forward
         must run without gradients, or the hooks would keep its activations.
         """
         return self._clip_sum(per_sample_grads_opacus(model, dict(params), sample_loss, x, aux), normaliser)
