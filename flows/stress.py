@@ -137,13 +137,12 @@ def describe(cfg: DictConfig, cell: str, name: str = "bpfedctta") -> str:
     return text
 
 
-def _runs(folder: Path) -> List[Tuple[str, int, str]]:
-    """``(method+aggregator[+form], seed, run folder name)`` of every run in a cell's summary.json.
+def _runs(raw: Mapping[str, object]) -> List[Tuple[str, int, str]]:
+    """``(method+aggregator[+form], seed, run folder name)`` of every run in a cell's summary.json ``raw``.
 
     The run folders are named ``method-aggregator[-form]-s<seed>`` (flows.tasks.cell_name), and a
     privacy form may hold a hyphen itself (``dp-eps10``): so the names come from summary.json's keys.
     """
-    raw = json.loads((folder / "summary.json").read_text())
     out = []
     for key in raw:
         if key == "headline":
@@ -153,10 +152,14 @@ def _runs(folder: Path) -> List[Tuple[str, int, str]]:
     return out
 
 
+def _summary(folder: Path) -> Dict[str, Mapping[str, float]]:
+    return json.loads((folder / "summary.json").read_text())
+
+
 def online_curves(folder: Path, name: str = "bpfedctta") -> Dict[str, np.ndarray]:
     """``{method+aggregator[+form]: (seeds, arrivals) online accuracy}`` from a cell's run folders."""
     curves: Dict[str, List[List[float]]] = {}
-    for key, _seed, run in sorted(_runs(folder), key=lambda r: r[1]):
+    for key, _seed, run in sorted(_runs(_summary(folder)), key=lambda r: r[1]):
         with (folder / "cells" / run / "arrivals.csv").open() as fh:
             acc = [float(row["online_acc"]) for row in csv.DictReader(fh)]
         curves.setdefault(key, []).append(acc)
@@ -198,9 +201,9 @@ def _log_figure(cfg: DictConfig, cell: str, path: Path, proto: Protocol) -> None
 # ------------------------------------------------------------------------------------ report
 def load_cell(folder: Path) -> Dict[str, Dict[int, Mapping[str, float]]]:
     """``{method+aggregator[+form]: {seed: summary}}`` from a cell's summary.json."""
-    raw = json.loads((folder / "summary.json").read_text())
+    raw = _summary(folder)
     out: Dict[str, Dict[int, Mapping[str, float]]] = {}
-    for key, seed, _run in _runs(folder):
+    for key, seed, _run in _runs(raw):
         out.setdefault(key, {})[seed] = raw[f"{key}+s{seed}"]
     return out
 

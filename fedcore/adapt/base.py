@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any, Dict, Iterable, List, Mapping
 
@@ -194,18 +195,20 @@ class GradientMethod(TTAMethod):
     def forward_and_adapt(self, x: torch.Tensor) -> torch.Tensor:
         if self.private is not None:
             return self._private_step(x)
-        if self.clip_by_hooks:
-            return self._clip_step_by_hooks(x)
-        logits = self.model(x)
-        aux = self.aux(x, logits.detach())
+        # With hooks (clip-only form, no BatchNorm) the forward needs no graph: the hooks take each g_i
+        # from their own pass, and a grad-enabled forward here would leave its activations in them.
+        with torch.no_grad() if self.clip_by_hooks else contextlib.nullcontext():
+            logits = self.model(x)
+            aux = self.aux(x, logits.detach())
         denom = self.plain_normaliser(aux, len(x))
         self.kept += int(denom)
         if denom > 0:
-            losses = self.sample_loss(logits, aux, self.params)
-            if self.clip is not None:
-                self.apply_gradient(self.clip(losses, self.params, denom))
+            if self.clip_by_hooks:
+                self.apply_gradient(self.clip.by_hooks(self.model, self.params, self.sample_loss, x, aux, denom))
+            elif self.clip is not None:
+                self.apply_gradient(self.clip(self.sample_loss(logits, aux, self.params), self.params, denom))
             else:
-                loss = losses.sum() / denom
+                loss = self.sample_loss(logits, aux, self.params).sum() / denom
                 pen = self.penalty(self.params)
                 if pen is not None:
                     loss = loss + pen
@@ -219,18 +222,6 @@ class GradientMethod(TTAMethod):
     aux_in_loss = False
     # True when sample_loss depends on the parameters directly, not only through the logits.
     direct_param_terms = False
-
-    def _clip_step_by_hooks(self, x: torch.Tensor) -> torch.Tensor:
-        """The clip-only form's step as above, with g_i from hooks: the prediction and ``aux`` without gradients."""
-        with torch.no_grad():
-            logits = self.model(x)
-            aux = self.aux(x, logits)
-        denom = self.plain_normaliser(aux, len(x))
-        self.kept += int(denom)
-        if denom > 0:
-            self.apply_gradient(self.clip.by_hooks(self.model, self.params, self.sample_loss, x, aux, denom))
-        self.optimizer.zero_grad(set_to_none=True)
-        return logits
 
     def _private_step(self, x: torch.Tensor) -> torch.Tensor:
         if self.aux_in_loss:
