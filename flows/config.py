@@ -101,11 +101,15 @@ def model_spec(cfg: DictConfig) -> ModelSpec:
 
 
 def pretrain_config(cfg: DictConfig) -> RoundConfig:
-    """Source pretraining: the round engine with the ``sgd`` trainer and ``fedavg``."""
-    p = cfg.pretrain
-    trainer = dict(local_epochs=int(p.local_epochs), lr=float(p.lr), batch_size=int(p.batch_size),
-                   momentum=float(p.momentum), weight_decay=float(p.weight_decay), augment=bool(p.augment))
-    return RoundConfig(rounds=int(p.rounds), trainer="sgd", trainer_params=trainer, strategy="fedavg",
+    """Source pretraining: the round engine with the ``sgd`` trainer and ``fedavg``.
+
+    Every ``pretrain`` setting but ``rounds`` is the trainer's (:class:`fedcore.train.LocalTrainer`):
+    a setting the root config leaves out keeps the trainer's default, and a misspelt one fails
+    with the valid names.
+    """
+    p = to_dict(cfg.pretrain)
+    trainer = {k: v for k, v in p.items() if k != "rounds"}
+    return RoundConfig(rounds=int(p["rounds"]), trainer="sgd", trainer_params=trainer, strategy="fedavg",
                        seed=int(cfg.seed), device=str(cfg.device))
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict
 
+import math
+
 import numpy as np
 import torch
 from torch import nn
@@ -64,11 +66,25 @@ class LocalTrainer:
     batch_size:
         Mini-batch size.
     augment:
-        Random 2-pixel crops (and horizontal flips on colour images).
+        Random 2-pixel crops (and horizontal flips on colour images): ``True`` or ``"batch"`` draws
+        one crop and one flip for the whole batch; ``"sample"`` draws them per image (the usual
+        CIFAR recipe); ``False`` or ``"none"`` turns augmentation off.
+    lr_schedule:
+        ``"constant"``, or ``"cosine"``: the lr decays from ``lr`` towards 0 along a half cosine
+        over the whole run, step by step, read from the round the server broadcasts
+        (``round`` of ``rounds``). Without a broadcast round the lr stays constant.
+    channels_last:
+        Train in the channels-last memory layout. Same arithmetic, other kernels: on CPU a
+        ResNet-20 step is about 2x faster; the floats differ in the last bits, so it is off by
+        default and the weights go back in the standard layout.
     """
 
+    AUGMENT_MODES = ("none", "batch", "sample")
+    LR_SCHEDULES = ("constant", "cosine")
+
     def __init__(self, *, lr: float = 0.05, local_epochs: int = 1, batch_size: int = 64, momentum: float = 0.9,
-                 weight_decay: float = 5e-4, augment: bool = False) -> None:
+                 weight_decay: float = 5e-4, augment: bool | str = False, lr_schedule: str = "constant",
+                 channels_last: bool = False) -> None:
         if lr <= 0:
             raise ValueError(f"trainer lr must be > 0, got {lr}")
         if local_epochs < 1 or batch_size < 1:
@@ -76,7 +92,14 @@ class LocalTrainer:
         if not 0 <= momentum < 1 or weight_decay < 0:
             raise ValueError(f"need 0 <= momentum < 1 and weight_decay >= 0, got {momentum}, {weight_decay}")
         self.lr, self.local_epochs, self.batch_size = float(lr), int(local_epochs), int(batch_size)
-        self.momentum, self.weight_decay, self.augment = float(momentum), float(weight_decay), bool(augment)
+        mode = {True: "batch", False: "none"}.get(augment, augment) if isinstance(augment, bool) else str(augment)
+        if mode not in self.AUGMENT_MODES:
+            raise ValueError(f"augment must be true, false or one of {', '.join(self.AUGMENT_MODES)}; got {augment!r}")
+        if lr_schedule not in self.LR_SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {', '.join(self.LR_SCHEDULES)}; got {lr_schedule!r}")
+        self.momentum, self.weight_decay = float(momentum), float(weight_decay)
+        self.augment_mode, self.augment = mode, mode != "none"
+        self.lr_schedule, self.channels_last = str(lr_schedule), bool(channels_last)
 
     needs_features = False  # True when the trainer reads the penultimate features (embed_and_classify)
 
@@ -102,18 +125,28 @@ class LocalTrainer:
               device: torch.device | str = "cpu") -> ClientUpdate:
         """Train ``model`` (already holding ``global_state``) in place; return the client's update."""
         g = torch.Generator().manual_seed(seed)
+        broadcast = broadcast or {}
         model.to(device).train()
-        self.begin(model, global_state=global_state, broadcast=broadcast or {}, client_state=client_state or {})
+        layout = torch.channels_last if self.channels_last else torch.contiguous_format
+        if self.channels_last:
+            model.to(memory_format=layout)
+        self.begin(model, global_state=global_state, broadcast=broadcast, client_state=client_state or {})
         opt = torch.optim.SGD(model.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
         xt, yt = to_tensor(x, device=device), torch.as_tensor(np.array(y), device=device)
         total, count, steps = 0.0, 0, 0
+        per_round = self.local_epochs * len(range(0, len(xt), self.batch_size))
         for _ in range(self.local_epochs):
             perm = torch.randperm(len(xt), generator=g).to(device)
             for sl in batches(len(xt), self.batch_size):
                 idx = perm[sl]
                 xb, yb = xt[idx], yt[idx]
                 if self.augment:
-                    xb = augment_batch(xb, g)
+                    xb = augment_batch(xb, g, per_sample=self.augment_mode == "sample")
+                if self.channels_last:
+                    xb = xb.contiguous(memory_format=layout)
+                if self.lr_schedule != "constant":
+                    for group in opt.param_groups:
+                        group["lr"] = self.scheduled_lr(broadcast, steps / per_round)
                 loss = self.loss(model, xb, yb)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -122,20 +155,43 @@ class LocalTrainer:
                 total += float(loss.detach()) * len(idx)
                 count += len(idx)
                 steps += 1
+        if self.channels_last:
+            model.to(memory_format=torch.contiguous_format)
         client_state, payload = self.finish(model, xt, yt, steps=steps)
         return ClientUpdate(state=state_to_cpu(model.state_dict()), num_examples=len(xt),
                             metrics={"train_loss": total / max(count, 1)}, client_state=client_state,
                             payload=payload)
 
+    def scheduled_lr(self, broadcast: Dict[str, Any], progress: float) -> float:
+        """The lr at ``progress`` (0 to 1) through this round's local steps, under ``lr_schedule``."""
+        if self.lr_schedule == "constant" or "round" not in broadcast or "rounds" not in broadcast:
+            return self.lr
+        t = (int(broadcast["round"]) + progress) / max(int(broadcast["rounds"]), 1)
+        return self.lr * 0.5 * (1.0 + math.cos(math.pi * min(max(t, 0.0), 1.0)))
 
-def augment_batch(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-    """One random 2-pixel crop (reflect-padded) for the batch, and a coin-flip horizontal flip for colour."""
+
+def augment_batch(x: torch.Tensor, g: torch.Generator, *, per_sample: bool = False) -> torch.Tensor:
+    """Random 2-pixel crops (reflect-padded) and, for colour, coin-flip horizontal flips.
+
+    One crop and one flip for the whole batch, or with ``per_sample`` one of each per image.
+    """
     n, c, h, w = x.shape
     padded = nn.functional.pad(x, (2, 2, 2, 2), mode="reflect")
-    dy, dx = torch.randint(0, 5, (2,), generator=g).tolist()
-    x = padded[:, :, dy:dy + h, dx:dx + w]
-    if c == 3 and bool(torch.rand(1, generator=g) < 0.5):
-        x = x.flip(3)
+    if not per_sample:
+        dy, dx = torch.randint(0, 5, (2,), generator=g).tolist()
+        x = padded[:, :, dy:dy + h, dx:dx + w]
+        if c == 3 and bool(torch.rand(1, generator=g) < 0.5):
+            x = x.flip(3)
+        return x
+    dev = x.device
+    shift = torch.randint(0, 5, (n, 2), generator=g).to(dev)
+    rows = (shift[:, :1] + torch.arange(h, device=dev))[:, None, :, None]
+    cols = (shift[:, 1:] + torch.arange(w, device=dev))[:, None, None, :]
+    x = padded[torch.arange(n, device=dev)[:, None, None, None], torch.arange(c, device=dev)[None, :, None, None],
+               rows, cols]
+    if c == 3:
+        flip = (torch.rand(n, generator=g) < 0.5).to(x.device)[:, None, None, None]
+        x = torch.where(flip, x.flip(3), x)
     return x
 
 

@@ -84,6 +84,9 @@ class FCILTrainer(LocalTrainer):
                  epsilon: float = 8.0, delta: float = 1e-5, clip_norm: float = 1.0, sample_rate: float = 0.1,
                  **kw) -> None:
         super().__init__(**kw)
+        if self.lr_schedule != "constant" or self.channels_last or self.augment_mode == "sample":
+            raise ValueError("the fcil trainer runs its own loop: it takes lr_schedule=constant, channels_last=false "
+                             "and augment true or false")
         if rho < 0 or lambda0 < 0:
             raise ValueError(f"loss weights must be >= 0, got rho={rho}, lambda0={lambda0}")
         if kd_temperature <= 0 or supcon_temperature <= 0:
