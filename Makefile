@@ -5,7 +5,8 @@
 #   make test   set up if needed, then run the test suite
 # and, when there is time (about 20 min on 2 cores):
 #   make private  the private-TTA grid (6 methods x plain/clip/dp0/DP at 4 epsilons) and the canary audit
-#   make stress   BPFedCTTA's stress protocol; make stress-private: DP-TTA's (lr x plain/clip/DP, 3 seeds)
+#   make stress   BPFedCTTA's stress protocol; make stress-private: DP-TTA's (lr x plain/clip/DP, 3 seeds);
+#                 make stress-cifar: BPFedCTTA's on CIFAR-10-C (needs ../shared/data/cifar10-jpeg.zip)
 # Sharing a run between clones or machines (README: Sharing a run):
 #   make push   every output dvc.lock records -> the DVC remote (FEDCORE_DVC_REMOTE, default ../fedcore-dvc-remote)
 #   make pull   on another clone: fetch, check every md5 against dvc.lock, restore; rebuilds nothing
@@ -20,7 +21,7 @@ export MLFLOW_ENABLE_TELEMETRY ?= false
 export DO_NOT_TRACK ?= 1
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup browser run private stress stress-private fedpad fedpd ppfcil push pull test test-fast params bench clean
+.PHONY: setup browser run private stress stress-private stress-cifar fedpad fedpd ppfcil push pull test test-fast params bench clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -58,6 +59,11 @@ stress-private: setup
 	@git rev-parse --git-dir >/dev/null 2>&1 || (git init -q && echo "initialised a git repo for DVC")
 	$(BIN)/dvc repro stress_private_report
 	@echo; cat results/stress_private_report.md; echo
+
+stress-cifar: setup
+	@git rev-parse --git-dir >/dev/null 2>&1 || (git init -q && echo "initialised a git repo for DVC")
+	$(BIN)/dvc repro stress_cifar_report
+	@echo; cat results/stress_cifar_report.md; echo
 
 fedpad: setup
 	@git rev-parse --git-dir >/dev/null 2>&1 || (git init -q && echo "initialised a git repo for DVC")

@@ -8,6 +8,7 @@
     python -m flows.stages audit variant=private     # canary membership audit of the private form
     python -m flows.stages stress bpfedctta.stress.cell=lr1e-1-p3 && python -m flows.stages stress_report
     python -m flows.stages stress_private dptta.stress.cell=lr1e-1-p3 && python -m flows.stages stress_private_report
+    python -m flows.stages stress_cifar bpfedctta.stress_cifar.cell=lr1e-1-p1 && python -m flows.stages stress_cifar_report
     python -m flows.stages partition_domains fedpad.grid=digits && python -m flows.stages fedpad fedpad.grid=digits
     python -m flows.stages rounds trainer=proto strategy=fedpad     # one FedPAD run, a Prefect task per round
     python -m flows.stages partition_fedpd fedpd.grid=digits && python -m flows.stages fedpd fedpd.grid=digits
@@ -277,9 +278,11 @@ def _on_variant(step):
 
 
 def _stress(cfg, protocol: str = "bpfedctta") -> None:
+    """A stress cell; a missing input names the stage of the protocol's variant that builds it."""
+    from flows.stress import protocol as proto
     from flows.stress import run_cell
 
-    print(f"figure -> {run_cell(cfg, protocol)}")
+    print(f"figure -> {_pointing_at(C.with_variant(cfg, proto(protocol).variant), lambda: run_cell(cfg, protocol))}")
 
 
 def _stress_report(cfg, protocol: str = "bpfedctta") -> None:
@@ -290,7 +293,9 @@ def _stress_report(cfg, protocol: str = "bpfedctta") -> None:
 
 STAGES = {"stress": _stress, "stress_report": _stress_report,
           "stress_private": lambda cfg: _stress(cfg, "dptta"),
-          "stress_private_report": lambda cfg: _stress_report(cfg, "dptta"), "partition_domains": _partition_domains, "fedpad": lambda cfg: _grid(cfg, "fedpad"),
+          "stress_private_report": lambda cfg: _stress_report(cfg, "dptta"),
+          "stress_cifar": lambda cfg: _stress(cfg, "cifar10"),
+          "stress_cifar_report": lambda cfg: _stress_report(cfg, "cifar10"), "partition_domains": _partition_domains, "fedpad": lambda cfg: _grid(cfg, "fedpad"),
           "fedpad_report": _fedpad_report, "rounds": _rounds,
           "partition_fedpd": lambda cfg: _partition_domains(cfg, "fedpd"), "fedpd": lambda cfg: _grid(cfg, "fedpd"),
           "rounds_fedpd": lambda cfg: _rounds(cfg, "fedpd"),

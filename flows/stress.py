@@ -11,6 +11,10 @@ Two protocols share this code, each a block ``<system>.stress`` of the config:
   forms {plain, clip, dp} × seeds. Where do the plain methods fall below the source model, and do
   clipping (the paper's clip-only form) or DP recover them?
 
+- ``cifar10`` (``bpfedctta.stress_cifar``, DVC ``stress_cifar@<cell>``): the BPFedCTTA protocol over the
+  ``cifar10`` variant (ResNet-20 on CIFAR-10-C), on a narrower sweep: a CIFAR arrival costs about 25
+  times an MNIST one.
+
 Each cell writes ``results/<protocol folder>/<cell>/``, with one figure of online accuracy per arrival
 for every method; the report stage pairs the cells that were run (mean ± std, paired tests by seed).
 """
@@ -49,13 +53,16 @@ class Protocol:
     target: str | None = None       # one run paired against ``against`` in every cell, and pooled
     target_label: str = ""
     against: Tuple[str, ...] = ()
+    block: str = "stress"           # the key of the protocol's block under ``system``
 
 
+_BPFEDCTTA = dict(order=(("source", "bn", "tent", "bpa"), ("none", "sequential", "fedavg", "ugsa")),
+                  gaps="BPA+UGSA minus the named method", target="bpa+ugsa", target_label="BPA+UGSA",
+                  against=("tent+sequential", "tent+ugsa", "bpa+sequential"))
 PROTOCOLS = {
-    "bpfedctta": Protocol("bpfedctta", "mnist", "stress", "BPFedCTTA stress protocol",
-                          (("source", "bn", "tent", "bpa"), ("none", "sequential", "fedavg", "ugsa")),
-                          "BPA+UGSA minus the named method", target="bpa+ugsa", target_label="BPA+UGSA",
-                          against=("tent+sequential", "tent+ugsa", "bpa+sequential")),
+    "bpfedctta": Protocol("bpfedctta", "mnist", "stress", "BPFedCTTA stress protocol", **_BPFEDCTTA),
+    "cifar10": Protocol("bpfedctta", "cifar10", "stress_cifar", "BPFedCTTA stress protocol on CIFAR-10-C",
+                        block="stress_cifar", **_BPFEDCTTA),
     "dptta": Protocol("dptta", "private", "stress_private", "DP-TTA stress protocol (GroupNorm)",
                       (("source", "tent", "eata", "sar", "deyo", "come", "bpa"),
                        ("none", "sequential", "fedavg", "ugsa"),
@@ -71,7 +78,7 @@ def protocol(name: str) -> Protocol:
 
 
 def _stress(cfg: DictConfig, proto: Protocol) -> DictConfig:
-    return cfg[proto.system].stress
+    return cfg[proto.system][proto.block]
 
 
 def cell_names(cfg: DictConfig, name: str = "bpfedctta") -> List[str]:
@@ -114,7 +121,7 @@ def run_cell(cfg: DictConfig, name: str = "bpfedctta") -> Path:
     proto = protocol(name)
     cell = _stress(cfg, proto).cell
     if cell is None:
-        raise ValueError(f"name a stress cell: {proto.system}.stress.cell=<name>, one of "
+        raise ValueError(f"name a stress cell: {proto.system}.{proto.block}.cell=<name>, one of "
                          f"{', '.join(cell_names(cfg, name))}")
     ccfg = cell_config(cfg, str(cell), name)
     _adapt(ccfg)

@@ -66,3 +66,9 @@ def test_missing_cifar_files_name_what_to_do(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "cifar10-jpeg.zip" in err
     assert "cifar-10-batches-py" in err
+
+
+def test_a_cifar_stress_cell_names_the_cifar_stage_when_partitions_are_missing(tmp_path, capsys):
+    over = ["bpfedctta.stress_cifar.cell=lr1e-1-p1", f"{PATHS}.partitions={tmp_path}/q"]
+    assert main(["stress_cifar", *over]) == 2
+    assert "dvc repro partition@cifar10`" in capsys.readouterr().err

@@ -120,10 +120,25 @@ def test_a_private_cell_lays_its_lr_over_the_groupnorm_variant(cfg):
     assert out.paths.results == "results/stress_private/lr1e-1-p3"
     assert out.paths.checkpoints == "checkpoints/stress_private/lr1e-1-p3"
     S.check(cfg, name="dptta")
-    with pytest.raises(ValueError, match="unknown stress protocol 'dp'; valid names are: bpfedctta, dptta"):
+    with pytest.raises(ValueError, match="unknown stress protocol 'dp'; valid names are: bpfedctta, cifar10, dptta"):
         S.cell_config(cfg, "lr1e-1-p3", "dp")
     with pytest.raises(FileNotFoundError, match=r"dvc repro stress_private@lr1e-3-p3"):
         S.report(OmegaConf.merge(cfg, {"dptta": {"stress": {"results": "/nonexistent/stress_private"}}}), "dptta")
+
+
+def test_a_cifar_cell_lays_its_lr_over_the_cifar10_variant_with_its_own_source_model(cfg):
+    out = S.cell_config(cfg, "lr1e-1-p1", "cifar10")
+    tent = C.arrival_config(out, method="tent", aggregator="sequential")
+    assert tent.method_params["lr"] == 0.1 and tent.passes == 1
+    assert (out.data.name, out.model.name, out.paths.models) == ("cifar10", "resnet20", "models_cifar")
+    assert list(out.sweep.methods) == ["bn", "tent", "bpa"] and list(out.sweep.aggregators) == ["sequential", "ugsa"]
+    assert out.paths.results == "results/stress_cifar/lr1e-1-p1"
+    assert out.flow.experiment == "fedcore-cifar10-stress"
+    S.check(cfg, name="cifar10")
+    with pytest.raises(ValueError, match="bpfedctta.stress_cifar.cell=<name>, one of lr1e-1-p1"):
+        S.run_cell(cfg, "cifar10")
+    with pytest.raises(FileNotFoundError, match=r"dvc repro stress_cifar@lr1e-1-p1"):
+        S.report(OmegaConf.merge(cfg, {"bpfedctta": {"stress_cifar": {"results": "/nonexistent/sc"}}}), "cifar10")
 
 
 def _write_private_cell(folder, acc):
