@@ -80,8 +80,11 @@ def pretrain(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> Pa
         spec, pcfg = C.model_spec(cfg), C.pretrain_config(cfg)
         tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
         rounds_data = source_round_data(partition)
+        # fewer source clients than CPUs (the CIFAR variant's one): each client step takes its share of them
+        cpus = min(int(cfg.flow.num_cpus), runtime.largest_node_cpus())
         submit_round = round_submit(rounds_data, retries=int(cfg.flow.retries),
-                                    retry_delay_seconds=float(cfg.flow.retry_delay_seconds), num_gpus=_gpus(cfg))
+                                    retry_delay_seconds=float(cfg.flow.retry_delay_seconds), num_gpus=_gpus(cfg),
+                                    threads=max(1, cpus // rounds_data.num_clients))
 
         with mlflow.start_run(run_name=run_name):
             ui.link_runs()

@@ -424,7 +424,7 @@ def single(cfg: DictConfig, system: str = "fedpad") -> RoundsResult:
 
 
 def round_submit(data, *, retries: int = 0, retry_delay_seconds: float = 0.0, num_gpus: float = 0.0,
-                 fault: Mapping[str, Tuple[int, Path]] | None = None):
+                 fault: Mapping[str, Tuple[int, Path]] | None = None, threads: int = 1):
     """The round engine's ``submit_round`` inside a flow: one named Prefect task per round, its clients on Ray.
 
     The unit of orchestration is the round, not the client: a Prefect task per sub-second client
@@ -433,7 +433,8 @@ def round_submit(data, *, retries: int = 0, retry_delay_seconds: float = 0.0, nu
     (of each task, for data that arrives in tasks) go to Ray's object store the first time they are
     needed, the global state once per round; Ray tasks receive references, not arrays.
     ``fault={"fault"|"crash": (round, folder)}`` makes client 0's step fail once, or its worker die
-    once, in that round (tests of retries).
+    once, in that round (tests of retries). ``threads``: CPUs per client step (one by default: a
+    round's clients train side by side).
     """
     task = train_round_task.with_options(retries=retries, retry_delay_seconds=retry_delay_seconds)
     arrays = runtime.PutOnce()  # (client, task, "x"|"y") -> that client's arrays of that task
@@ -453,7 +454,8 @@ def round_submit(data, *, retries: int = 0, retry_delay_seconds: float = 0.0, nu
             if found:
                 markers[j] = found
         named = task.with_options(task_run_name=f"round-{r:03d}-{len(calls)}-clients")
-        return [Done(u) for u in named(calls=shipped, names=names, num_gpus=num_gpus, markers=markers)]
+        return [Done(u) for u in named(calls=shipped, names=names, num_gpus=num_gpus, markers=markers,
+                                       threads=threads)]
 
     return submit_round
 

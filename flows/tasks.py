@@ -103,16 +103,25 @@ def run_cell_task(cfg_dict: Dict[str, Any], method: str, aggregator: str, seed: 
             "seconds": time.perf_counter() - t0, "started_ms": started_ms, "ended_ms": int(time.time() * 1000)}
 
 
-def _train_step_or_fail(*, fault_marker: str | None = None, crash_marker: str | None = None,
+def _train_step_or_fail(*, fault_marker: str | None = None, crash_marker: str | None = None, threads: int = 1,
                         **kw) -> ClientUpdate:
-    """What the Ray worker runs for a driver-side client task (the injected faults fire in the worker)."""
+    """What the Ray worker runs for a driver-side client task (the injected faults fire in the worker).
+
+    ``threads``: the torch threads of this step (the CPUs Ray gave it), restored afterwards for
+    the worker's next task.
+    """
     _maybe_fail(fault_marker, crash_marker)
-    return train_step(**kw)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return train_step(**kw)
+    finally:
+        torch.set_num_threads(before)
 
 
 @task(name="train-round", cache_policy=NO_CACHE)
 def train_round_task(*, calls: List[Dict[str, Any]], names: List[str], num_gpus: float = 0.0,
-                     markers: Mapping[int, Mapping[str, str]] | None = None) -> List[ClientUpdate]:
+                     markers: Mapping[int, Mapping[str, str]] | None = None, threads: int = 1) -> List[ClientUpdate]:
     """One round's client steps: a Prefect task in the driver that runs each client's step as a Ray task.
 
     The clients train in parallel on the Ray workers; each one's completion is logged (the Prefect
@@ -121,14 +130,16 @@ def train_round_task(*, calls: List[Dict[str, Any]], names: List[str], num_gpus:
     a client step that raises fails the round task, the round's other steps are cancelled, and a
     Prefect retry reruns the round (same seeds and inputs, so the same updates).
     Array and state arguments may be Ray ObjectRefs (put once, resolved by Ray on the worker).
-    ``markers``: injected faults by call index (tests).
+    ``markers``: injected faults by call index (tests). ``threads``: CPUs (and torch threads) per
+    client step, 1 unless a round has fewer clients than CPUs (one source client).
     """
     from prefect import get_run_logger
 
     from flows import runtime
 
     logger = get_run_logger()
-    refs = [runtime.ray_start(_train_step_or_fail, num_gpus=num_gpus, **dict((markers or {}).get(j, {})), **kw)
+    refs = [runtime.ray_start(_train_step_or_fail, num_cpus=threads, num_gpus=num_gpus, threads=threads,
+                              **dict((markers or {}).get(j, {})), **kw)
             for j, kw in enumerate(calls)]
     out: List[ClientUpdate | None] = [None] * len(refs)
 
