@@ -80,11 +80,13 @@ def pretrain(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> Pa
         spec, pcfg = C.model_spec(cfg), C.pretrain_config(cfg)
         tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
         rounds_data = source_round_data(partition)
-        # fewer source clients than CPUs (the CIFAR variant's one): each client step takes its share of them
-        cpus = min(int(cfg.flow.num_cpus), runtime.largest_node_cpus())
+        # One source client (the CIFAR variant's) trains on every CPU of flow.num_cpus that a node has;
+        # clients that train side by side take one each. The thread count changes the floats, so it
+        # is the stage's param flow.num_cpus, not the machine, that sets it.
+        threads = min(int(cfg.flow.num_cpus), runtime.largest_node_cpus()) if rounds_data.num_clients == 1 else 1
         submit_round = round_submit(rounds_data, retries=int(cfg.flow.retries),
                                     retry_delay_seconds=float(cfg.flow.retry_delay_seconds), num_gpus=_gpus(cfg),
-                                    threads=max(1, cpus // rounds_data.num_clients))
+                                    threads=threads)
 
         with mlflow.start_run(run_name=run_name):
             ui.link_runs()

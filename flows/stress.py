@@ -1,6 +1,7 @@
 """Stress protocols: where continual test-time adaptation degrades, and what prevents it.
 
-Two protocols share this code, each a block ``<system>.stress`` of the config:
+Three protocols share this code, each a block of the config (``<system>.stress``, or
+``bpfedctta.stress_cifar``):
 
 - ``bpfedctta`` (``bpfedctta.stress``, DVC ``stress@<cell>``): a cell lays a few settings over the
   ``mnist`` variant: the adaptation ``lr`` of every gradient method, the number of ``passes`` over the
@@ -200,7 +201,7 @@ def _log_figure(cfg: DictConfig, cell: str, path: Path, proto: Protocol) -> None
 
     tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
     with mlflow.start_run(run_name=f"{proto.stage.replace('_', '-')}-{cell}"):
-        mlflow.set_tags({"fedcore.kind": "stress-cell", "stress.cell": cell, "stress.protocol": proto.system})
+        mlflow.set_tags({"fedcore.kind": "stress-cell", "stress.cell": cell, "stress.protocol": proto.stage})
         mlflow.log_params({k: v for k, v in dict(_stress(cfg, proto).cells[cell]).items()})
         mlflow.log_artifact(str(path))
 
@@ -270,7 +271,7 @@ def report(cfg: DictConfig, name: str = "bpfedctta") -> str:
     lines = [f"# {proto.title}", "",
              f"Cells run: {len(ran)} of {len(cell_names(cfg, name))} ({', '.join(ran)}). "
              f"Mean ± std over seeds; gaps are {proto.gaps}, paired by seed "
-             "(p: paired t-test, nan when a gap cannot vary).", ""]
+             "(p: paired t-test, nan when a gap cannot vary or with one seed).", ""]
     pooled: Dict[str, List[float]] = {}
     summary: Dict[str, Dict] = {}
     for c in ran:

@@ -131,7 +131,7 @@ def train_round_task(*, calls: List[Dict[str, Any]], names: List[str], num_gpus:
     Prefect retry reruns the round (same seeds and inputs, so the same updates).
     Array and state arguments may be Ray ObjectRefs (put once, resolved by Ray on the worker).
     ``markers``: injected faults by call index (tests). ``threads``: CPUs (and torch threads) per
-    client step, 1 unless a round has fewer clients than CPUs (one source client).
+    client step: 1, except for a run with a single client (the CIFAR variant's source pretraining).
     """
     from prefect import get_run_logger
 

@@ -67,28 +67,67 @@ def test_cosine_lr_starts_at_lr_falls_monotonically_and_ends_near_zero():
     assert t.scheduled_lr({"round": 2, "rounds": 4}, 0.0) == pytest.approx(0.1 * 0.5 * (1 + math.cos(math.pi / 2)))
 
 
-def test_without_a_broadcast_round_the_cosine_schedule_keeps_the_lr():
-    assert create_trainer("sgd", lr=0.1, lr_schedule="cosine").scheduled_lr({}, 0.5) == 0.1
+def test_without_a_broadcast_round_the_cosine_schedule_is_refused():
+    x, y = colour_images(8)
+    with pytest.raises(ValueError, match="reads the round from the server's broadcast"):
+        train(ModelSpec(name="cnn", in_channels=3, num_classes=10), x, y, lr_schedule="cosine")
 
 
-def test_the_schedule_changes_training_only_when_asked():
+def test_the_loop_steps_the_schedule_through_every_local_step_of_every_epoch(monkeypatch):
+    x, y = colour_images(40)  # batches of 16: 3 steps an epoch, the last one short
+    trainer = create_trainer("sgd", lr=0.1, batch_size=16, local_epochs=2, lr_schedule="cosine")
+    seen = []
+    real = trainer.scheduled_lr
+    monkeypatch.setattr(trainer, "scheduled_lr", lambda b, progress: seen.append(progress) or real(b, progress))
+    model = ModelSpec(name="cnn", in_channels=3, num_classes=10).build()
+    trainer.train(model, x, y, global_state=model.state_dict(), seed=0, broadcast={"round": 1, "rounds": 4})
+    assert seen == pytest.approx([0, 1 / 6, 2 / 6, 3 / 6, 4 / 6, 5 / 6])
+
+
+def test_a_constant_schedule_ignores_the_round():
     x, y = colour_images()
     spec = ModelSpec(name="cnn", in_channels=3, num_classes=10)
-    first = {"round": 0, "rounds": 2}
-    const = train(spec, x, y, broadcast=first)
-    assert all(torch.equal(const.state[k], train(spec, x, y, lr_schedule="constant", broadcast=first).state[k])
-               for k in const.state)
-    late = train(spec, x, y, lr_schedule="cosine", broadcast={"round": 1, "rounds": 2})
-    assert any(not torch.equal(const.state[k], late.state[k]) for k in const.state)
+    first = train(spec, x, y, broadcast={"round": 0, "rounds": 2})
+    late = train(spec, x, y, broadcast={"round": 1, "rounds": 2})
+    cosine_late = train(spec, x, y, lr_schedule="cosine", broadcast={"round": 1, "rounds": 2})
+    assert all(torch.equal(first.state[k], late.state[k]) for k in first.state)
+    assert any(not torch.equal(first.state[k], cosine_late.state[k]) for k in first.state)
 
 
-def test_channels_last_trains_the_same_model_and_returns_standard_layout_weights():
+def test_channels_last_trains_the_same_model_in_the_other_layout_and_returns_the_usual_one():
     x, y = colour_images(32)
-    a, b = train(RESNET, x, y), train(RESNET, x, y, channels_last=True)
+    torch.manual_seed(0)
+    model = RESNET.build()
+    layouts = []
+    model.conv1.register_forward_pre_hook(
+        lambda m, a: layouts.append((a[0].is_contiguous(memory_format=torch.channels_last),
+                                     m.weight.is_contiguous(memory_format=torch.channels_last))))
+    b = create_trainer("sgd", lr=0.05, batch_size=16, channels_last=True).train(
+        model, x, y, global_state=model.state_dict(), seed=3)
+    assert layouts and all(inp and w for inp, w in layouts), "the option must train in the channels-last layout"
+    assert all(p.is_contiguous() for p in model.parameters()), "the caller's model is left in the usual layout"
+    a = train(RESNET, x, y)
     for k, v in b.state.items():
         assert v.is_contiguous(), k
         torch.testing.assert_close(v, a.state[k], rtol=1e-3, atol=1e-4)
     assert b.metrics["train_loss"] == pytest.approx(a.metrics["train_loss"], rel=1e-4)
+
+
+def test_what_a_trainer_keeps_for_the_server_stays_in_the_usual_layout():
+    x, y = colour_images(32)
+    torch.manual_seed(0)
+    model = RESNET.build()
+    upd = create_trainer("scaffold", lr=0.05, batch_size=16, channels_last=True).train(
+        model, x, y, global_state=model.state_dict(), seed=3)
+    kept = [*upd.client_state["c_i"].values(), *upd.payload["delta_c"].values()]
+    assert kept and all(t.is_contiguous() for t in kept)
+
+
+@pytest.mark.parametrize("name, why", [("scaffold", "control variates divide by the lr"),
+                                       ("proser", "path integral takes the lr")])
+def test_trainers_whose_arithmetic_assumes_a_constant_lr_refuse_the_schedule(name, why):
+    with pytest.raises(ValueError, match=f"needs lr_schedule=constant: .*{why}"):
+        create_trainer(name, lr_schedule="cosine")
 
 
 @pytest.mark.parametrize("kw, match", [

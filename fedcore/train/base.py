@@ -72,7 +72,8 @@ class LocalTrainer:
     lr_schedule:
         ``"constant"``, or ``"cosine"``: the lr decays from ``lr`` towards 0 along a half cosine
         over the whole run, step by step, read from the round the server broadcasts
-        (``round`` of ``rounds``). Without a broadcast round the lr stays constant.
+        (``round`` of ``rounds``; training without them is refused). The optimiser, and so its
+        momentum, starts afresh every round, as in FedAvg.
     channels_last:
         Train in the channels-last memory layout. Same arithmetic, other kernels: on CPU a
         ResNet-20 step is about 2x faster; the floats differ in the last bits, so it is off by
@@ -81,6 +82,7 @@ class LocalTrainer:
 
     AUGMENT_MODES = ("none", "batch", "sample")
     LR_SCHEDULES = ("constant", "cosine")
+    constant_lr_because: str | None = None  # a subclass whose arithmetic assumes the lr it was given says why
 
     def __init__(self, *, lr: float = 0.05, local_epochs: int = 1, batch_size: int = 64, momentum: float = 0.9,
                  weight_decay: float = 5e-4, augment: bool | str = False, lr_schedule: str = "constant",
@@ -97,6 +99,8 @@ class LocalTrainer:
             raise ValueError(f"augment must be true, false or one of {', '.join(self.AUGMENT_MODES)}; got {augment!r}")
         if lr_schedule not in self.LR_SCHEDULES:
             raise ValueError(f"lr_schedule must be one of {', '.join(self.LR_SCHEDULES)}; got {lr_schedule!r}")
+        if lr_schedule != "constant" and self.constant_lr_because:
+            raise ValueError(f"this trainer needs lr_schedule=constant: {self.constant_lr_because}")
         self.momentum, self.weight_decay = float(momentum), float(weight_decay)
         self.augment_mode, self.augment = mode, mode != "none"
         self.lr_schedule, self.channels_last = str(lr_schedule), bool(channels_last)
@@ -126,11 +130,21 @@ class LocalTrainer:
         """Train ``model`` (already holding ``global_state``) in place; return the client's update."""
         g = torch.Generator().manual_seed(seed)
         broadcast = broadcast or {}
+        if self.lr_schedule != "constant" and not {"round", "rounds"} <= set(broadcast):
+            raise ValueError(f"lr_schedule={self.lr_schedule} reads the round from the server's broadcast "
+                             "(round, rounds); train through the round engine, or set lr_schedule=constant")
         model.to(device).train()
-        layout = torch.channels_last if self.channels_last else torch.contiguous_format
-        if self.channels_last:
-            model.to(memory_format=layout)
         self.begin(model, global_state=global_state, broadcast=broadcast, client_state=client_state or {})
+        if self.channels_last:  # after begin: what it keeps (SCAFFOLD's c_i, FedDyn's memory) stays in the usual layout
+            model.to(memory_format=torch.channels_last)
+        try:
+            return self._loop(model, x, y, broadcast=broadcast, g=g, device=device)
+        finally:
+            if self.channels_last:
+                model.to(memory_format=torch.contiguous_format)
+
+    def _loop(self, model: nn.Module, x: np.ndarray, y: np.ndarray, *, broadcast: Dict[str, Any],
+              g: torch.Generator, device: torch.device | str) -> ClientUpdate:
         opt = torch.optim.SGD(model.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
         xt, yt = to_tensor(x, device=device), torch.as_tensor(np.array(y), device=device)
         total, count, steps = 0.0, 0, 0
@@ -143,7 +157,7 @@ class LocalTrainer:
                 if self.augment:
                     xb = augment_batch(xb, g, per_sample=self.augment_mode == "sample")
                 if self.channels_last:
-                    xb = xb.contiguous(memory_format=layout)
+                    xb = xb.contiguous(memory_format=torch.channels_last)
                 if self.lr_schedule != "constant":
                     for group in opt.param_groups:
                         group["lr"] = self.scheduled_lr(broadcast, steps / per_round)
@@ -156,7 +170,7 @@ class LocalTrainer:
                 count += len(idx)
                 steps += 1
         if self.channels_last:
-            model.to(memory_format=torch.contiguous_format)
+            model.to(memory_format=torch.contiguous_format)  # finish and the weights see the usual layout
         client_state, payload = self.finish(model, xt, yt, steps=steps)
         return ClientUpdate(state=state_to_cpu(model.state_dict()), num_examples=len(xt),
                             metrics={"train_loss": total / max(count, 1)}, client_state=client_state,
@@ -164,7 +178,7 @@ class LocalTrainer:
 
     def scheduled_lr(self, broadcast: Dict[str, Any], progress: float) -> float:
         """The lr at ``progress`` (0 to 1) through this round's local steps, under ``lr_schedule``."""
-        if self.lr_schedule == "constant" or "round" not in broadcast or "rounds" not in broadcast:
+        if self.lr_schedule == "constant":
             return self.lr
         t = (int(broadcast["round"]) + progress) / max(int(broadcast["rounds"]), 1)
         return self.lr * 0.5 * (1.0 + math.cos(math.pi * min(max(t, 0.0), 1.0)))

@@ -43,6 +43,8 @@ class ProserTrainer(LocalTrainer):
     ``delta0``, ``delta_end``, ``mask_rounds`` (FedPD++'s masks; ``mask_rounds`` is T of δ's schedule,
     by default the run's number of rounds, which the engine broadcasts)."""
 
+    constant_lr_because = "DPI's path integral takes the lr as its time step"
+
     def __init__(self, *, beta: float = 1.0, gamma: float = 0.01, mix_alpha: float = 1.0, importance: str = "none",
                  mask: str = "soft", score_norm: str = "rank", delta0: float = 0.5, delta_end: float = 0.8,
                  mask_rounds: int | None = None, **kw) -> None:

@@ -34,6 +34,8 @@ def effective_steps(steps: int, momentum: float) -> float:
 class ScaffoldTrainer(LocalTrainer):
     """Local SGD with SCAFFOLD's drift correction; settings as :class:`LocalTrainer`."""
 
+    constant_lr_because = "SCAFFOLD's control variates divide by the lr"
+
     def begin(self, model: nn.Module, *, global_state: State, broadcast: Dict[str, Any],
               client_state: Dict[str, Any]) -> None:
         names = [k for k, _ in model.named_parameters()]
