@@ -6,6 +6,7 @@ Prefect, torch and fedcore: no MLflow, no matplotlib (about 2 s less per fresh w
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -47,12 +48,23 @@ def _maybe_fail(fault_marker: str | None, crash_marker: str | None = None) -> No
         raise RuntimeError(f"injected fault ({fault_marker}); Prefect should retry this task")
 
 
+@contextlib.contextmanager
+def torch_threads(threads: int):
+    """Torch uses ``threads`` threads (the CPUs Ray gave the task) inside, and the worker's own count after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _adapt_or_fail(*, fault_marker: str | None = None, crash_marker: str | None = None, threads: int = 1,
                    **kw) -> AdaptResult:
     """What the Ray worker runs for an arrival (the injected faults fire in the worker)."""
     _maybe_fail(fault_marker, crash_marker)
-    torch.set_num_threads(threads)  # arrivals are sequential: the one running task may use every CPU
-    return adapt_client(**kw)
+    with torch_threads(threads):  # arrivals are sequential: the one running task may use every CPU
+        return adapt_client(**kw)
 
 
 RERUN_WARNING = "client step re-run by Ray after its worker died: attempt %d"
@@ -105,18 +117,10 @@ def run_cell_task(cfg_dict: Dict[str, Any], method: str, aggregator: str, seed: 
 
 def _train_step_or_fail(*, fault_marker: str | None = None, crash_marker: str | None = None, threads: int = 1,
                         **kw) -> ClientUpdate:
-    """What the Ray worker runs for a driver-side client task (the injected faults fire in the worker).
-
-    ``threads``: the torch threads of this step (the CPUs Ray gave it), restored afterwards for
-    the worker's next task.
-    """
+    """What the Ray worker runs for a driver-side client task (the injected faults fire in the worker)."""
     _maybe_fail(fault_marker, crash_marker)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         return train_step(**kw)
-    finally:
-        torch.set_num_threads(before)
 
 
 @task(name="train-round", cache_policy=NO_CACHE)
