@@ -183,7 +183,8 @@ def _partition_domains(cfg, system: str = "fedpad") -> None:
                       max_per_domain=None if g.max_per_domain is None else int(g.max_per_domain))
     part = build_domain_partition(ds, clients_per_domain=dict(g.clients_per_domain),
                                   test_fraction=float(g.test_fraction), size_skew=float(g.size_skew),
-                                  seed=int(cfg.seed))
+                                  seed=int(cfg.seed),
+                                  label_alpha=None if g.get("label_alpha") is None else float(g.label_alpha))
     out = part.save(C.domains_dir(cfg, system, name))
     sizes = ", ".join(f"{d}: {len(part.clients_of(d))} clients x ~{len(part.client_y[part.clients_of(d)[0]])}"
                       for d in part.domains)

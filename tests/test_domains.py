@@ -513,6 +513,41 @@ def test_size_skew_gives_strictly_decreasing_shards(four):
     assert shard_sizes(10, 3, 0.0).tolist() == [4, 3, 3]
 
 
+def test_label_alpha_skews_labels_and_keeps_every_row(four, part):
+    """Dirichlet label skew: the same rows and test sets as the unskewed split, dealt by class."""
+    one = {"photo": 5}
+    skew = build_domain_partition(four, clients_per_domain=one, test_fraction=0.2, seed=5, label_alpha=0.3)
+    flat = build_domain_partition(four, clients_per_domain=one, test_fraction=0.2, seed=5)
+    assert np.array_equal(np.sort(np.concatenate(skew.client_indices)), np.sort(np.concatenate(flat.client_indices)))
+    assert np.array_equal(skew.test_indices[0], flat.test_indices[0])  # the test split ignores the skew
+    assert min(len(i) for i in skew.client_indices) >= 10 and skew.config["label_alpha"] == 0.3
+    assert "label_alpha" not in flat.config  # unskewed partitions keep their old manifests
+
+    def spread(p):  # mean over clients of the largest class share
+        return np.mean([np.bincount(y, minlength=10).max() / len(y) for y in p.client_y])
+
+    assert spread(skew) > spread(flat) + 0.1
+    near_iid = build_domain_partition(four, clients_per_domain=one, test_fraction=0.2, seed=5, label_alpha=1000.0)
+    assert spread(near_iid) < spread(skew)
+    again = build_domain_partition(four, clients_per_domain=one, test_fraction=0.2, seed=5, label_alpha=0.3)
+    assert json.dumps(again.manifest()) == json.dumps(skew.manifest())
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"label_alpha": 0.0}, "label_alpha must be a finite number > 0"),
+    ({"label_alpha": float("nan")}, "label_alpha must be a finite number > 0"),
+    ({"label_alpha": 1.0, "size_skew": 1.0}, "set size_skew: 0 or label_alpha: null"),
+])
+def test_label_alpha_rejects_bad_values(four, kw, match):
+    with pytest.raises(ValueError, match=match):
+        build_domain_partition(four, clients_per_domain={"photo": 3}, **kw)
+
+
+def test_label_alpha_names_the_domain_it_cannot_split(four):
+    with pytest.raises(ValueError, match=r"domain 'photo': .*cannot give 40 clients 10 rows each"):
+        build_domain_partition(four, clients_per_domain={"photo": 40}, label_alpha=1.0)
+
+
 def test_test_split_does_not_depend_on_client_counts(four, part):
     other = build_domain_partition(four, clients_per_domain={"photo": 1, "art_painting": 2, "cartoon": 5, "sketch": 3},
                                    test_fraction=0.2, seed=5)

@@ -70,7 +70,7 @@ from typing import Callable, Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
 
-from fedcore.data.partition import read_arrays, sha256_arrays, write_arrays
+from fedcore.data.partition import dirichlet_label_split, read_arrays, sha256_arrays, write_arrays
 from fedcore.data.sources import CIFAR10_CLASSES, _cifar_from_zip
 
 DIGIT_CLASSES: Tuple[str, ...] = tuple(str(k) for k in range(10))
@@ -984,6 +984,7 @@ def build_domain_partition(
     seed: int = 0,
     num_clients: int | None = None,
     dataset: str | None = None,
+    label_alpha: float | None = None,
 ) -> DomainPartition:
     """Split every domain into a held-out test set and disjoint shards, one shard per client.
 
@@ -991,8 +992,11 @@ def build_domain_partition(
     per class) becomes its test set; the rest, shuffled, is cut into contiguous shards. With
     ``size_skew == 0`` the shards are equal within one row (as in FedBN / FedPAD); with
     ``size_skew > 0`` (the "double imbalance" option) the j-th client of a domain gets a share
-    proportional to ``(1/(j+1))**size_skew`` (1.0 is Zipf-like). The test split depends only on
-    ``seed`` and ``test_fraction``, not on the number of clients.
+    proportional to ``(1/(j+1))**size_skew`` (1.0 is Zipf-like). With ``label_alpha`` set, a
+    domain's clients get label-skewed shards instead: every class's rows are dealt out with
+    Dirichlet(``label_alpha``) proportions (the homogeneous-data federated benchmarks, e.g. one
+    CIFAR-10 domain over ten clients). The test split depends only on ``seed`` and
+    ``test_fraction``, not on the number of clients or the skew.
 
     A domain missing from ``clients_per_domain`` or given 0 clients is dropped entirely: it has
     no clients and no test set in the partition (its rows stay reachable as ``ds.rows(name)``,
@@ -1012,6 +1016,10 @@ def build_domain_partition(
         When given, the counts must sum to it (a guard against a config that drifted).
     dataset : str, optional
         Name recorded in the manifest; defaults to ``ds.name``.
+    label_alpha : float, optional
+        Dirichlet concentration of each domain's label skew over its clients (smaller: more
+        skewed; 100 is near-IID). None (default) cuts equal or ``size_skew`` shards. Every client
+        keeps at least 10 rows (redrawn otherwise).
 
     Returns
     -------
@@ -1043,6 +1051,14 @@ def build_domain_partition(
     if isinstance(size_skew, bool) or not isinstance(size_skew, (int, float, np.floating)) \
             or not np.isfinite(size_skew) or size_skew < 0:
         raise ValueError(f"size_skew must be a finite number >= 0 (0 = equal shards, 1 = Zipf-like), got {size_skew!r}")
+    if label_alpha is not None:
+        if isinstance(label_alpha, bool) or not isinstance(label_alpha, (int, float, np.floating)) \
+                or not np.isfinite(label_alpha) or label_alpha <= 0:
+            raise ValueError(f"label_alpha must be a finite number > 0 (the Dirichlet concentration; 0.5 is "
+                             f"skewed, 100 near-IID) or null for unskewed shards, got {label_alpha!r}")
+        if size_skew != 0:
+            raise ValueError(f"label_alpha={label_alpha} and size_skew={size_skew} both set: the Dirichlet label "
+                             "skew already makes shard sizes unequal; set size_skew: 0 or label_alpha: null")
 
     domains, client_domain, c_idx, t_idx = [], [], [], []
     for name, n_clients in zip(ds.domains, counts):
@@ -1062,6 +1078,19 @@ def build_domain_partition(
         if len(test_rows) == 0:
             raise ValueError(f"domain {name!r} ({len(rows)} rows) gets an empty test set at "
                              f"test_fraction={test_fraction}; raise test_fraction or max_per_domain")
+        k = len(domains)
+        domains.append(name)
+        t_idx.append(test_rows.astype(np.int64))
+        if label_alpha is not None:
+            try:
+                shards = dirichlet_label_split(ds.y[pool_rows], num_clients=n_clients, alpha=float(label_alpha),
+                                               seed=int(zlib.crc32(f"{seed}/{name}".encode())), min_size=MIN_SHARD)
+            except ValueError as exc:
+                raise ValueError(f"domain {name!r}: {exc}") from None
+            for shard in shards:
+                c_idx.append(pool_rows[shard].astype(np.int64))
+                client_domain.append(k)
+            continue
         sizes = shard_sizes(len(pool_rows), n_clients, size_skew)
         if sizes.min() < MIN_SHARD:
             raise ValueError(
@@ -1070,9 +1099,6 @@ def build_domain_partition(
                 "lower size_skew or the number of clients for this domain"
             )
         perm = _rng(seed, key, 1).permutation(pool_rows)
-        k = len(domains)
-        domains.append(name)
-        t_idx.append(test_rows.astype(np.int64))
         for shard in np.split(perm, np.cumsum(sizes)[:-1]):
             c_idx.append(np.sort(shard).astype(np.int64))
             client_domain.append(k)
@@ -1080,6 +1106,7 @@ def build_domain_partition(
     config = dict(
         clients_per_domain={name: n for name, n in zip(ds.domains, counts)},
         test_fraction=float(test_fraction), size_skew=float(size_skew), num_clients=total,
+        **({} if label_alpha is None else {"label_alpha": float(label_alpha)}),
         num_classes=ds.num_classes, set_domains=list(ds.domains), image_size=ds.size,
         domain_set_sha256=ds.sha256(),
     )
