@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Mapping, Tuple
 
 import mlflow
 import numpy as np
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from prefect import flow, get_run_logger
 from prefect.futures import as_completed
 
@@ -28,8 +28,8 @@ from fedcore.evaluate.plots import plot_incremental, plot_methods, plot_openset_
 from fedcore.evaluate.stats import friedman_p, friedman_ranks, wilcoxon_against
 from flows import config as C
 from flows import plot_data, runtime, tracking, ui
-from flows.tasks import (check_checkpoints, load_domain_partition, round_cell_dir, round_inputs,
-                         run_round_cell_task, train_round_task)
+from flows.tasks import (check_checkpoints, grid_openset_view, load_domain_partition, round_cell_dir, round_inputs,
+                         run_round_cell_task, train_round_task, unknown_scenarios)
 
 
 def _runner(cfg: DictConfig):
@@ -90,6 +90,8 @@ def grid(cfg: DictConfig, system: str = "fedpad", grid_name: str | None = None, 
     name = str(cfg[system].grid if grid_name is None else grid_name)
     g = C.grid(cfg, system, name)
     part = load_domain_partition(cfg, system, name, written=written)  # before any service starts
+    if C.is_openset(cfg, system, name):  # a bad split or unknown scenario fails here, not in every cell
+        unknown_scenarios(g, grid_openset_view(g, part))
     cells = [(str(m), int(s)) for s in g.seeds for m in g.methods]
     configs = {(m, s): C.round_config(cfg, system, method=m, seed=s, grid_name=name) for m, s in cells}
     check_checkpoints({round_cell_dir(cfg, system, name, m, s): rc.fingerprint() for (m, s), rc in configs.items()},
@@ -150,8 +152,10 @@ def grid(cfg: DictConfig, system: str = "fedpad", grid_name: str | None = None, 
     elif C.is_openset(cfg, system, name):
         scores = {m: C.method_scores(cfg, system, m, configs[(m, g.seeds[0])].trainer) for m in g.methods}
         target = cfg[system].get("target")
+        sets = g.get("unknown_sets")
         write_openset_report(rows, domains=list(part.domains), out=out, title=f"{system} {name}", scores=scores,
-                             target=str(target) if target in g.methods else None)
+                             target=str(target) if target in g.methods else None,
+                             unknown_sets=None if sets is None else OmegaConf.to_container(sets, resolve=True))
     else:
         write_grid_report(rows, domains=list(part.domains), out=out, title=f"{system} {name}",
                           target=system if system in g.methods else None)
@@ -244,11 +248,14 @@ def write_grid_report(rows: List[Dict[str, Any]], *, domains: List[str], out: Pa
 
 
 def write_openset_report(rows: List[Dict[str, Any]], *, domains: List[str], out: Path, title: str,
-                         scores: Dict[str, List[str]], target: str | None) -> str:
+                         scores: Dict[str, List[str]], target: str | None,
+                         unknown_sets: Mapping[str, Mapping[str, List[int]]] | None = None) -> str:
     """table.md, summary.json, scores.json, stats.md and methods.png of an open-set grid.
 
     A method scored several ways (FedAvg: MSP and OpenMax) gives one row per score,
-    ``<method>+<score>``. The paired tests use (seed × domain) blocks of AUROC.
+    ``<method>+<score>``. The paired tests use (seed × domain) blocks of AUROC. With
+    ``unknown_sets`` (heterogeneous unknowns), table.md adds each method's AUROC per scenario,
+    beside the scenario's pairwise overlap, and its drop from the first scenario.
     """
     out.mkdir(parents=True, exist_ok=True)
     methods = list(dict.fromkeys(r["method"] for r in rows))
@@ -267,7 +274,9 @@ def write_openset_report(rows: List[Dict[str, Any]], *, domains: List[str], out:
                                     for d in domains},
                         "agg_ms": 1000 * float(np.mean([r["summary"]["agg_seconds_mean"] for r in rs])),
                         "mib_per_round": float(np.mean([r["summary"]["bytes_per_round"] for r in rs])) / 2 ** 20,
-                        "seconds": float(np.mean([r["seconds"] for r in rs]))})
+                        "seconds": float(np.mean([r["seconds"] for r in rs])),
+                        "scenarios": {u: np.array([r["summary"][f"final_auroc_{u}.{s}"] for r in rs])
+                                      for u in (unknown_sets or {})}})
             per_block[name] = [r["summary"][f"final_auroc.{s}.{d}"] for r in rs for d in domains]
     seeds = max(a["n"] for a in agg)
     head = f"| method | closed acc | AUROC | OSCR | {' | '.join(domains)} | server agg ms | MiB/round | run s |"
@@ -278,11 +287,14 @@ def write_openset_report(rows: List[Dict[str, Any]], *, domains: List[str], out:
                      + " | ".join(f"{a['domains'][d]:.3f}" for d in domains)
                      + f" | {a['agg_ms']:.0f} | {a['mib_per_round']:.2f} | {a['seconds']:.0f} |")
     table = "\n".join(lines)
+    extra = _unknown_sets_table(agg, unknown_sets) if unknown_sets else ""
     (out / "table.md").write_text(f"{title}: final-round closed-set accuracy, AUROC and OSCR (mean over domains), "
-                                  f"mean ± std over {seeds} seed(s); per-domain columns are AUROC\n\n" + table + "\n")
+                                  f"mean ± std over {seeds} seed(s); per-domain columns are AUROC\n\n" + table + "\n"
+                                  + extra)
     (out / "summary.json").write_text(json.dumps(
         {a["method"]: {"closed_acc": a["acc_mean"], "auroc": a["auroc_mean"], "auroc_std": a["auroc_std"],
-                       "oscr": a["oscr_mean"], **{f"auroc.{d}": v for d, v in a["domains"].items()}}
+                       "oscr": a["oscr_mean"], **{f"auroc.{d}": v for d, v in a["domains"].items()},
+                       **{f"auroc_{u}": float(v.mean()) for u, v in a["scenarios"].items()}}
          for a in agg}, indent=1, sort_keys=True) + "\n")
     (out / "scores.json").write_text(json.dumps({"auroc_by_seed_domain": per_block}, indent=1) + "\n")
     plot_methods(agg, out / "methods.png", title=f"{title}: closed-set accuracy, AUROC and OSCR",
@@ -294,6 +306,24 @@ def write_openset_report(rows: List[Dict[str, Any]], *, domains: List[str], out:
         (out / "stats.md").write_text("No paired test: this grid has no target method beside others with the same "
                                       "seeds.\n")
     return table
+
+
+def _unknown_sets_table(agg: List[Dict[str, Any]], unknown_sets: Mapping[str, Mapping[str, List[int]]]) -> str:
+    """Markdown: AUROC per heterogeneous-unknown scenario and method, and the drop from the first scenario."""
+    from fedcore.data.openset import pairwise_overlap
+
+    names = list(unknown_sets)
+    head = ("| method | " + " | ".join(f"{u} ({100 * pairwise_overlap(unknown_sets[u]):.0f} %)" for u in names)
+            + f" | {names[0]} − {names[-1]} |")
+    lines = ["", "Heterogeneous unknowns: every client shares the known classes and meets only its own unknown "
+             "classes at test time; AUROC (mean over domains) per scenario, with its mean pairwise overlap of "
+             "unknown sets, mean ± std over seeds. The models are the same in every scenario: only the unknown "
+             "test rows scored change.", "", head, "|" + "---|" * (head.count("|") - 1)]
+    for a in agg:
+        sc = a["scenarios"]
+        lines.append(f"| {a['method']} | " + " | ".join(f"{sc[u].mean():.3f} ± {sc[u].std():.3f}" for u in names)
+                     + f" | {(sc[names[0]] - sc[names[-1]]).mean():+.3f} |")
+    return "\n".join(lines) + "\n"
 
 
 def write_incremental_report(rows: List[Dict[str, Any]], *, out: Path, title: str, target: str | None) -> str:

@@ -220,9 +220,7 @@ def round_inputs(cfg: DictConfig, system: str, grid_name: str, part, rcfg, *, me
     from fedcore.openset.evaluate import check_scores, openset_evaluate
 
     g = C.grid(cfg, system, grid_name)
-    known = OmegaConf.to_object(g.known) if OmegaConf.is_config(g.known) else int(g.known)
-    split = make_split(part.num_classes, known=known, unknown=None if g.unknown is None else list(g.unknown))
-    view = openset_view(part, split)
+    view = grid_openset_view(g, part)
     dummy = rcfg.trainer == "proser"
     scores = check_scores(C.method_scores(cfg, system, method, rcfg.trainer), dummy=dummy)
     spec = C.grid_model_spec(cfg, system, grid_name, num_classes=view.num_known + int(dummy))
@@ -232,8 +230,27 @@ def round_inputs(cfg: DictConfig, system: str, grid_name: str, part, rcfg, *, me
         keep = np.sort(np.random.default_rng(rcfg.seed).permutation(len(y))[:OPENMAX_FIT_CAP])
         fit = (x[keep], y[keep])
     evaluate = partial(openset_evaluate, spec=spec, known=view.rounds.eval_sets, unknown=view.unknown_test,
-                       scores=scores, fit=fit, device=rcfg.device)
+                       scores=scores, fit=fit, device=rcfg.device, unknown_sets=unknown_scenarios(g, view))
     return view.rounds, spec, evaluate
+
+
+def grid_openset_view(g: DictConfig, part):
+    """The open-set view of a partition under an open-set grid's ``known`` / ``unknown`` classes."""
+    from fedcore.data.openset import make_split, openset_view
+
+    known = OmegaConf.to_object(g.known) if OmegaConf.is_config(g.known) else int(g.known)
+    split = make_split(part.num_classes, known=known, unknown=None if g.unknown is None else list(g.unknown))
+    return openset_view(part, split)
+
+
+def unknown_scenarios(g: DictConfig, view):
+    """The grid's heterogeneous-unknown scenarios (``unknown_sets``) as row masks; None when it has none."""
+    from fedcore.data.openset import unknown_masks
+
+    sets = g.get("unknown_sets")
+    if sets is None:
+        return None
+    return unknown_masks(view, OmegaConf.to_container(sets, resolve=True))
 
 
 def incremental_inputs(cfg: DictConfig, system: str, grid_name: str, part, rcfg):

@@ -354,3 +354,25 @@ def test_a_round_whose_model_misses_a_class_scores_openmax_as_nan_and_goes_on():
     assert np.isnan(out["auroc.openmax"]) and np.isnan(out["oscr.openmax.d"])
     assert 0 <= out["auroc.msp"] <= 1 and out["auroc"] == out["auroc.msp"]
     assert out["acc.d"] == pytest.approx(float(np.mean(y == 0)))
+
+
+def test_unknown_scenarios_score_only_their_rows_and_the_full_set_equals_the_headline():
+    from fedcore.openset.evaluate import logits_of, openset_evaluate
+    from fedcore.openset.metrics import auroc, msp_score
+
+    spec = ModelSpec(name="lenet", in_channels=1, num_classes=3, norm="batch")
+    torch.manual_seed(0)
+    state = spec.build().state_dict()
+    x, y = _toy(30, classes=3)
+    xu, _ = _toy(12, seed=5)
+    half = np.arange(12) < 5
+    sets = {"all": {"d": np.ones(12, bool)}, "part": {"d": half}}
+    out = openset_evaluate(state, spec, {"d": (x, y)}, {"d": xu}, scores=["msp"], unknown_sets=sets)
+    assert out["auroc_all.msp.d"] == out["auroc.msp.d"] and out["auroc_all"] == out["auroc"]
+    model = spec.build()
+    model.load_state_dict(state)
+    expect = auroc(msp_score(logits_of(model, x)), msp_score(logits_of(model, xu[half])))
+    assert out["auroc_part.msp.d"] == pytest.approx(expect) and out["auroc_part"] == out["auroc_part.msp"]
+    assert out["auroc_part"] != out["auroc"]  # a different set of unknowns, a different score
+    plain = openset_evaluate(state, spec, {"d": (x, y)}, {"d": xu}, scores=["msp"])
+    assert not any(k.startswith("auroc_") for k in plain)

@@ -38,12 +38,30 @@ def test_bad_fedpd_settings_are_refused_with_the_fix():
         C.compose(["+fedpd.methods.fedpd.strategy_params.align=ot"])
 
 
+SCENARIOS = ("+fedpd.grids.quick.unknown_sets={shared: {mnist: [6, 7, 8, 9], fonts: [6, 7, 8, 9], "
+             "sklearn: [6, 7, 8, 9]}, one: {mnist: [6], fonts: [7], sklearn: [8]}}")
+
+
+def test_a_bad_unknown_scenario_is_refused_before_any_service_starts(tmp_path, monkeypatch):
+    from flows import runtime
+    from flows.rounds import grid
+    from flows.stages import _partition_domains
+
+    bad = SCENARIOS.replace("sklearn: [8]", "sklearn: [5]")
+    cfg = C.compose(overrides(tmp_path, bad))
+    _partition_domains(cfg, "fedpd")
+    monkeypatch.setattr(runtime, "shutdown_ray", lambda: pytest.fail("a service was started"))
+    with pytest.raises(ValueError, match=r"unknown scenario 'one', domain 'sklearn': class\(es\) \[5\] are not "
+                                         "unknown classes"):
+        grid(cfg, "fedpd")
+
+
 @pytest.mark.slow
 def test_open_set_grid_writes_auroc_tables_and_logs_alignment_per_round(tmp_path):
     from flows.rounds import grid, results_dir
     from flows.stages import _partition_domains
 
-    cfg = C.compose(overrides(tmp_path))
+    cfg = C.compose(overrides(tmp_path, SCENARIOS))
     _partition_domains(cfg, "fedpd")
     rows = grid(cfg, "fedpd")
     assert [(r["method"], r["seed"]) for r in rows] == [("fedavg", 0), ("fedpd++", 0)]
@@ -54,6 +72,10 @@ def test_open_set_grid_writes_auroc_tables_and_logs_alignment_per_round(tmp_path
     for row in summary.values():
         assert 0 <= row["closed_acc"] <= 1 and 0 <= row["auroc"] <= 1 and 0 <= row["oscr"] <= row["closed_acc"]
     assert summary["fedavg+msp"]["closed_acc"] == summary["fedavg+openmax"]["closed_acc"]
+    # heterogeneous unknowns: the scenario with every unknown class is the headline AUROC, another differs
+    for row in summary.values():
+        assert row["auroc_shared"] == pytest.approx(row["auroc"]) and row["auroc_one"] != row["auroc"]
+    assert "| method | shared (100 %) | one (0 %) | shared − one |" in (out / "table.md").read_text()
     for f in ("table.md", "stats.md", "methods.png", "scores.json", "cells/fedpd++-s0/rounds.png"):
         assert (out / f).is_file(), f
     blocks = json.loads((out / "scores.json").read_text())["auroc_by_seed_domain"]

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from fedcore.data.domains import DomainPartition, DomainSet, build_domain_partition
-from fedcore.data.openset import OpenSetData, OpenSetSplit, make_split, openset_view
+from fedcore.data.openset import (OpenSetData, OpenSetSplit, make_split, openset_view, pairwise_overlap,
+                                 unknown_masks)
 from fedcore.engine.rounds import RoundData
 
 
@@ -155,3 +156,37 @@ def test_view_of_a_built_partition_keeps_every_known_sample():
         np.testing.assert_array_equal(y, py[py < 6])  # the first 6 classes keep their ids
     assert {k: len(y) for k, (_, y) in view.rounds.eval_sets.items()} == {"photo": 12, "sketch": 12}
     assert {k: len(x) for k, x in view.unknown_test.items()} == {"photo": 8, "sketch": 8}
+
+
+# ---------------------------------------------------------------------------------------------
+# heterogeneous unknowns
+# ---------------------------------------------------------------------------------------------
+
+
+def test_unknown_masks_keep_each_domains_own_unknown_classes(part):
+    view = openset_view(part, make_split(5, known=[0, 2]))  # unknown 1, 3, 4
+    assert {d: v.tolist() for d, v in view.unknown_labels.items()} == {"a": [1, 3, 4], "b": [3, 4, 4]}
+    masks = unknown_masks(view, {"mixed": {"a": [1], "b": [4, 3]}, "all": {"a": [1, 3, 4], "b": [1, 3, 4]}})
+    assert ids(view.unknown_test["a"][masks["mixed"]["a"]]) == [13]  # test a: ids 12..16, class 1 is id 13
+    assert ids(view.unknown_test["b"][masks["mixed"]["b"]]) == [17, 19, 20]
+    assert all(m.all() for m in masks["all"].values())
+
+
+@pytest.mark.parametrize("scenario, match", [
+    ({"a": [1]}, r"misses \['b'\]"),
+    ({"a": [1], "b": [3], "c": [4]}, r"names domain\(s\) \['c'\]"),
+    ({"a": [0], "b": [3]}, r"class\(es\) \[0\] are not unknown classes .* a known class cannot be an unknown"),
+    ({"a": [], "b": [3]}, "give a non-empty list of class ids"),
+    ({"a": [1], "b": [1]}, r"domain 'b': its test set has no sample of classes \[1\]"),
+])
+def test_bad_unknown_scenarios_name_the_fix(part, scenario, match):
+    view = openset_view(part, make_split(5, known=[0, 2]))
+    with pytest.raises(ValueError, match=match):
+        unknown_masks(view, {"s": scenario})
+
+
+def test_pairwise_overlap_is_one_when_shared_and_zero_when_disjoint():
+    assert pairwise_overlap({"a": [6, 7], "b": [7, 6], "c": [6, 7]}) == 1.0
+    assert pairwise_overlap({"a": [6, 7], "b": [8, 9]}) == 0.0
+    assert pairwise_overlap({"a": [6, 7, 8, 9], "b": [2, 3, 8, 9]}) == 0.5  # the paper's 50 % example
+    assert pairwise_overlap({"a": [6], "b": [7], "c": [8], "d": [9], "e": [6]}) == pytest.approx(0.1)

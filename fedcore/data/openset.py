@@ -17,8 +17,8 @@ on it unchanged.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Dict, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping, Sequence, Tuple
 
 import numpy as np
 
@@ -139,11 +139,16 @@ class OpenSetData:
         Per domain, the test images of the unknown classes.
     split : OpenSetSplit
         The split applied.
+    unknown_labels : dict of str to numpy.ndarray
+        Per domain, the original class id of each row of ``unknown_test`` (never shown to a
+        model; it lets a client's test be limited to its own unknown classes, see
+        :func:`unknown_masks`).
     """
 
     rounds: RoundData
     unknown_test: Dict[str, np.ndarray]
     split: OpenSetSplit
+    unknown_labels: Dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def num_known(self) -> int:
@@ -192,6 +197,7 @@ def openset_view(part: DomainPartition, split: OpenSetSplit) -> OpenSetData:
 
     eval_sets: Dict[str, Tuple[np.ndarray, np.ndarray]] = {}
     unknown_test: Dict[str, np.ndarray] = {}
+    unknown_labels: Dict[str, np.ndarray] = {}
     for name, x, y in zip(part.domains, part.test_x, part.test_y):
         k_rows, u_rows = np.isin(y, known), np.isin(y, unknown)
         if not k_rows.any():
@@ -202,9 +208,74 @@ def openset_view(part: DomainPartition, split: OpenSetSplit) -> OpenSetData:
                              f"{list(split.unknown)}; choose other unknown classes or raise test_fraction")
         eval_sets[name] = (x[k_rows], relabel[y[k_rows]])
         unknown_test[name] = x[u_rows]
+        unknown_labels[name] = np.asarray(y[u_rows], dtype=np.int64)
 
     rounds = RoundData(client_x=client_x, client_y=client_y, client_group=client_group, eval_sets=eval_sets)
-    return OpenSetData(rounds=rounds, unknown_test=unknown_test, split=split)
+    return OpenSetData(rounds=rounds, unknown_test=unknown_test, split=split, unknown_labels=unknown_labels)
 
 
-__all__ = ["OpenSetSplit", "OpenSetData", "make_split", "openset_view"]
+def unknown_masks(view: OpenSetData, scenarios: Mapping[str, Mapping[str, Sequence[int]]]
+                  ) -> Dict[str, Dict[str, np.ndarray]]:
+    """Heterogeneous unknowns: per scenario, which of each domain's unknown test rows that domain's client meets.
+
+    Every client shares the known classes and trains on them alone, so the unknown classes a
+    client meets at test time cannot change any model: a scenario only chooses, per domain, the
+    unknown classes its test is scored against (the paper's Table 14 settings, see
+    :func:`pairwise_overlap`).
+
+    Parameters
+    ----------
+    view : OpenSetData
+    scenarios : mapping of str to mapping of str to sequence of int
+        ``{scenario: {domain: [unknown class ids]}}``; every domain of the view, each list a
+        non-empty subset of ``view.split.unknown``.
+
+    Returns
+    -------
+    dict
+        ``{scenario: {domain: bool mask over view.unknown_test[domain]}}``.
+
+    Raises
+    ------
+    ValueError
+        A domain missing or foreign, a class that is not unknown, or a domain left with no test row.
+    """
+    out: Dict[str, Dict[str, np.ndarray]] = {}
+    unknown = set(view.split.unknown)
+    for name, per_domain in scenarios.items():
+        where = f"unknown scenario {name!r}"
+        if not isinstance(per_domain, Mapping):
+            raise ValueError(f"{where} must map each domain to its unknown class ids, got {per_domain!r}")
+        foreign = sorted(set(per_domain) - set(view.unknown_test))
+        missing = [d for d in view.unknown_test if d not in per_domain]
+        if foreign or missing:
+            raise ValueError(f"{where} names domain(s) {foreign} that have no test set and misses {missing}; give "
+                             f"every one of {', '.join(view.unknown_test)} its unknown classes")
+        out[name] = {}
+        for d, ids in per_domain.items():
+            ids = list(ids) if isinstance(ids, Sequence) and not isinstance(ids, (str, bytes)) else ids
+            if not isinstance(ids, list) or not ids or not all(_is_int(c) for c in ids):
+                raise ValueError(f"{where}, domain {d!r}: give a non-empty list of class ids, got {ids!r}")
+            bad = sorted(set(ids) - unknown)
+            if bad:
+                raise ValueError(f"{where}, domain {d!r}: class(es) {bad} are not unknown classes of the split "
+                                 f"(unknown: {list(view.split.unknown)}); a known class cannot be an unknown")
+            mask = np.isin(view.unknown_labels[d], np.asarray(ids, dtype=np.int64))
+            if not mask.any():
+                raise ValueError(f"{where}, domain {d!r}: its test set has no sample of classes {ids}; "
+                                 "choose other classes or raise test_fraction")
+            out[name][d] = mask
+    return out
+
+
+def pairwise_overlap(sets: Mapping[str, Sequence[int]]) -> float:
+    """Mean over client pairs of |U_i ∩ U_j| / min(|U_i|, |U_j|): 1 when all clients meet the same
+    unknowns, 0 when no two share one (the paper's 100 / 50 / 0 % overlap)."""
+    named = [set(v) for v in sets.values()]
+    pairs = [(a, b) for i, a in enumerate(named) for b in named[i + 1:]]
+    if not pairs:
+        return 1.0
+    return float(np.mean([len(a & b) / min(len(a), len(b)) for a, b in pairs]))
+
+
+__all__ = ["OpenSetSplit", "OpenSetData", "make_split", "openset_view", "unknown_masks", "pairwise_overlap"]

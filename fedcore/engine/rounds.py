@@ -327,13 +327,13 @@ def _round_record(r: int, data: RoundData, updates, refused, agg, agg_seconds: f
 
 
 def summarise_rounds(records: Sequence[Mapping[str, Any]]) -> Dict[str, float]:
-    """The last round's evaluation (``final_*``: accuracies, and AUROC/OSCR for open-set runs), plus mean
-    aggregation time and bytes per round."""
+    """The last round's evaluation (``final_*``: accuracies, and AUROC/OSCR for open-set runs, with the AUROC of
+    each heterogeneous-unknown scenario, ``auroc_<scenario>``), plus mean aggregation time and bytes per round."""
     if not records:
         return {}
     last = records[-1]
     out = {f"final_{k}": float(v) for k, v in last.items() if k in ("avg_acc", "worst_acc", "auroc", "oscr")
-           or k.startswith(("acc.", "auroc.", "oscr."))}
+           or k.startswith(("acc.", "auroc.", "oscr.", "auroc_"))}
     out["agg_seconds_mean"] = float(np.mean([r["agg_seconds"] for r in records]))
     out["bytes_per_round"] = float(np.mean([r["bytes_up"] + r["bytes_down"] for r in records]))
     out["final_train_loss"] = float(last["train_loss"])

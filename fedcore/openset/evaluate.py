@@ -9,7 +9,10 @@ Scores (higher = more likely unknown), by how the model was trained:
 
 Keys: ``acc.<domain>``, ``auroc.<score>.<domain>``, ``oscr.<score>.<domain>``, their means over
 domains (``avg_acc``, ``auroc.<score>``, ``oscr.<score>``), ``worst_acc``, and ``auroc`` / ``oscr``
-for the first score listed (the method's headline).
+for the first score listed (the method's headline). With ``unknown_sets`` (heterogeneous
+unknowns), each scenario adds ``auroc_<scenario>.<score>.<domain>``, its mean over domains
+``auroc_<scenario>.<score>``, and ``auroc_<scenario>`` for the headline score: every domain
+scored against only the unknown rows its scenario mask keeps.
 """
 
 from __future__ import annotations
@@ -48,8 +51,12 @@ def check_scores(scores: Sequence[str], *, dummy: bool) -> Tuple[str, ...]:
 
 def openset_evaluate(state: Mapping[str, torch.Tensor], spec: ModelSpec, known: Mapping[str, Tuple[np.ndarray, np.ndarray]],
                      unknown: Mapping[str, np.ndarray], *, scores: Sequence[str],
-                     fit: Tuple[np.ndarray, np.ndarray] | None = None, device: str = "cpu") -> Dict[str, float]:
+                     fit: Tuple[np.ndarray, np.ndarray] | None = None, device: str = "cpu",
+                     unknown_sets: Mapping[str, Mapping[str, np.ndarray]] | None = None) -> Dict[str, float]:
     """Open-set metrics of ``state`` on every domain (see the module docstring).
+
+    ``unknown_sets``: ``{scenario: {domain: bool mask over unknown[domain]}}``
+    (:func:`fedcore.data.openset.unknown_masks`).
 
     ``fit`` is the (x, y) OpenMax is fitted on; it is needed only when ``openmax`` is listed. A
     model that gets a whole known class wrong cannot be fitted (OpenMax needs each class's mean
@@ -86,6 +93,8 @@ def openset_evaluate(state: Mapping[str, torch.Tensor], spec: ModelSpec, known: 
                 continue
             out[f"auroc.{s}.{d}"] = auroc(sk, su)
             out[f"oscr.{s}.{d}"] = oscr(sk, correct, su)
+            for name, masks in (unknown_sets or {}).items():
+                out[f"auroc_{name}.{s}.{d}"] = auroc(sk, su[masks[d]])
     domains = list(known)
     out["avg_acc"] = float(np.mean([out[f"acc.{d}"] for d in domains]))
     out["worst_acc"] = float(min(out[f"acc.{d}"] for d in domains))
@@ -93,4 +102,8 @@ def openset_evaluate(state: Mapping[str, torch.Tensor], spec: ModelSpec, known: 
         for m in ("auroc", "oscr"):
             out[f"{m}.{s}"] = float(np.mean([out[f"{m}.{s}.{d}"] for d in domains]))
     out["auroc"], out["oscr"] = out[f"auroc.{scores[0]}"], out[f"oscr.{scores[0]}"]
+    for name in unknown_sets or {}:
+        for s in scores:
+            out[f"auroc_{name}.{s}"] = float(np.mean([out.get(f"auroc_{name}.{s}.{d}", float("nan")) for d in domains]))
+        out[f"auroc_{name}"] = out[f"auroc_{name}.{scores[0]}"]
     return out
