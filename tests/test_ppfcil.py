@@ -367,3 +367,21 @@ def test_a_staged_run_scored_by_the_default_evaluation_still_returns_its_records
     cfg = RoundConfig(**{**cfg.__dict__, "rounds": 2})
     res = run_rounds(data, spec, cfg)  # accuracy on the whole test set, no acc.seen: no incremental summary
     assert len(res.records) == 2 and "avg_inc_acc" not in res.summary and "final_acc.test" in res.summary
+
+
+def test_clip_only_is_classic_dp_sgd_without_its_noise_and_without_a_budget(digits, monkeypatch):
+    kw = dict(PRIVATE, privacy="clip", sample_rate=0.25, epsilon=1e-3)
+    _, clip = _round(digits, task=0, round_index=0, n=40, norm="group", **kw)
+    # a budget classic DP cannot even calibrate for: clip-only promises nothing, so it takes every step
+    with pytest.raises(ValueError, match="budget is too low"):
+        _round(digits, task=0, round_index=0, n=40, norm="group", **{**kw, "privacy": "dp"})
+    assert clip.metrics["steps"] == 4  # 1 epoch / q = 0.25
+    assert clip.metrics["sigma"] == 0.0 and "epsilon" not in clip.metrics and "epsilon" not in clip.client_state["ledger"]
+    # with DP's noise drawn as zeros, DP-SGD takes exactly clip-only's steps
+    zeros = lambda *shape, generator=None, **_: torch.zeros(*shape)  # noqa: E731
+    monkeypatch.setattr(torch, "randn", zeros)
+    _, clip0 = _round(digits, task=0, round_index=0, n=40, norm="group", **kw)
+    _, dp0 = _round(digits, task=0, round_index=0, n=40, norm="group", **{**kw, "privacy": "dp", "epsilon": 50.0})
+    assert dp0.metrics["sigma"] > 0 and dp0.metrics["steps"] == clip0.metrics["steps"] == 4
+    assert all(torch.equal(dp0.state[k], clip0.state[k]) for k in clip0.state)
+    assert not all(torch.equal(clip.state[k], clip0.state[k]) for k in clip.state)  # noise draws move the sampling

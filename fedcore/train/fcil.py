@@ -23,10 +23,12 @@ One local round of task t on a client:
 Privacy (``privacy``): ``none``; ``lbdp`` (local Bayesian DP: DP-SGD with σ calibrated from the
 client's own clipped-gradient distribution, accounted by :class:`BayesianAccountant`); ``dp``
 (the classic baseline: the same DP-SGD with σ from Opacus' RDP calibration, accounted by
-:class:`ClassicAccountant`). Batches are Poisson-sampled at rate ``sample_rate``; each step
-clips every sample's gradient to ``clip_norm`` and adds N(0, σ²C²) to the sum. A client stops
-before any step that would take its ε past ``epsilon``, and sends nothing in a round it cannot
-afford. The supervised contrastive loss couples the samples of a batch, which per-sample
+:class:`ClassicAccountant`); ``clip`` (a diagnostic with no guarantee: ``dp``'s Poisson sampling,
+per-sample clipping and division by the expected batch, with no noise and no account; it
+separates what DP-SGD's mechanics cost from what its noise costs). Batches are Poisson-sampled
+at rate ``sample_rate``; each step clips every sample's gradient to ``clip_norm`` and adds
+N(0, σ²C²) to the sum. A client stops before any step that would take its ε past ``epsilon``,
+and sends nothing in a round it cannot afford. The supervised contrastive loss couples the samples of a batch, which per-sample
 clipping cannot bound, so private runs need ``rho = 0``.
 """
 
@@ -48,7 +50,7 @@ from fedcore.train.base import TRAINERS, ClientUpdate, LocalTrainer, State, augm
 
 CLASSIFIER_LOSSES = ("balanced", "plain")
 COMPRESSION = ("distil", "none")
-PRIVACY = ("none", "lbdp", "dp")
+PRIVACY = ("none", "lbdp", "dp", "clip")
 EXEMPLAR_RULES = ("herding", "random", "none")
 
 
@@ -243,6 +245,7 @@ class FCILTrainer(LocalTrainer):
 
         check_private_model(objective.model)
         name = "bayesian" if self.privacy == "lbdp" else "classic"
+        clip_only = self.privacy == "clip"  # the mechanics without noise: nothing to account, no budget
         acct = create_accountant(name)
         if "accountant" in ledger:
             acct.load_state_dict(ledger["accountant"])
@@ -255,10 +258,10 @@ class FCILTrainer(LocalTrainer):
         named = {k: p for k, p in objective.named_parameters() if id(p) in trainable}
         total, count, steps, sigmas, sq_all = 0.0, 0, 0, [], []
         sigma = float(ledger.get("sigma", 0.0))
-        if name == "classic" and sigma == 0.0:
+        if name == "classic" and sigma == 0.0 and not clip_only:
             sigma = calibrate_sigma_classic(q=q, steps=planned, epsilon=self.epsilon, delta=self.delta)
         sq_seen = None  # the latest sample of clipped norms: the data distribution the Bayesian cost is taken over
-        if name == "bayesian" and not stopped:
+        if name == "bayesian" and not stopped:  # (clip_only is "classic")
             # data-aware noise: the σ that spends what is left of ε_total over this client's remaining planned
             # steps, at the clipped-gradient distribution of a probe of its data (up to 64 samples)
             probe = torch.randperm(n, generator=g)[:64].to(xt.device)
@@ -277,11 +280,12 @@ class FCILTrainer(LocalTrainer):
             if len(idx):
                 sq, norms, per_sample, aux = self._clipped_sq(objective, named, xb, yb)
                 sq_seen = sq
-            cost = acct.step_cost(sq_norms=sq_seen if sq_seen is not None else np.ones(1), q=q, sigma=sigma)
-            if acct.epsilon_after(cost, self.delta) > self.epsilon:
-                ledger["exhausted"] = True
-                break
-            acct.spend(cost)  # an empty batch is still a step: it releases noise, and the analysis counts it
+            if not clip_only:
+                cost = acct.step_cost(sq_norms=sq_seen if sq_seen is not None else np.ones(1), q=q, sigma=sigma)
+                if acct.epsilon_after(cost, self.delta) > self.epsilon:
+                    ledger["exhausted"] = True
+                    break
+                acct.spend(cost)  # an empty batch is still a step: it releases noise, and the analysis counts it
             opt.zero_grad(set_to_none=True)
             for key, p in named.items():
                 summed = torch.zeros_like(p) if not len(idx) else torch.einsum(
@@ -296,6 +300,9 @@ class FCILTrainer(LocalTrainer):
                 sq_all.append(float(np.mean(sq)))
             steps += 1
             sigmas.append(sigma)
+        if clip_only:  # no ledger: nothing is promised
+            return total, count, steps, ledger, {
+                "sigma": 0.0, "clipped_sq_norm": float(np.mean(sq_all)) if sq_all else float("nan")}
         ledger.update({"accountant": acct.state_dict(), "epsilon": float(acct.epsilon(self.delta)) if acct.steps
                        else 0.0, "sigma": sigma if name == "classic" else ledger.get("sigma", 0.0)})
         metrics = {"epsilon": ledger["epsilon"], "sigma": float(np.mean(sigmas)) if sigmas else float("nan"),
