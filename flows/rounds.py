@@ -29,7 +29,7 @@ from fedcore.evaluate.stats import friedman_p, friedman_ranks, wilcoxon_against
 from flows import config as C
 from flows import plot_data, runtime, tracking, ui
 from flows.tasks import (check_checkpoints, grid_openset_view, load_domain_partition, round_cell_dir, round_inputs,
-                         run_round_cell_task, train_round_task, unknown_scenarios)
+                         run_round_cell_task, train_round_task, unknown_counts, unknown_scenarios)
 
 
 def _runner(cfg: DictConfig):
@@ -90,8 +90,11 @@ def grid(cfg: DictConfig, system: str = "fedpad", grid_name: str | None = None, 
     name = str(cfg[system].grid if grid_name is None else grid_name)
     g = C.grid(cfg, system, name)
     part = load_domain_partition(cfg, system, name, written=written)  # before any service starts
+    counts = None
     if C.is_openset(cfg, system, name):  # a bad split or unknown scenario fails here, not in every cell
-        unknown_scenarios(g, grid_openset_view(g, part))
+        view = grid_openset_view(g, part)
+        unknown_scenarios(g, view)
+        counts = unknown_counts(view)
     cells = [(str(m), int(s)) for s in g.seeds for m in g.methods]
     configs = {(m, s): C.round_config(cfg, system, method=m, seed=s, grid_name=name) for m, s in cells}
     check_checkpoints({round_cell_dir(cfg, system, name, m, s): rc.fingerprint() for (m, s), rc in configs.items()},
@@ -155,7 +158,8 @@ def grid(cfg: DictConfig, system: str = "fedpad", grid_name: str | None = None, 
         sets = g.get("unknown_sets")
         write_openset_report(rows, domains=list(part.domains), out=out, title=f"{system} {name}", scores=scores,
                              target=str(target) if target in g.methods else None,
-                             unknown_sets=None if sets is None else OmegaConf.to_container(sets, resolve=True))
+                             unknown_sets=None if sets is None else OmegaConf.to_container(sets, resolve=True),
+                             unknown_counts=counts)
     else:
         write_grid_report(rows, domains=list(part.domains), out=out, title=f"{system} {name}",
                           target=system if system in g.methods else None)
@@ -249,16 +253,27 @@ def write_grid_report(rows: List[Dict[str, Any]], *, domains: List[str], out: Pa
 
 def write_openset_report(rows: List[Dict[str, Any]], *, domains: List[str], out: Path, title: str,
                          scores: Dict[str, List[str]], target: str | None,
-                         unknown_sets: Mapping[str, Mapping[str, List[int]]] | None = None) -> str:
+                         unknown_sets: Mapping[str, Mapping[str, List[int]]] | None = None,
+                         unknown_counts: Mapping[str, Mapping[int, int]] | None = None) -> str:
     """table.md, summary.json, scores.json, stats.md and methods.png of an open-set grid.
 
     A method scored several ways (FedAvg: MSP and OpenMax) gives one row per score,
     ``<method>+<score>``. The paired tests use (seed × domain) blocks of AUROC. With
-    ``unknown_sets`` (heterogeneous unknowns), table.md adds each method's AUROC per scenario,
-    beside the scenario's pairwise overlap, and its drop from the first scenario.
+    ``unknown_sets`` (heterogeneous unknowns) and ``unknown_counts`` (per domain, the unknown test
+    rows of each class), table.md adds each method's AUROC per scenario, beside the scenario's
+    pairwise overlap, and what the same scenario gives under every relabelling of the unknown
+    classes (:func:`relabelled_aurocs`), and its AUROC per unknown class.
     """
     out.mkdir(parents=True, exist_ok=True)
     methods = list(dict.fromkeys(r["method"] for r in rows))
+    wanted = [*(unknown_sets or {}), *(f"class{c}" for c in sorted({c for cs in (unknown_counts or {}).values()
+                                                                      for c in cs}) if unknown_sets)]
+    for r in rows:
+        missing = [u for u in wanted if not any(k.startswith(f"final_auroc_{u}.") for k in r["summary"])]
+        if missing:  # the checkpoint fingerprint covers training, not evaluation settings
+            raise ValueError(f"{r['method']} seed {r['seed']} has no AUROC for unknown scenario(s) {missing}: its "
+                             "records come from a checkpoint written before unknown_sets named them. Rerun the grid "
+                             "with flow.resume=false (resume never re-evaluates a finished round)")
     agg, per_block = [], {}
     for m in methods:
         rs = sorted((r for r in rows if r["method"] == m), key=lambda r: r["seed"])
@@ -276,7 +291,10 @@ def write_openset_report(rows: List[Dict[str, Any]], *, domains: List[str], out:
                         "mib_per_round": float(np.mean([r["summary"]["bytes_per_round"] for r in rs])) / 2 ** 20,
                         "seconds": float(np.mean([r["seconds"] for r in rs])),
                         "scenarios": {u: np.array([r["summary"][f"final_auroc_{u}.{s}"] for r in rs])
-                                      for u in (unknown_sets or {})}})
+                                      for u in (unknown_sets or {})},
+                        "per_class": {(d, c): np.array([r["summary"][f"final_auroc_class{c}.{s}.{d}"] for r in rs])
+                                      for d, cs in (unknown_counts or {}).items() for c in cs}
+                        if unknown_sets else {}})
             per_block[name] = [r["summary"][f"final_auroc.{s}.{d}"] for r in rs for d in domains]
     seeds = max(a["n"] for a in agg)
     head = f"| method | closed acc | AUROC | OSCR | {' | '.join(domains)} | server agg ms | MiB/round | run s |"
@@ -287,7 +305,7 @@ def write_openset_report(rows: List[Dict[str, Any]], *, domains: List[str], out:
                      + " | ".join(f"{a['domains'][d]:.3f}" for d in domains)
                      + f" | {a['agg_ms']:.0f} | {a['mib_per_round']:.2f} | {a['seconds']:.0f} |")
     table = "\n".join(lines)
-    extra = _unknown_sets_table(agg, unknown_sets) if unknown_sets else ""
+    extra = _unknown_sets_table(agg, unknown_sets, unknown_counts) if unknown_sets else ""
     (out / "table.md").write_text(f"{title}: final-round closed-set accuracy, AUROC and OSCR (mean over domains), "
                                   f"mean ± std over {seeds} seed(s); per-domain columns are AUROC\n\n" + table + "\n"
                                   + extra)
@@ -308,8 +326,35 @@ def write_openset_report(rows: List[Dict[str, Any]], *, domains: List[str], out:
     return table
 
 
-def _unknown_sets_table(agg: List[Dict[str, Any]], unknown_sets: Mapping[str, Mapping[str, List[int]]]) -> str:
-    """Markdown: AUROC per heterogeneous-unknown scenario and method, and the drop from the first scenario."""
+def relabelled_aurocs(per_class: Mapping[Tuple[str, int], float], counts: Mapping[str, Mapping[int, int]],
+                      sets: Mapping[str, List[int]]) -> np.ndarray:
+    """A scenario's AUROC (mean over domains) under every relabelling of the unknown classes.
+
+    AUROC against a set of unknown classes is the row-count-weighted mean of the AUROCs against each
+    class (every unknown row is compared with the same known rows), so a scenario's AUROC follows
+    from ``per_class[(domain, class)]`` exactly. A permutation π of the unknown classes keeps the
+    scenario's overlap and set sizes and changes only which classes each domain meets; the result
+    holds one AUROC per π, in ``itertools.permutations`` order (the identity first).
+    """
+    from itertools import permutations
+
+    classes = sorted({c for cs in counts.values() for c in cs})
+    out = []
+    for perm in permutations(classes):
+        relabel = dict(zip(classes, perm))
+        per_domain = []
+        for d, cs in sets.items():
+            mapped = [relabel[c] for c in cs]
+            n = np.array([counts[d][c] for c in mapped], dtype=float)
+            per_domain.append(float(np.dot(n, [per_class[(d, c)] for c in mapped]) / n.sum()))
+        out.append(float(np.mean(per_domain)))
+    return np.asarray(out)
+
+
+def _unknown_sets_table(agg: List[Dict[str, Any]], unknown_sets: Mapping[str, Mapping[str, List[int]]],
+                        counts: Mapping[str, Mapping[int, int]] | None) -> str:
+    """Markdown: AUROC per heterogeneous-unknown scenario and method, the same scenarios under every
+    relabelling of the unknown classes, and AUROC per unknown class."""
     from fedcore.data.openset import pairwise_overlap
 
     names = list(unknown_sets)
@@ -323,6 +368,26 @@ def _unknown_sets_table(agg: List[Dict[str, Any]], unknown_sets: Mapping[str, Ma
         sc = a["scenarios"]
         lines.append(f"| {a['method']} | " + " | ".join(f"{sc[u].mean():.3f} ± {sc[u].std():.3f}" for u in names)
                      + f" | {(sc[names[0]] - sc[names[-1]]).mean():+.3f} |")
+    if not counts:
+        return "\n".join(lines) + "\n"
+    lines += ["", "The same scenarios under every relabelling of the unknown classes (same overlap, other classes "
+              "per domain), from the per-class AUROCs below: mean [min, max] over relabellings of the seed-mean "
+              "AUROC. A gap between scenarios that the relabellings do not keep comes from which classes were "
+              "assigned, not from the overlap.", "", head.replace(f" | {names[0]} − {names[-1]} |", " |"),
+              "|" + "---|" * (head.count("|") - 2)]
+    for a in agg:
+        mean_pc = {k: float(v.mean()) for k, v in a["per_class"].items()}
+        cells = []
+        for u in names:
+            vals = relabelled_aurocs(mean_pc, counts, unknown_sets[u])
+            cells.append(f"{vals.mean():.3f} [{vals.min():.3f}, {vals.max():.3f}]")
+        lines.append(f"| {a['method']} | " + " | ".join(cells) + " |")
+    classes = sorted({c for cs in counts.values() for c in cs})
+    lines += ["", "AUROC against each unknown class alone (mean over domains and seeds):", "",
+              "| method | " + " | ".join(f"class {c}" for c in classes) + " |", "|---|" + "---|" * len(classes)]
+    for a in agg:
+        lines.append(f"| {a['method']} | " + " | ".join(
+            f"{np.mean([a['per_class'][(d, c)].mean() for d in counts]):.3f}" for c in classes) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -247,6 +247,8 @@ def _ppfcil_privacy(cfg) -> None:
         if form == "none":
             reference = point
             continue
+        if form == "clip":  # DP-SGD's mechanics without noise: no ε, a diagnostic (see the privacy-clip grid)
+            continue
         eps, clip = float(tp["epsilon"]), float(tp.get("clip_norm", 1.0))
         label = f"{'LBDP' if form == 'lbdp' else 'classic DP'}, C = {clip:g}"
         curves.setdefault(label, []).append((eps, *point))

@@ -216,7 +216,6 @@ def round_inputs(cfg: DictConfig, system: str, grid_name: str, part, rcfg, *, me
         return round_data(part), spec, None
     from functools import partial
 
-    from fedcore.data.openset import make_split, openset_view
     from fedcore.openset.evaluate import check_scores, openset_evaluate
 
     g = C.grid(cfg, system, grid_name)
@@ -244,13 +243,27 @@ def grid_openset_view(g: DictConfig, part):
 
 
 def unknown_scenarios(g: DictConfig, view):
-    """The grid's heterogeneous-unknown scenarios (``unknown_sets``) as row masks; None when it has none."""
+    """The grid's heterogeneous-unknown scenarios (``unknown_sets``) as row masks, plus one scenario
+    ``class<c>`` per unknown class c (every domain scored on c alone: the per-class AUROCs any
+    scenario's AUROC is the count-weighted mean of); None when the grid has none."""
     from fedcore.data.openset import unknown_masks
 
     sets = g.get("unknown_sets")
     if sets is None:
         return None
-    return unknown_masks(view, OmegaConf.to_container(sets, resolve=True))
+    sets = OmegaConf.to_container(sets, resolve=True)
+    clash = [u for u in sets if isinstance(u, str) and u.startswith("class")]
+    if clash:
+        raise ValueError(f"unknown scenario name(s) {clash}: names starting 'class' are the per-class scenarios "
+                         "added to every grid with unknown_sets; rename them")
+    per_class = {f"class{c}": {d: [c] for d in view.unknown_test} for c in view.split.unknown}
+    return unknown_masks(view, {**sets, **per_class})
+
+
+def unknown_counts(view) -> Dict[str, Dict[int, int]]:
+    """Per domain, how many unknown test rows each unknown class has."""
+    return {d: {int(c): int(np.sum(view.unknown_labels[d] == c)) for c in view.split.unknown}
+            for d in view.unknown_test}
 
 
 def incremental_inputs(cfg: DictConfig, system: str, grid_name: str, part, rcfg):

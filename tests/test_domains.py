@@ -513,7 +513,7 @@ def test_size_skew_gives_strictly_decreasing_shards(four):
     assert shard_sizes(10, 3, 0.0).tolist() == [4, 3, 3]
 
 
-def test_label_alpha_skews_labels_and_keeps_every_row(four, part):
+def test_label_alpha_skews_labels_and_keeps_every_row(four):
     """Dirichlet label skew: the same rows and test sets as the unskewed split, dealt by class."""
     one = {"photo": 5}
     skew = build_domain_partition(four, clients_per_domain=one, test_fraction=0.2, seed=5, label_alpha=0.3)
@@ -544,8 +544,11 @@ def test_label_alpha_rejects_bad_values(four, kw, match):
 
 
 def test_label_alpha_names_the_domain_it_cannot_split(four):
-    with pytest.raises(ValueError, match=r"domain 'photo': .*cannot give 40 clients 10 rows each"):
+    with pytest.raises(ValueError, match=r"domain 'photo': 320 training rows cannot give 40 clients 10 rows each; "
+                                         r"lower clients_per_domain\['photo'\] or raise max_per_domain"):
         build_domain_partition(four, clients_per_domain={"photo": 40}, label_alpha=1.0)
+    with pytest.raises(ValueError, match=r"label_alpha=0.001 left a client with fewer than 10 rows .* raise label_alpha"):
+        build_domain_partition(four, clients_per_domain={"photo": 30}, label_alpha=0.001)
 
 
 def test_test_split_does_not_depend_on_client_counts(four, part):

@@ -111,3 +111,44 @@ def test_method_names_mlflow_refuses_in_keys_are_logged_under_safe_keys(tmp_path
     run = client.create_run(client.create_experiment("keys"))
     client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in params.items()])  # refuses invalid keys
     assert client.get_run(run.info.run_id).data.params == params
+
+
+def test_relabelled_scenarios_are_exact_weighted_means_of_per_class_aurocs():
+    from flows.rounds import relabelled_aurocs
+
+    counts = {"a": {6: 10, 7: 30}, "b": {6: 20, 7: 20}}
+    per_class = {("a", 6): 0.9, ("a", 7): 0.5, ("b", 6): 0.8, ("b", 7): 0.6}
+    got = relabelled_aurocs(per_class, counts, {"a": [6, 7], "b": [7]})
+    a_both = (10 * 0.9 + 30 * 0.5) / 40  # every unknown row of a, weighted by its class's rows
+    assert got[0] == pytest.approx((a_both + 0.6) / 2)  # the identity first: the scenario as configured
+    assert got[1] == pytest.approx((a_both + 0.8) / 2)  # 6 <-> 7: b meets class 6 instead
+    flat = {k: 0.7 for k in per_class}  # classes alike: no relabelling can move the score
+    assert np.allclose(relabelled_aurocs(flat, counts, {"a": [6], "b": [7]}), 0.7)
+
+
+def test_the_report_adds_scenarios_relabellings_and_per_class_aurocs(tmp_path):
+    from flows.rounds import write_openset_report
+
+    def summary(base):
+        s = {"final_avg_acc": 0.8, "final_worst_acc": 0.7, "final_auroc.msp": base, "final_oscr.msp": 0.6,
+             "agg_seconds_mean": 0.01, "bytes_per_round": 1e6}
+        for d in ("a", "b"):
+            s[f"final_auroc.msp.{d}"] = base
+            s.update({f"final_auroc_class6.msp.{d}": base + 0.1, f"final_auroc_class7.msp.{d}": base - 0.1})
+        s.update({"final_auroc_all.msp": base, "final_auroc_one.msp": base + 0.05})
+        return s
+
+    rows = [{"method": "m", "seed": s, "summary": summary(0.7 + 0.01 * s), "seconds": 1.0} for s in (0, 1)]
+    sets = {"all": {"a": [6, 7], "b": [6, 7]}, "one": {"a": [6], "b": [7]}}
+    counts = {"a": {6: 5, 7: 5}, "b": {6: 5, 7: 5}}
+    write_openset_report(rows, domains=["a", "b"], out=tmp_path, title="t", scores={"m": ["msp"]}, target=None,
+                         unknown_sets=sets, unknown_counts=counts)
+    text = (tmp_path / "table.md").read_text()
+    assert "| m | 0.705 ± 0.005 | 0.755 ± 0.005 | -0.050 |" in text  # as configured: all, then one, then the gap
+    assert "| m | 0.705 [0.705, 0.705] | 0.705 [0.705, 0.705] |" in text  # one domain meets 6, the other 7
+    assert "| m | 0.805 | 0.605 |" in text  # per class
+    assert json.loads((tmp_path / "summary.json").read_text())["m"]["auroc_one"] == pytest.approx(0.755)
+    del rows[1]["summary"]["final_auroc_class7.msp.a"], rows[1]["summary"]["final_auroc_class7.msp.b"]
+    with pytest.raises(ValueError, match=r"m seed 1 has no AUROC for unknown scenario\(s\) \['class7'\].*resume=false"):
+        write_openset_report(rows, domains=["a", "b"], out=tmp_path, title="t", scores={"m": ["msp"]}, target=None,
+                             unknown_sets=sets, unknown_counts=counts)

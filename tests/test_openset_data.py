@@ -166,7 +166,7 @@ def test_view_of_a_built_partition_keeps_every_known_sample():
 def test_unknown_masks_keep_each_domains_own_unknown_classes(part):
     view = openset_view(part, make_split(5, known=[0, 2]))  # unknown 1, 3, 4
     assert {d: v.tolist() for d, v in view.unknown_labels.items()} == {"a": [1, 3, 4], "b": [3, 4, 4]}
-    masks = unknown_masks(view, {"mixed": {"a": [1], "b": [4, 3]}, "all": {"a": [1, 3, 4], "b": [1, 3, 4]}})
+    masks = unknown_masks(view, {"mixed": {"a": [1], "b": [4, 3]}, "all": {"a": [1, 3, 4], "b": [3, 4]}})
     assert ids(view.unknown_test["a"][masks["mixed"]["a"]]) == [13]  # test a: ids 12..16, class 1 is id 13
     assert ids(view.unknown_test["b"][masks["mixed"]["b"]]) == [17, 19, 20]
     assert all(m.all() for m in masks["all"].values())
@@ -177,7 +177,7 @@ def test_unknown_masks_keep_each_domains_own_unknown_classes(part):
     ({"a": [1], "b": [3], "c": [4]}, r"names domain\(s\) \['c'\]"),
     ({"a": [0], "b": [3]}, r"class\(es\) \[0\] are not unknown classes .* a known class cannot be an unknown"),
     ({"a": [], "b": [3]}, "give a non-empty list of class ids"),
-    ({"a": [1], "b": [1]}, r"domain 'b': its test set has no sample of classes \[1\]"),
+    ({"a": [1], "b": [1]}, r"domain 'b': its test set has no sample of class\(es\) \[1\]"),
 ])
 def test_bad_unknown_scenarios_name_the_fix(part, scenario, match):
     view = openset_view(part, make_split(5, known=[0, 2]))
@@ -190,3 +190,13 @@ def test_pairwise_overlap_is_one_when_shared_and_zero_when_disjoint():
     assert pairwise_overlap({"a": [6, 7], "b": [8, 9]}) == 0.0
     assert pairwise_overlap({"a": [6, 7, 8, 9], "b": [2, 3, 8, 9]}) == 0.5  # the paper's 50 % example
     assert pairwise_overlap({"a": [6], "b": [7], "c": [8], "d": [9], "e": [6]}) == pytest.approx(0.1)
+
+
+def test_unknown_scenarios_refuse_bad_names_shapes_and_partly_absent_classes(part):
+    view = openset_view(part, make_split(5, known=[0, 2]))  # test b has unknown classes 3 and 4 only
+    with pytest.raises(ValueError, match="use letters, digits, '_' and '-' only"):
+        unknown_masks(view, {"a.b": {"a": [1], "b": [3]}})
+    with pytest.raises(ValueError, match="unknown_sets must map scenario names"):
+        unknown_masks(view, [{"a": [1], "b": [3]}])
+    with pytest.raises(ValueError, match=r"domain 'b': its test set has no sample of class\(es\) \[1\]"):
+        unknown_masks(view, {"s": {"a": [1], "b": [1, 3]}})

@@ -86,18 +86,22 @@ def test_incremental_grid_writes_tables_and_logs_tasks_ledgers_and_selection(tmp
 def test_privacy_report_pairs_lbdp_with_classic_dp_at_each_epsilon_and_clip_norm(tmp_path):
     from flows.stages import _ppfcil_privacy
 
-    cfg = C.compose([f"paths.results={tmp_path}"])
+    # a clip-only row (no noise, no ε) in the grid is left out of the curve and the pairs
+    cfg = C.compose([f"paths.results={tmp_path}", "ppfcil.grids.privacy.methods=[ppfcil-nodp,lbdp-eps1,lbdp-eps8,"
+                     "dp-eps1,dp-eps8,lbdp-eps8-c10,dp-eps8-c10,clip-c1]"])
     out = tmp_path / "ppfcil" / "privacy"
     out.mkdir(parents=True)
     methods = [str(m) for m in cfg.ppfcil.grids.privacy.methods]
     fake = {m: [0.5, 0.6] for m in methods}
+    fake["clip-c1"] = [0.9, 0.9]
     fake["lbdp-eps8"], fake["dp-eps8"] = [0.7, 0.72], [0.6, 0.61]
     (out / "scores.json").write_text(json.dumps({"avg_inc_acc_by_seed": fake}))
     _ppfcil_privacy(cfg)
     text = (out / "privacy.md").read_text()
     assert "| 8 | 1 | 0.710 ± 0.010 | 0.605 ± 0.005 | +0.105 | 2/2 |" in text
     assert "| 8 | 10 | 0.550 ± 0.050 | 0.550 ± 0.050 | +0.000 | 0/2 |" in text
-    assert "No noise (same objective): 0.550 ± 0.050." in text
+    assert "No noise (same objective): 0.550 ± 0.050." in text and "0.900" not in text
+    assert len([line for line in text.splitlines() if line.startswith("| ")]) == 4  # head + 3 (ε, C) pairs
     assert (out / "privacy.png").is_file()
 
 

@@ -1082,11 +1082,16 @@ def build_domain_partition(
         domains.append(name)
         t_idx.append(test_rows.astype(np.int64))
         if label_alpha is not None:
+            if len(pool_rows) < n_clients * MIN_SHARD:
+                raise ValueError(f"domain {name!r}: {len(pool_rows)} training rows cannot give {n_clients} clients "
+                                 f"{MIN_SHARD} rows each; lower clients_per_domain[{name!r}] or raise max_per_domain")
             try:
                 shards = dirichlet_label_split(ds.y[pool_rows], num_clients=n_clients, alpha=float(label_alpha),
                                                seed=int(zlib.crc32(f"{seed}/{name}".encode())), min_size=MIN_SHARD)
-            except ValueError as exc:
-                raise ValueError(f"domain {name!r}: {exc}") from None
+            except ValueError:
+                raise ValueError(f"domain {name!r}: label_alpha={label_alpha} left a client with fewer than "
+                                 f"{MIN_SHARD} rows in 100 draws; raise label_alpha or lower "
+                                 f"clients_per_domain[{name!r}]") from None
             for shard in shards:
                 c_idx.append(pool_rows[shard].astype(np.int64))
                 client_domain.append(k)

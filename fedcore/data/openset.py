@@ -17,6 +17,7 @@ on it unchanged.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Sequence, Tuple
 
@@ -190,7 +191,8 @@ def openset_view(part: DomainPartition, split: OpenSetSplit) -> OpenSetData:
         keep = np.isin(y, known)
         if not keep.any():
             raise ValueError(f"client {i} (domain {part.domains[dk]!r}) holds no sample of the known classes "
-                             f"{list(split.known)}; choose other known classes or give this client more data")
+                             f"{list(split.known)}; choose other known classes or give this client more data "
+                             "(with label skew: raise label_alpha)")
         client_x.append(x[keep])
         client_y.append(relabel[y[keep]])
         client_group.append(part.domains[dk])
@@ -242,8 +244,14 @@ def unknown_masks(view: OpenSetData, scenarios: Mapping[str, Mapping[str, Sequen
     """
     out: Dict[str, Dict[str, np.ndarray]] = {}
     unknown = set(view.split.unknown)
+    if not isinstance(scenarios, Mapping):
+        raise ValueError(f"unknown_sets must map scenario names to {{domain: [unknown class ids]}}, got "
+                         f"{type(scenarios).__name__}")
     for name, per_domain in scenarios.items():
         where = f"unknown scenario {name!r}"
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+            raise ValueError(f"{where}: a scenario name becomes part of MLflow metric keys; use letters, digits, "
+                             "'_' and '-' only")
         if not isinstance(per_domain, Mapping):
             raise ValueError(f"{where} must map each domain to its unknown class ids, got {per_domain!r}")
         foreign = sorted(set(per_domain) - set(view.unknown_test))
@@ -260,17 +268,18 @@ def unknown_masks(view: OpenSetData, scenarios: Mapping[str, Mapping[str, Sequen
             if bad:
                 raise ValueError(f"{where}, domain {d!r}: class(es) {bad} are not unknown classes of the split "
                                  f"(unknown: {list(view.split.unknown)}); a known class cannot be an unknown")
-            mask = np.isin(view.unknown_labels[d], np.asarray(ids, dtype=np.int64))
-            if not mask.any():
-                raise ValueError(f"{where}, domain {d!r}: its test set has no sample of classes {ids}; "
+            absent = [c for c in ids if not np.any(view.unknown_labels[d] == c)]
+            if absent:
+                raise ValueError(f"{where}, domain {d!r}: its test set has no sample of class(es) {absent}; "
                                  "choose other classes or raise test_fraction")
-            out[name][d] = mask
+            out[name][d] = np.isin(view.unknown_labels[d], np.asarray(ids, dtype=np.int64))
     return out
 
 
 def pairwise_overlap(sets: Mapping[str, Sequence[int]]) -> float:
-    """Mean over client pairs of |U_i ∩ U_j| / min(|U_i|, |U_j|): 1 when all clients meet the same
-    unknowns, 0 when no two share one (the paper's 100 / 50 / 0 % overlap)."""
+    """Mean over domain pairs of |U_i ∩ U_j| / min(|U_i|, |U_j|): 1 when all domains meet the same
+    unknowns, 0 when no two share one (the paper's 100 / 50 / 0 % overlap, over its one-client-per-
+    domain HDR-FL; a scenario cannot tell apart clients that share a domain and its test set)."""
     named = [set(v) for v in sets.values()]
     pairs = [(a, b) for i, a in enumerate(named) for b in named[i + 1:]]
     if not pairs:

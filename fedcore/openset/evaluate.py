@@ -90,6 +90,8 @@ def openset_evaluate(state: Mapping[str, torch.Tensor], spec: ModelSpec, known: 
                 sk, su = scorer.score(lk), scorer.score(lu)
             else:
                 out[f"auroc.{s}.{d}"] = out[f"oscr.{s}.{d}"] = float("nan")
+                for name in unknown_sets or {}:
+                    out[f"auroc_{name}.{s}.{d}"] = float("nan")
                 continue
             out[f"auroc.{s}.{d}"] = auroc(sk, su)
             out[f"oscr.{s}.{d}"] = oscr(sk, correct, su)
@@ -104,6 +106,6 @@ def openset_evaluate(state: Mapping[str, torch.Tensor], spec: ModelSpec, known: 
     out["auroc"], out["oscr"] = out[f"auroc.{scores[0]}"], out[f"oscr.{scores[0]}"]
     for name in unknown_sets or {}:
         for s in scores:
-            out[f"auroc_{name}.{s}"] = float(np.mean([out.get(f"auroc_{name}.{s}.{d}", float("nan")) for d in domains]))
+            out[f"auroc_{name}.{s}"] = float(np.mean([out[f"auroc_{name}.{s}.{d}"] for d in domains]))
         out[f"auroc_{name}"] = out[f"auroc_{name}.{scores[0]}"]
     return out

@@ -23,12 +23,12 @@ One local round of task t on a client:
 Privacy (``privacy``): ``none``; ``lbdp`` (local Bayesian DP: DP-SGD with σ calibrated from the
 client's own clipped-gradient distribution, accounted by :class:`BayesianAccountant`); ``dp``
 (the classic baseline: the same DP-SGD with σ from Opacus' RDP calibration, accounted by
-:class:`ClassicAccountant`); ``clip`` (a diagnostic with no guarantee: ``dp``'s Poisson sampling,
-per-sample clipping and division by the expected batch, with no noise and no account; it
-separates what DP-SGD's mechanics cost from what its noise costs). Batches are Poisson-sampled
-at rate ``sample_rate``; each step clips every sample's gradient to ``clip_norm`` and adds
-N(0, σ²C²) to the sum. A client stops before any step that would take its ε past ``epsilon``,
-and sends nothing in a round it cannot afford. The supervised contrastive loss couples the samples of a batch, which per-sample
+:class:`ClassicAccountant`). Batches are Poisson-sampled at rate ``sample_rate``; each step clips
+every sample's gradient to ``clip_norm`` and adds N(0, σ²C²) to the sum. A client stops before
+any step that would take its ε past ``epsilon``, and sends nothing in a round it cannot afford.
+``clip`` is a diagnostic with no guarantee: ``dp``'s Poisson sampling, per-sample clipping and
+division by the expected batch, with no noise, no account and no budget; set beside ``none`` and
+``dp`` it separates what DP-SGD's mechanics cost from what its noise costs. The supervised contrastive loss couples the samples of a batch, which per-sample
 clipping cannot bound, so private runs need ``rho = 0``.
 """
 
