@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 import re
@@ -511,6 +512,16 @@ def test_size_skew_gives_strictly_decreasing_shards(four):
         assert min(sizes) >= 10 and sum(sizes) == 320
     assert shard_sizes(100, 4, 1.0).tolist() == [48, 24, 16, 12]
     assert shard_sizes(10, 3, 0.0).tolist() == [4, 3, 3]
+
+
+def test_default_partitions_are_pinned(four, part):
+    """Golden manifests (computed before label_alpha existed): options added later leave the defaults alone."""
+    def digest(p):
+        return hashlib.sha256(json.dumps(p.manifest()).encode()).hexdigest()
+
+    assert digest(part) == "9f31e71cc7fe3df3f6fd2548f98b41ac3640c865395941c89b08ca23ad6bcffc"
+    skewed = build_domain_partition(four, clients_per_domain=SPLIT, size_skew=1.0, seed=5)
+    assert digest(skewed) == "e345ad08e061e5fe9ee6e0fcdcf1e4b3298503838d64750c54fe61893f9bf09c"
 
 
 def test_label_alpha_skews_labels_and_keeps_every_row(four):
