@@ -385,3 +385,22 @@ def test_clip_only_is_classic_dp_sgd_without_its_noise_and_without_a_budget(digi
     assert dp0.metrics["sigma"] > 0 and dp0.metrics["steps"] == clip0.metrics["steps"] == 4
     assert all(torch.equal(dp0.state[k], clip0.state[k]) for k in clip0.state)
     assert not all(torch.equal(clip.state[k], clip0.state[k]) for k in clip.state)  # noise draws move the sampling
+
+
+def test_lbdp_with_the_ucb_estimator_spends_no_more_than_its_budget_and_adds_more_noise(digits):
+    kw = dict(PRIVATE, sample_rate=0.25, epsilon=4.0, clip_norm=50.0)  # a C most gradients stay below: a spread
+    _, mean = _round(digits, task=0, round_index=0, n=40, norm="group", **kw)
+    _, ucb = _round(digits, task=0, round_index=0, n=40, norm="group", bdp_estimator="ucb", **kw)
+    for upd in (mean, ucb):  # each stops before a step its own estimate cannot afford
+        assert 0 < upd.metrics["epsilon"] <= 4.0 + 1e-9 and upd.metrics["steps"] >= 1
+    # an upper bound on the expected cost is above the mean: the same ε buys less, so σ is larger
+    assert ucb.metrics["sigma"] > mean.metrics["sigma"]
+    with pytest.raises(ValueError, match="bdp_estimator=ucb needs at least 2 samples .* this client has 1"):
+        _round(digits, task=0, round_index=0, n=1, norm="group", bdp_estimator="ucb", **kw)
+
+
+@pytest.mark.parametrize("kw, match", [(dict(bdp_estimator="max"), "bdp_estimator"),
+                                       (dict(bdp_confidence=1.0), r"bdp_confidence .* must be in \(0, 1\)")])
+def test_bad_bdp_estimator_settings_name_the_fix(kw, match):
+    with pytest.raises(ValueError, match=match):
+        create_trainer("fcil", **kw)

@@ -77,6 +77,10 @@ class FCILTrainer(LocalTrainer):
         ``none`` (no replay: the fine-tuning lower bound).
     privacy, epsilon, delta, clip_norm, sample_rate:
         See the module docstring; ``epsilon`` is the client's ε_total over the whole run.
+    bdp_estimator, bdp_confidence:
+        How LBDP's accountant estimates the expectation over records: ``mean`` (the sample mean of the
+        batch's clipped norms) or ``ucb`` (a one-sided Student-t upper confidence bound on it, so the
+        account holds with probability 1 − ``bdp_confidence`` per step; Triastcyn & Faltings' form).
     """
 
     def __init__(self, *, rho: float = 0.1, kd_temperature: float = 2.0, supcon_temperature: float = 0.1,
@@ -84,7 +88,7 @@ class FCILTrainer(LocalTrainer):
                  compress: str = "distil", compress_rounds: int = 1, lambda0: float = 1.0, new_init: str = "random",
                  memory: int = 200, per_class: int = 20, exemplars: str = "herding", privacy: str = "none",
                  epsilon: float = 8.0, delta: float = 1e-5, clip_norm: float = 1.0, sample_rate: float = 0.1,
-                 **kw) -> None:
+                 bdp_estimator: str = "mean", bdp_confidence: float = 0.05, **kw) -> None:
         super().__init__(**kw)
         if self.lr_schedule != "constant" or self.channels_last or self.augment_mode == "sample":
             raise ValueError("the fcil trainer runs its own loop: it takes lr_schedule=constant, channels_last=false "
@@ -99,6 +103,12 @@ class FCILTrainer(LocalTrainer):
         check_choice("new_init", new_init, NEW_INITS)
         check_choice("exemplars", exemplars, EXEMPLAR_RULES)
         check_choice("privacy", privacy, PRIVACY)
+        from fedcore.privacy.bayesian import ESTIMATORS
+
+        check_choice("bdp_estimator", bdp_estimator, ESTIMATORS)
+        if not 0 < bdp_confidence < 1:
+            raise ValueError(f"bdp_confidence (γ of the ucb estimator: its bound holds with probability 1 − γ per "
+                             f"step) must be in (0, 1), got {bdp_confidence}; e.g. 0.05")
         if branches not in (1, 2):
             raise ValueError(f"branches must be 2 (the dual model) or 1 (the single-branch ablation), got {branches}")
         if compress_rounds < 1:
@@ -130,6 +140,7 @@ class FCILTrainer(LocalTrainer):
         self.new_init, self.memory, self.per_class, self.exemplars = new_init, int(memory), int(per_class), exemplars
         self.privacy, self.epsilon, self.delta = privacy, float(epsilon), float(delta)
         self.clip_norm, self.sample_rate = float(clip_norm), float(sample_rate)
+        self.bdp_estimator, self.bdp_confidence = bdp_estimator, float(bdp_confidence)
 
     needs_features = True
 
@@ -246,7 +257,8 @@ class FCILTrainer(LocalTrainer):
         check_private_model(objective.model)
         name = "bayesian" if self.privacy == "lbdp" else "classic"
         clip_only = self.privacy == "clip"  # the mechanics without noise: nothing to account, no budget
-        acct = create_accountant(name)
+        bdp = {"estimator": self.bdp_estimator, "confidence": self.bdp_confidence} if name == "bayesian" else {}
+        acct = create_accountant(name, **bdp)
         if "accountant" in ledger:
             acct.load_state_dict(ledger["accountant"])
         q, n = self.sample_rate, len(xt)
@@ -266,10 +278,13 @@ class FCILTrainer(LocalTrainer):
             # steps, at the clipped-gradient distribution of a probe of its data (up to 64 samples)
             probe = torch.randperm(n, generator=g)[:64].to(xt.device)
             sq_seen = self._clipped_sq(objective, named, xt[probe], yt[probe])[0]
+            if self.bdp_estimator == "ucb" and len(sq_seen) < 2:
+                raise ValueError(f"bdp_estimator=ucb needs at least 2 samples on a client to estimate a spread; this "
+                                 f"client has {n}. Use bdp_estimator=mean, or give every client more data")
             try:
                 sigma = calibrate_sigma_bdp(sq_norms=sq_seen, q=q, steps=max(1, planned - acct.steps),
                                             epsilon=self.epsilon, delta=self.delta,
-                                            spent=acct.total_cost if acct.steps else None)
+                                            spent=acct.total_cost if acct.steps else None, **bdp)
             except ValueError:  # what is left of ε_total buys no step at any σ: the budget is spent
                 ledger["exhausted"] = True
                 stopped = True
@@ -279,7 +294,8 @@ class FCILTrainer(LocalTrainer):
             xb, yb = xt[idx], yt[idx]
             if len(idx):
                 sq, norms, per_sample, aux = self._clipped_sq(objective, named, xb, yb)
-                sq_seen = sq
+                if len(sq) >= 2 or self.bdp_estimator == "mean":  # ucb needs a spread: keep the last one it had
+                    sq_seen = sq
             if not clip_only:
                 cost = acct.step_cost(sq_norms=sq_seen if sq_seen is not None else np.ones(1), q=q, sigma=sigma)
                 if acct.epsilon_after(cost, self.delta) > self.epsilon:
