@@ -10,23 +10,24 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, List, Mapping
+from typing import Any, Callable, Dict, List, Mapping, Tuple
 
 import mlflow
 import numpy as np
 import torch
 from omegaconf import DictConfig
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 from prefect.futures import as_completed
 
 from fedcore.data import Partition
-from fedcore.engine import ArrivalsResult, ModelSpec, run_arrivals, run_rounds, source_round_data
+from fedcore.engine import (ArrivalsResult, ModelSpec, RunInterrupted, ServerState, arrivals_result, initial_state,
+                            run_arrivals, run_rounds, save_state, source_round_data)
 from fedcore.evaluate.plots import plot_arrivals, plot_privacy
 from flows import config as C
 from flows import model_registry, plot_data, runtime, tracking, ui
 from flows.tasks import (  # noqa: F401 - the paths and loaders are part of this module's interface
     _ckpt_dir,
-    adapt_client_ray_task,
     arrival_checkpoints,
     cell_name,
     check_checkpoints,
@@ -215,34 +216,77 @@ def _faults(cfg: DictConfig, folder: Path) -> Dict[str, Any]:
     return out
 
 
-def arrival_submit(*, threads: int = 1, retries: int = 0, retry_delay_seconds: float = 0.0, num_gpus: float = 0.0,
-                   fault: Mapping[str, Any] | None = None):
-    """The arrival engine's ``submit`` inside a flow: one named Prefect task per arrival, run on Ray.
+class ArrivalPasses:
+    """The driver's side of a sequential-arrival flow: the run's state, and the blocks of arrivals that advance it.
 
-    The task lives in a driver thread and its body runs the adaptation on a Ray worker (about
-    30 ms of Prefect per task, against about 250 ms for a Prefect task on Ray). Data moves once:
-    each client's stream and hold-out, and the source samples, go to Ray's object store the first
-    time they are needed; a task receives references. Arrivals are sequential, so the running
-    task may use ``threads`` CPUs. ``fault``: see :func:`_faults` (tests of retries).
+    A block (a pass over the clients, cut at ``flow.stop_after``) runs on one Ray worker as a
+    generator (:func:`flows.tasks.arrival_pass`): the worker holds the data and the model between
+    arrivals and sends each arrival's state back as it is done; here each one is checkpointed and
+    handed to ``on_arrival`` (logs and MLflow). If the worker dies, the block goes on from the last
+    state received, on a new worker; an error the block raises fails it, and the Prefect task
+    that runs it retries it from that same state. Either way the metrics are those of an
+    uninterrupted run (arrivals are seeded by index, and a state holds everything that follows).
     """
-    task = adapt_client_ray_task.with_options(retries=retries, retry_delay_seconds=retry_delay_seconds)
-    ref = runtime.PutOnce()
 
-    def submit(fn, **kw):
-        a, client = kw["arrival"], kw["client"]
-        markers = {f"{kind}_marker": str(folder / f"{kind}-{a}.marker")
-                   for kind, (at, folder) in (fault or {}).items() if at == a}
-        kw["client"] = ref(("client", id(client)), client)
-        if kw.get("source_x") is not None:
-            kw["source_x"] = ref(("source", id(kw["source_x"])), kw["source_x"])
-        named = task.with_options(task_run_name=f"arrival-{a:03d}-client-{client.client_id:02d}-{client.corruption}")
-        return named.submit(threads=threads, num_gpus=num_gpus, **markers, **kw)
+    def __init__(self, st: ServerState, *, partition: Partition, spec: ModelSpec, acfg, checkpoint_dir: Path,
+                 threads: int, num_gpus: float, on_arrival: Callable[[Dict[str, Any], ServerState, Any], None],
+                 faults: Mapping[str, Any] | None = None, max_restarts: int = 3) -> None:
+        self.st, self.spec, self.acfg, self.checkpoint_dir = st, spec, acfg, checkpoint_dir
+        self.threads, self.num_gpus, self.on_arrival, self.max_restarts = threads, num_gpus, on_arrival, max_restarts
+        self.num_clients = len(partition.targets)
+        self.partition = runtime.put(partition)  # to the object store once per run; each block gets the reference
+        self.faults: Dict[int, Dict[str, str]] = {}
+        for kind, (at, folder) in (faults or {}).items():
+            self.faults.setdefault(int(at), {})[f"{kind}_marker"] = str(folder / f"{kind}-{at}.marker")
 
-    return submit
+    def blocks(self, stop_after: int | None) -> List[Tuple[int, int, int]]:
+        """``(pass, first, end)`` of each block still to run: a pass over the clients, cut at ``stop_after``."""
+        K = self.num_clients
+        total = len(self.acfg.schedule(K))
+        last = total if stop_after is None else min(int(stop_after), total)
+        return [(p, max(p * K, self.st.done), min((p + 1) * K, last)) for p in range(-(-total // K))
+                if min((p + 1) * K, last) > max(p * K, self.st.done)]
+
+    def run(self, end: int, logger) -> int:
+        """Arrivals ``st.done`` .. ``end`` - 1 on a Ray worker; returns how many are done."""
+        import ray
+
+        from flows.tasks import arrival_pass
+
+        attempt = 1
+        while self.st.done < end:
+            stream = runtime.ray_stream(arrival_pass, num_cpus=self.threads, num_gpus=self.num_gpus,
+                                        partition=self.partition, spec=self.spec, cfg=self.acfg, start=self.st,
+                                        stop_at=end, threads=self.threads, faults=self.faults)
+            try:
+                for ref in stream:
+                    self._accept(ray.get(ref))
+            except runtime.worker_deaths() as exc:
+                attempt += 1
+                if attempt > 1 + self.max_restarts:
+                    raise
+                logger.warning("the Ray worker running arrivals %d-%d died (%s); they go on from the state after "
+                               "arrival %d on a new worker: attempt %d", self.st.done, end - 1, type(exc).__name__,
+                               self.st.done - 1, attempt)
+        return self.st.done
+
+    def _accept(self, st: ServerState) -> None:
+        if st.done != self.st.done + 1 or st.fingerprint != self.st.fingerprint:
+            raise RuntimeError(f"the worker sent the state after arrival {st.done - 1}, expected {self.st.done}")
+        save_state(self.checkpoint_dir, st.to_payload(), fingerprint=st.fingerprint)
+        self.st = st
+        self.on_arrival(st.records[-1], st, None)
+
+
+@task(name="arrival-pass", cache_policy=NO_CACHE)
+def arrival_pass_task(passes: ArrivalPasses, end: int) -> int:
+    """One block of arrivals, run on a Ray worker from the flow's current state (a retry goes on from there)."""
+    return passes.run(end, get_run_logger())
 
 
 def arrival(cfg: DictConfig) -> ArrivalsResult:
-    """Sequential arrival: a Prefect task per arriving client, run on Ray; merge, evaluate, checkpoint, log."""
+    """Sequential arrival: a Prefect task per pass over the clients, each running its arrivals on one Ray
+    worker; every arrival checkpointed and logged here as it comes back."""
 
     partition, spec, source = load_inputs(cfg)  # before any service starts
     model_registry.check(cfg)
@@ -254,16 +298,20 @@ def arrival(cfg: DictConfig) -> ArrivalsResult:
     def sequential_arrival(variant: str | None, system: str | None, data: str, model: str, method: str,
                            aggregator: str, privacy: str, seed: int, resume: bool,
                            config: Dict[str, str]) -> ArrivalsResult:  # the parameters are for the UI
-        logger = get_run_logger()
         acfg = C.arrival_config(cfg)
         ckpt = _ckpt_dir(cfg, cell_name(acfg))
+        schedule = acfg.schedule(len(partition.targets))
         tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
-        # Arrivals are sequential: the one running client task may use every CPU of a node.
-        submit = arrival_submit(threads=min(int(cfg.flow.num_cpus), runtime.largest_node_cpus()),
-                                retries=int(cfg.flow.retries), retry_delay_seconds=float(cfg.flow.retry_delay_seconds),
-                                num_gpus=_gpus(cfg), fault=_faults(cfg, ckpt))
+        st = initial_state(source, acfg, checkpoint_dir=ckpt, resume=bool(cfg.flow.resume))
+        bar = None
+        if cfg.flow.progress:
+            from tqdm.auto import tqdm
 
-        def on_arrival(record, st, res):
+            bar = tqdm(desc=f"{acfg.method}+{acfg.aggregator} arrivals", unit="client", initial=st.done,
+                       total=len(schedule))
+
+        def on_arrival(record, st, _):
+            logger = get_run_logger()  # the pass task's: the UI shows each arrival under its pass
             if record.get("privacy_refused"):
                 logger.warning("arrival %d: client %d refused a private update: its budget of epsilon=%g is spent "
                                "(%.3f used); it predicted with the global model, which stays as it was",
@@ -272,17 +320,31 @@ def arrival(cfg: DictConfig) -> ArrivalsResult:
             logger.info("arrival %d (%s): online %.3f, hold-out(seen) %.3f, w=%.3f", record["arrival"],
                         record["corruption"], record["online_acc"], record["holdout_avg_seen"], record["weight"])
             log(record)
+            if bar is not None:
+                bar.update(1)
 
         with _start_experiment_run(cfg, acfg, spec):
-            log = tracking.BackgroundArrivalLog()  # MLflow writes overlap the next client's adaptation
+            log = tracking.BackgroundArrivalLog()  # MLflow writes overlap the worker's next arrivals
             try:
-                res = run_arrivals(partition, spec, source, acfg, submit=submit, checkpoint_dir=ckpt,
-                                   resume=bool(cfg.flow.resume), stop_after=cfg.flow.stop_after,
-                                   on_arrival=on_arrival, progress=bool(cfg.flow.progress))
+                # Arrivals are sequential: the worker running them may use every CPU of a node.
+                passes = ArrivalPasses(st, partition=partition, spec=spec, acfg=acfg, checkpoint_dir=ckpt,
+                                       threads=min(int(cfg.flow.num_cpus), runtime.largest_node_cpus()),
+                                       num_gpus=_gpus(cfg), on_arrival=on_arrival, faults=_faults(cfg, ckpt))
+                task = arrival_pass_task.with_options(retries=int(cfg.flow.retries),
+                                                      retry_delay_seconds=float(cfg.flow.retry_delay_seconds))
+                for p, first, end in passes.blocks(cfg.flow.stop_after):
+                    task.with_options(task_run_name=f"pass-{p}-arrivals-{first:03d}-{end - 1:03d}").submit(
+                        passes=passes, end=end).result()
             except BaseException:
                 log.close(raise_errors=False)  # the run's own error is the one to report
                 raise
+            finally:
+                if bar is not None:
+                    bar.close()
             log.close()
+            if passes.st.done < len(schedule):
+                raise RunInterrupted(f"stopped after arrival {passes.st.done} as asked; resume to continue")
+            res = arrivals_result(passes.st, schedule)
             _log_experiment(cfg, acfg, res, spec=spec, partition=partition, live=True)
         return res
 

@@ -161,7 +161,7 @@ def make_driver_runner(*, address: str | None, num_cpus: int, root: Path, max_wo
     return ThreadPoolTaskRunner(max_workers=max_workers)
 
 
-_REMOTES: Dict[Tuple[Callable, float, float], Any] = {}
+_REMOTES: Dict[Tuple[Any, ...], Any] = {}
 
 
 def ray_start(fn: Callable, /, *, num_cpus: float = 1, num_gpus: float = 0, **kwargs) -> Any:
@@ -177,6 +177,29 @@ def ray_start(fn: Callable, /, *, num_cpus: float = 1, num_gpus: float = 0, **kw
     if key not in _REMOTES:
         _REMOTES[key] = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=3)(_counting_attempts(fn))
     return _REMOTES[key].remote(**kwargs)
+
+
+def ray_stream(fn: Callable, /, *, num_cpus: float = 1, num_gpus: float = 0, **kwargs) -> Any:
+    """Start the generator ``fn(**kwargs)`` as a Ray generator task: iterating the returned generator
+    gives one ObjectRef per value, as soon as the worker yields it.
+
+    Ray does not rerun it: a worker that dies surfaces as one of :data:`WORKER_DEATHS` when the
+    next value is fetched, and the caller continues from what it already has (a rerun from the
+    start would repeat every value already consumed).
+    """
+    import ray
+
+    key = (fn, float(num_cpus), float(num_gpus), "stream")
+    if key not in _REMOTES:
+        _REMOTES[key] = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=0)(fn)
+    return _REMOTES[key].remote(**kwargs)
+
+
+def worker_deaths() -> Tuple[type, ...]:
+    """The errors Ray raises for a task whose worker or node died (not for an error the task raised)."""
+    from ray import exceptions as e
+
+    return (e.WorkerCrashedError, e.NodeDiedError, e.ObjectLostError)
 
 
 def _counting_attempts(fn: Callable) -> Callable:

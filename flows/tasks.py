@@ -10,7 +10,7 @@ import contextlib
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Tuple
 
 import numpy as np
 import torch
@@ -20,7 +20,8 @@ from prefect.cache_policies import NO_CACHE
 
 from fedcore.adapt import GRADIENT_METHODS
 from fedcore.data import Partition
-from fedcore.engine import AdaptResult, ModelSpec, RoundData, adapt_client, run_arrivals, run_rounds, train_step
+from fedcore.engine import (ArrivalConfig, ModelSpec, RoundData, ServerState, iter_arrivals, run_arrivals, run_now,
+                            run_rounds, train_step)
 from fedcore.tensors import to_tensor
 from fedcore.train import ClientUpdate
 from flows import config as C
@@ -29,7 +30,7 @@ from flows import integrity
 # ------------------------------------------------------------------------------------ tasks
 
 
-def _maybe_fail(fault_marker: str | None, crash_marker: str | None = None) -> None:
+def _maybe_fail(fault_marker: str | None = None, crash_marker: str | None = None) -> None:
     """Injected faults for tests, on the first attempt only (a marker file remembers it).
 
     ``fault_marker``: the step raises (Prefect retries the task). ``crash_marker``: the worker
@@ -59,32 +60,29 @@ def torch_threads(threads: int):
         torch.set_num_threads(before)
 
 
-def _adapt_or_fail(*, fault_marker: str | None = None, crash_marker: str | None = None, threads: int = 1,
-                   **kw) -> AdaptResult:
-    """What the Ray worker runs for an arrival (the injected faults fire in the worker)."""
-    _maybe_fail(fault_marker, crash_marker)
-    with torch_threads(threads):  # arrivals are sequential: the one running task may use every CPU
-        return adapt_client(**kw)
+def arrival_pass(*, partition: Partition, spec: ModelSpec, cfg: ArrivalConfig, start: ServerState, stop_at: int,
+                 threads: int = 1, faults: Mapping[int, Mapping[str, str]] | None = None
+                 ) -> Iterator[ServerState]:
+    """What a Ray worker runs for a block of arrivals: the plain loop from ``start`` up to ``stop_at``.
+
+    A Ray generator: each arrival's state (its record is the last of ``state.records``) streams
+    back to the driver as soon as it exists, while the worker goes on with the next client; the
+    driver checkpoints and logs it. Arrivals are sequential, so the worker uses ``threads`` CPUs.
+    ``faults``: arrival -> injected-fault markers (:func:`_maybe_fail`; tests), fired as that
+    arrival's adaptation starts.
+    """
+    faults = faults or {}
+
+    def submit(fn, **kw):
+        _maybe_fail(**faults.get(kw["arrival"], {}))
+        return run_now(fn, **kw)
+
+    with torch_threads(threads):
+        for _, st, _ in iter_arrivals(partition, spec, cfg, start, submit=submit, stop_at=stop_at):
+            yield st
 
 
 RERUN_WARNING = "client step re-run by Ray after its worker died: attempt %d"
-
-
-@task(name="adapt-client", cache_policy=NO_CACHE)
-def adapt_client_ray_task(*, threads: int = 1, num_gpus: float = 0.0, **kw) -> AdaptResult:
-    """One arriving client's adaptation: a Prefect task in the driver whose body runs it on a Ray worker.
-
-    ``client``, ``source_x`` and ``global_state`` may be Ray ObjectRefs (put once, resolved on the worker).
-    A rerun by Ray (its worker died) is logged as a warning on this task run: Prefect itself sees
-    one attempt that completed.
-    """
-    from prefect import get_run_logger
-
-    from flows import runtime
-
-    logger = get_run_logger()
-    return runtime.ray_call(_adapt_or_fail, num_cpus=threads, num_gpus=num_gpus, threads=threads,
-                            on_rerun=lambda attempt: logger.warning(RERUN_WARNING, attempt), **kw)
 
 
 def run_label(method: str, aggregator: str, form: str | None, seed: int) -> str:

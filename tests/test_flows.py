@@ -68,24 +68,28 @@ def test_arrival_flow_logs_lineage_metrics_artifacts_and_model(tiny):
     for k, v in model.state_dict().items():
         assert torch.equal(v, res.final_state[k]), k
 
-    # The same run in the Prefect UI: its parameters, a task run named per arrival, logs at INFO, the link back
+    # The same run in the Prefect UI: its parameters, a task run named per pass, each arrival logged at INFO, the link back
     flow_run = prefect_flow_run(run)
     ui_url = run.data.tags.get("prefect.flow_run_url") or run.data.tags["prefect.ui"]  # a server, or the temporary one
     assert flow_run.name == "bpa+ugsa-s0" and ui_url.endswith(f"/runs/flow-run/{flow_run.id}")
     p = flow_run.parameters
     assert (p["method"], p["aggregator"], p["privacy"], p["seed"], p["data"]) == ("bpa", "ugsa", "plain", 0, "digits")
     assert p["config"]["adapt.passes"] == "2" and p["config"]["aggregator.params.gamma"] == "0.5"
-    names = {f"arrival-{r['arrival']:03d}-client-{r['client_id']:02d}-{r['corruption']}" for r in res.records}
+    K, A = len(tiny["partition"].targets), len(res.records)
+    names = {f"pass-{p}-arrivals-{p * K:03d}-{min(p * K + K, A) - 1:03d}" for p in range(-(-A // K))}
     assert set(prefect_task_runs(flow_run.id)) == names
     logs = prefect_logs(flow_run.id)
-    assert any(task is None and level == logging.INFO and msg.startswith("arrival 0 (") for task, level, msg in logs)
-    assert {task for task, level, _ in logs if level == logging.INFO} >= names  # each task's own, at INFO
+    for r in res.records:  # each arrival on its pass's task run, at INFO
+        p = r["arrival"] // K
+        assert any(task == f"pass-{p}-arrivals-{p * K:03d}-{min(p * K + K, A) - 1:03d}" and level == logging.INFO
+                   and msg.startswith(f"arrival {r['arrival']} (") for task, level, msg in logs), r["arrival"]
     [link] = prefect_artifacts(flow_run.id)
     assert link.type == "markdown" and run.info.run_id in link.data and "mlflow ui --backend-store-uri" in link.data
 
 
 def test_failed_and_killed_client_tasks_are_rerun_and_metrics_unchanged(tiny):
-    """Arrival 2's task raises once (Prefect retries it); arrival 1's Ray worker is killed by PID mid-task (Ray reruns it)."""
+    """Arrival 2 raises once (Prefect retries its pass from the last state); the Ray worker is killed by PID as
+    arrival 1 starts (the pass goes on from the last state on a new worker)."""
     clean = F.arrival(cfg_for(tiny, "flow.experiment=retry-clean", "aggregator=fedavg"))
     cfg = cfg_for(tiny, "flow.experiment=retry-fault", "aggregator=fedavg", "flow.inject_fault=2",
                   "flow.inject_crash=1", "paths.checkpoints=" + str(tiny["tmp"] / "ckpt-fault"))
@@ -93,11 +97,13 @@ def test_failed_and_killed_client_tasks_are_rerun_and_metrics_unchanged(tiny):
     assert list(Path(cfg.paths.checkpoints).rglob("fault-2.marker")), "the injected fault never fired"
     assert list(Path(cfg.paths.checkpoints).rglob("crash-1.marker")), "the worker was never killed"
     assert faulty.summary == clean.summary
-    # Prefect saw one attempt of arrival 1 that completed: the warning on its task run says Ray reran it
+    # The worker died while arrival 0's state was on its way (arrival 1 starts before 0 is sent back):
+    # the warning on the pass's task run says where it went on from
     _, runs = runs_of(cfg, "bpa+fedavg-s0")
-    warned = [(task.split("-client")[0], msg) for task, level, msg in prefect_logs(prefect_flow_run(runs[0]).id)
-              if level == logging.WARNING and "re-run by Ray" in msg]
-    assert warned == [("arrival-001", "client step re-run by Ray after its worker died: attempt 2")]
+    warned = [(task[:len("pass-0")], msg) for task, level, msg in prefect_logs(prefect_flow_run(runs[0]).id)
+              if level == logging.WARNING and "died" in msg]
+    assert len(warned) == 1 and warned[0][0] == "pass-0", warned
+    assert "WorkerCrashedError" in warned[0][1] and warned[0][1].endswith("on a new worker: attempt 2"), warned
 
 
 def test_pretrain_flow_writes_model_and_rounds(tiny, tmp_path):

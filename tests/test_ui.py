@@ -146,9 +146,9 @@ def test_mlflow_and_prefect_pages_show_lineage_charts_and_named_task_runs(prefec
                        and httpx.get(f"{api}/flows/{f['flow_id']}", timeout=30).json()["name"] == "sequential-arrival")
         ui = api.removesuffix("/api")
         flow_run = browser.page(f"{ui}/runs/flow-run/{arrival['id']}", "prefect-flow-run",
-                                ["arrival-000-client-", "arrival 0 ("])
+                                ["pass-0-arrivals-000-", "arrival 0 ("])
     finally:
         browser.close()
     assert arrival["name"] == "bpa+ugsa-s0", "the flow run is named for its experiment, as its MLflow run"
-    assert "arrival-000-client-" in flow_run, "the flow-run page does not show the named arrival task runs"
+    assert "pass-0-arrivals-000-" in flow_run, "the flow-run page does not show the named pass task runs"
     assert "arrival 0 (" in flow_run, "the flow-run page shows no INFO logs"

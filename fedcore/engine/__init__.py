@@ -13,7 +13,10 @@ from fedcore.engine.arrivals import (
     ArrivalsResult,
     ServerState,
     adapt_client,
+    arrivals_result,
     evaluate_global,
+    initial_state,
+    iter_arrivals,
     run_arrivals,
     source_pool,
     summarise,
@@ -31,8 +34,8 @@ from fedcore.engine.rounds import (
 from fedcore.engine.spec import ModelSpec, init_state, load_network, save_network
 from fedcore.engine.submit import Done, Submit, SubmitRound, run_now
 
-__all__ = ["AdaptResult", "ArrivalConfig", "ArrivalsResult", "ServerState", "adapt_client", "evaluate_global",
-           "run_arrivals", "source_pool", "summarise", "CheckpointError", "RunInterrupted", "load_state", "save_state",
+__all__ = ["AdaptResult", "ArrivalConfig", "ArrivalsResult", "ServerState", "adapt_client", "arrivals_result",
+           "evaluate_global", "initial_state", "iter_arrivals", "run_arrivals", "source_pool", "summarise", "CheckpointError", "RunInterrupted", "load_state", "save_state",
            "RoundConfig", "RoundData", "RoundsResult", "evaluate_sets", "run_rounds", "source_round_data",
            "train_step", "ModelSpec", "init_state", "load_network", "save_network", "Done", "Submit", "SubmitRound",
            "run_now"]

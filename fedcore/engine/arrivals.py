@@ -13,7 +13,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -251,45 +251,46 @@ def privacy_summary(records: List[Dict[str, Any]]) -> Dict[str, float]:
 ArrivalHook = Callable[[Dict[str, Any], ServerState, AdaptResult], None]
 
 
-def run_arrivals(partition: Partition, spec: ModelSpec, source_state: State, cfg: ArrivalConfig, *,
-                 submit: Submit = run_now, checkpoint_dir: str | Path | None = None, resume: bool = False,
-                 stop_after: int | None = None, on_arrival: ArrivalHook | None = None,
-                 progress: bool = False) -> ArrivalsResult:
-    """Unlabelled clients arrive one after another; each adapts from θ_G and is merged into it.
+def initial_state(source_state: State, cfg: ArrivalConfig, *, checkpoint_dir: str | Path | None = None,
+                  resume: bool = False) -> ServerState:
+    """The state a run starts from: the one saved in ``checkpoint_dir`` (with ``resume``), else the source model.
 
-    Parameters
-    ----------
-    checkpoint_dir:
-        Where the server state is written after every arrival. With ``resume=True`` the run
-        continues after the last completed arrival found there.
-    stop_after:
-        Stop (raising :class:`RunInterrupted`) once this many arrivals are done and saved.
-    on_arrival:
-        Called after each arrival's merge, evaluation and checkpoint with the arrival's record.
+    A corrupt checkpoint raises :class:`CheckpointError` whether or not it is resumed, before anything
+    is written over it; so does one written by another config when it is resumed.
+    """
+    fp = cfg.fingerprint()
+    if checkpoint_dir is not None:
+        found = load_state(checkpoint_dir)
+        if resume and found is not None:
+            if found.fingerprint != fp:
+                raise CheckpointError(f"checkpoint in {checkpoint_dir} was written by another config "
+                                      f"({found.fingerprint} != {fp}); resume with the same config or use a fresh "
+                                      "checkpoint folder")
+            return ServerState.from_payload(found.payload, found.fingerprint)
+    return ServerState(done=0, fingerprint=fp, global_state=source_state, theta0=source_state,
+                       history=MergeHistory(), records=[], acc_rows=[])
+
+
+def iter_arrivals(partition: Partition, spec: ModelSpec, cfg: ArrivalConfig, start: ServerState, *,
+                  submit: Submit = run_now, stop_at: int | None = None
+                  ) -> Iterator[Tuple[Dict[str, Any], ServerState, AdaptResult]]:
+    """The arrivals after ``start.done`` (up to ``stop_at``, exclusive), one ``(record, state, result)`` each.
+
+    Each yielded state is complete: a run continued from it (by this function, in any process)
+    gives the same records and models as one that never stopped. The next client is submitted
+    before this arrival is evaluated, so with an asynchronous ``submit`` its adaptation overlaps
+    the evaluation.
     """
     K = len(partition.targets)
     schedule = cfg.schedule(K)
+    end = len(schedule) if stop_at is None else min(int(stop_at), len(schedule))
     merger = create_aggregator(cfg.aggregator, **cfg.aggregator_params)
-    folder = Path(checkpoint_dir) if checkpoint_dir is not None else None
     fp = cfg.fingerprint()
-    st = None
-    if folder is not None:
-        found = load_state(folder)  # a corrupt one raises here, before anything is written
-        if resume and found is not None:
-            if found.fingerprint != fp:
-                raise CheckpointError(f"checkpoint in {folder} was written by another config ({found.fingerprint} "
-                                      f"!= {fp}); resume with the same config or use a fresh checkpoint folder")
-            st = ServerState.from_payload(found.payload, found.fingerprint)
-    if st is None:
-        st = ServerState(done=0, fingerprint=fp, global_state=source_state, theta0=source_state,
-                         history=MergeHistory(), records=[], acc_rows=[])
+    if start.fingerprint != fp:
+        raise CheckpointError(f"a run state written by another config ({start.fingerprint} != {fp}) cannot be "
+                              "continued under this one")
+    st = start
     param_keys = [k for k, _ in spec.build().named_parameters()]
-    steps = range(st.done, len(schedule))
-    if progress:
-        from tqdm.auto import tqdm
-
-        steps = tqdm(steps, desc=f"{cfg.method}+{cfg.aggregator} arrivals", unit="client",
-                     initial=st.done, total=len(schedule))
     ledger = Ledger(cfg.privacy_config(), uses=cfg.uses_per_arrival)
     ledger.load_state_dict(st.ledgers)
     n_source = method_class(cfg.method).source_samples(cfg.method_params)
@@ -306,8 +307,8 @@ def run_arrivals(partition: Partition, spec: ModelSpec, source_state: State, cfg
                      cfg=cfg, seed=cfg.seed * 100_003 + a, arrival=a, source_x=source_x, refused=refused)
         return fut, refused, ledger.record(k, refused=refused), ledger.state_dict()
 
-    pending = submit_arrival(st.done, st.global_state) if st.done < len(schedule) else None
-    for a in steps:
+    pending = submit_arrival(st.done, st.global_state) if st.done < end else None
+    for a in range(st.done, end):
         k = schedule[a]
         fut, refused, privacy_record, ledger_state = pending
         res: AdaptResult = fut.result()
@@ -317,8 +318,7 @@ def run_arrivals(partition: Partition, spec: ModelSpec, source_state: State, cfg
             new_global, weight = merger.merge(st.global_state, res.state, sigma=res.sigma, history=st.history)
         # The next client needs only the merged model: start it now, so that its adaptation
         # overlaps this arrival's evaluation, checkpoint and logging (same results, less wall time).
-        stopping = stop_after is not None and a + 1 >= stop_after
-        pending = submit_arrival(a + 1, new_global) if a + 1 < len(schedule) and not stopping else None
+        pending = submit_arrival(a + 1, new_global) if a + 1 < end else None
         seen = sorted(set(schedule[: a + 1]))
         ev = evaluate_global(state=new_global, spec=spec, partition=partition, clients=seen, device=cfg.device,
                              batch_stats=cfg.method in USES_BATCH_STATS, batch_size=cfg.batch_size)
@@ -335,15 +335,54 @@ def run_arrivals(partition: Partition, spec: ModelSpec, source_state: State, cfg
         st = ServerState(done=a + 1, fingerprint=fp, global_state=new_global, theta0=st.theta0,
                          history=st.history if refused else advance(st.history, sigma=res.sigma, weight=weight),
                          records=st.records + [record], acc_rows=st.acc_rows + [row], ledgers=ledger_state)
-        if folder is not None:
-            save_state(folder, st.to_payload(), fingerprint=fp)
-        if on_arrival is not None:
-            on_arrival(record, st, res)
-        if stop_after is not None and st.done >= stop_after and st.done < len(schedule):
-            raise RunInterrupted(f"stopped after arrival {st.done} as asked; resume to continue")
+        yield record, st, res
+
+
+def arrivals_result(st: ServerState, schedule: List[int]) -> ArrivalsResult:
+    """A finished run's result from its last state."""
     acc = np.asarray(st.acc_rows, dtype=float)
     return ArrivalsResult(records=st.records, acc_matrix=acc, summary=summarise(st.records, acc, schedule),
                           final_state=st.global_state, schedule=schedule, ledgers=st.ledgers)
+
+
+def run_arrivals(partition: Partition, spec: ModelSpec, source_state: State, cfg: ArrivalConfig, *,
+                 submit: Submit = run_now, checkpoint_dir: str | Path | None = None, resume: bool = False,
+                 stop_after: int | None = None, on_arrival: ArrivalHook | None = None,
+                 progress: bool = False) -> ArrivalsResult:
+    """Unlabelled clients arrive one after another; each adapts from θ_G and is merged into it.
+
+    Parameters
+    ----------
+    checkpoint_dir:
+        Where the server state is written after every arrival. With ``resume=True`` the run
+        continues after the last completed arrival found there.
+    stop_after:
+        Stop (raising :class:`RunInterrupted`) once this many arrivals are done and saved.
+    on_arrival:
+        Called after each arrival's merge, evaluation and checkpoint with the arrival's record.
+    """
+    schedule = cfg.schedule(len(partition.targets))
+    st = initial_state(source_state, cfg, checkpoint_dir=checkpoint_dir, resume=resume)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(desc=f"{cfg.method}+{cfg.aggregator} arrivals", unit="client", initial=st.done,
+                   total=len(schedule))
+    try:
+        for record, st, res in iter_arrivals(partition, spec, cfg, st, submit=submit, stop_at=stop_after):
+            if checkpoint_dir is not None:
+                save_state(checkpoint_dir, st.to_payload(), fingerprint=st.fingerprint)
+            if on_arrival is not None:
+                on_arrival(record, st, res)
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    if stop_after is not None and st.done < len(schedule):
+        raise RunInterrupted(f"stopped after arrival {st.done} as asked; resume to continue")
+    return arrivals_result(st, schedule)
 
 
 def source_pool(partition: Partition, size: int, seed: int) -> np.ndarray:
