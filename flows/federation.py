@@ -22,7 +22,7 @@ from prefect.futures import as_completed
 
 from fedcore.data import Partition
 from fedcore.engine import (ArrivalsResult, ModelSpec, RunInterrupted, ServerState, arrivals_result, initial_state,
-                            run_arrivals, run_rounds, save_state, source_round_data)
+                            run_rounds, save_state, source_round_data)
 from fedcore.evaluate.plots import plot_arrivals, plot_privacy
 from flows import config as C
 from flows import model_registry, plot_data, runtime, tracking, ui
