@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Dict, List
 
 import numpy as np
 import pytest
@@ -155,6 +156,32 @@ def test_a_client_that_sends_nan_is_not_merged_and_named(fed):
         res = run_rounds(fed, SPEC, sgd_cfg(rounds=1), submit=_Diverging())
     assert res.records[0]["refused"] == [1] and res.records[0]["clients"] == [0, 2, 3]
     assert all(torch.isfinite(v).all() for v in res.final_state.values() if v.is_floating_point())
+
+
+class _SpendsAndDiverges:
+    """Client 1 spends one unit of its privacy account every round and sends NaNs; records what it is given."""
+
+    def __init__(self):
+        self.given: List[Dict] = []
+
+    def __call__(self, fn, **kw):
+        from fedcore.engine import Done
+
+        upd = fn(**kw)
+        if kw["client_id"] == 1:
+            self.given.append(dict(kw["client_state"] or {}))
+            spent = (kw["client_state"] or {}).get("ledger", {}).get("spent", 0)
+            upd.client_state = {"ledger": {"spent": spent + 1}, "memory": kw["round_index"]}
+            upd.state = {k: v.float() * math.nan if v.is_floating_point() else v for k, v in upd.state.items()}
+        return Done(upd)
+
+
+def test_a_client_whose_update_is_not_merged_keeps_its_privacy_account_and_nothing_else(fed):
+    submit = _SpendsAndDiverges()
+    with pytest.warns(RuntimeWarning, match="client 1"):
+        run_rounds(fed, SPEC, sgd_cfg(rounds=3), submit=submit)
+    # what it released was spent whether or not the server merged it; the rest of its state is not taken
+    assert submit.given == [{}, {"ledger": {"spent": 1}}, {"ledger": {"spent": 2}}]
 
 
 @pytest.mark.parametrize("kw,match", [

@@ -265,16 +265,17 @@ def run_rounds(data: RoundData, spec: ModelSpec, cfg: RoundConfig, *, init: Stat
         else:
             futures = [(i, submit(train_step, **kw)) for i, kw in zip(selected, calls)]
         updates: List[Tuple[int, ClientUpdate]] = []
-        refused: List[int] = []
+        dropped: List[Tuple[int, ClientUpdate]] = []
         for i, fut in futures:
             upd: ClientUpdate = fut.result()
             if is_finite_update(upd):
                 updates.append((i, upd))
             else:
-                refused.append(i)
+                dropped.append((i, upd))
                 warnings.warn(f"round {r}: client {i} ({data.client_group[i]}) sent weights with NaN or inf; "
                               "its update is not merged (lower its learning rate if this repeats)", RuntimeWarning,
                               stacklevel=2)
+        refused = [i for i, _ in dropped]
         t0 = time.perf_counter()
         agg = strategy.aggregate(state, updates, num_clients=data.num_clients) if updates else Aggregated(state)
         new_state = agg.state
@@ -282,6 +283,9 @@ def run_rounds(data: RoundData, spec: ModelSpec, cfg: RoundConfig, *, init: Stat
         for i, upd in updates:
             if upd.client_state:
                 client_states[i] = upd.client_state
+        for i, upd in dropped:  # sent, so spent: a client whose update is not merged still keeps its privacy account
+            if upd.client_state and "ledger" in upd.client_state:
+                client_states[i] = {**client_states.get(i, {}), "ledger": upd.client_state["ledger"]}
         record = _round_record(r, data, updates, refused, agg, agg_seconds, new_state, param_keys,
                                bytes_down=len(selected) * (model_bytes + state_bytes(broadcast)),
                                bytes_up=sum(state_bytes(u.state) + state_bytes(u.payload) for _, u in updates))
