@@ -11,6 +11,7 @@ laid over the root config.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -335,6 +336,18 @@ def _check_incremental(system: str, name: str, g: DictConfig, method: str, rc: R
                          "BatchNorm, which mixes the samples of a batch; set the grid's norm: group")
     if not str(g.model).startswith("dual-"):
         raise ValueError(f"{where}: model {g.model!r}; the fcil trainer needs a dual model (dual-lenet, dual-cnn, ...)")
+    if trainer.privacy == "nbafl":
+        from fedcore.privacy.nbafl import downlink_needed, exposure_epsilon
+
+        uploads = max(1, math.ceil(rc.rounds * rc.participation))
+        try:
+            exposure_epsilon(trainer.epsilon, uploads)
+        except ValueError as e:
+            raise ValueError(f"{where}: method {method!r}: {e}") from None
+        if downlink_needed(rounds=rc.rounds, exposures=uploads, clients=int(g.clients)):
+            raise ValueError(f"{where}: method {method!r} is NbAFL with {rc.rounds} rounds, {uploads} uploads per "
+                             f"client and {g.clients} clients: T > L·sqrt(N), where NbAFL needs server-side noise "
+                             f"too, which is not built. Raise participation (F·sqrt(N) >= 1) or the clients")
 
 
 def domains_dir(cfg: DictConfig, system: str, grid_name: str | None = None) -> Path:

@@ -404,3 +404,65 @@ def test_lbdp_with_the_ucb_estimator_spends_no_more_than_its_budget_and_adds_mor
 def test_bad_bdp_estimator_settings_name_the_fix(kw, match):
     with pytest.raises(ValueError, match=match):
         create_trainer("fcil", **kw)
+
+
+# ------------------------------------------------------------------------------------ NbAFL
+def test_nbafl_noise_std_is_the_gaussian_mechanism_at_epsilon_over_uploads():
+    from fedcore.privacy.nbafl import nbafl_std
+
+    # by hand: L = 9 uploads, δ_e = 1e-5 / 9, c = sqrt(2 ln(1.25 · 9 / 1e-5)) = 5.2789, ΔS = 2 · 1 / 100,
+    # ε_e = 8 / 9: σ_u = 5.2789 · 0.02 / 0.8889 = 0.11878
+    assert nbafl_std(clip_norm=1.0, num_samples=100, exposures=9, epsilon=8.0, delta=1e-5) == pytest.approx(
+        0.11878, abs=1e-5)
+    # linear in C and 1/m; a larger budget buys less noise
+    base = nbafl_std(clip_norm=1.0, num_samples=100, exposures=9, epsilon=4.0, delta=1e-5)
+    assert nbafl_std(clip_norm=3.0, num_samples=300, exposures=9, epsilon=4.0, delta=1e-5) == pytest.approx(base)
+    assert nbafl_std(clip_norm=1.0, num_samples=100, exposures=9, epsilon=8.0, delta=1e-5) < base
+    with pytest.raises(ValueError, match=r"ε < 1 per upload.* Lower epsilon below 9"):
+        nbafl_std(clip_norm=1.0, num_samples=100, exposures=9, epsilon=9.0, delta=1e-5)
+
+
+def test_nbafl_clips_the_update_jointly_and_adds_noise_of_its_std():
+    from fedcore.privacy.nbafl import clip_and_noise
+
+    u = {"a": torch.full((3,), 2.0), "b": torch.full((1,), 2.0)}  # norm 4
+    out, norm = clip_and_noise(u, clip_norm=1.0, std=0.0, generator=torch.Generator().manual_seed(0))
+    assert norm == pytest.approx(4.0) and float(torch.cat([out["a"], out["b"]]).norm()) == pytest.approx(1.0)
+    assert torch.allclose(out["a"], torch.full((3,), 0.5))  # scaled, direction kept
+    small, _ = clip_and_noise({"a": torch.full((4,), 0.1)}, clip_norm=1.0, std=0.0, generator=torch.Generator())
+    assert torch.equal(small["a"], torch.full((4,), 0.1))  # below C: untouched
+    noisy, _ = clip_and_noise({"a": torch.zeros(200_000)}, clip_norm=1.0, std=0.3,
+                              generator=torch.Generator().manual_seed(0))
+    assert float(noisy["a"].std()) == pytest.approx(0.3, rel=0.01) and abs(float(noisy["a"].mean())) < 0.003
+
+
+def test_nbafl_sends_plain_training_clipped_to_c_spends_one_upload_a_round_and_stops_after_the_plan(
+        digits, monkeypatch):
+    kw = dict(rho=0.0, classifier_loss="plain", exemplars="random")
+    _, plain = _round(digits, task=0, round_index=0, n=60, norm="group", **kw)
+    spec = ModelSpec(name="dual-lenet", in_channels=1, num_classes=10, norm="group")
+    torch.manual_seed(0)
+    init = spec.build().state_dict()  # the weights _round starts from
+    zeros = lambda *shape, generator=None, **_: torch.zeros(*shape)  # noqa: E731
+    monkeypatch.setattr(torch, "randn", zeros)
+    _, nb = _round(digits, task=0, round_index=0, n=60, norm="group", privacy="nbafl", epsilon=4.0, clip_norm=0.5,
+                   **kw)
+    keys = [k for k in init if init[k].is_floating_point() and not torch.equal(plain.state[k], init[k])]
+    d_plain = torch.cat([(plain.state[k] - init[k]).flatten() for k in keys])
+    d_nb = torch.cat([(nb.state[k] - init[k]).flatten() for k in keys])
+    assert float(d_plain.norm()) > 0.5  # the clip binds
+    assert torch.allclose(d_nb, d_plain * (0.5 / d_plain.norm()), atol=1e-6)  # noise as zeros: the clipped update
+    ledger = nb.client_state["ledger"]
+    assert ledger["uploads"] == 1 and ledger["planned"] == 6  # ⌈6 rounds · F = 1⌉
+    assert nb.metrics["epsilon"] == pytest.approx(4.0 / 6) and nb.metrics["update_norm"] == pytest.approx(
+        float(d_plain.norm()), rel=1e-5)
+    # the sixth upload spends the budget; the seventh round sends nothing
+    done = {**nb.client_state, "ledger": {**ledger, "uploads": 5}}
+    nbafl = dict(kw, privacy="nbafl", epsilon=4.0)
+    _, last = _round(digits, task=0, round_index=1, n=60, norm="group", client_state=done, **nbafl)
+    assert last.metrics["epsilon"] == pytest.approx(4.0) and not last.payload["stopped"]
+    _, after = _round(digits, task=0, round_index=1, n=60, norm="group", client_state=last.client_state, **nbafl)
+    assert after.payload["stopped"] and after.metrics["steps"] == 0 and after.num_examples == 0
+    # without NbAFL's averaging assumption one record can move the clipped update by 2C, not 2C/m: m times the noise
+    _, worst = _round(digits, task=0, round_index=0, n=60, norm="group", nbafl_sensitivity="worst", **nbafl)
+    assert worst.metrics["sigma"] == pytest.approx(60 * nb.metrics["sigma"])  # σ = std / C: C cancels

@@ -104,6 +104,8 @@ class PPFCIL(Strategy):
             if "epsilon" in u.metrics:
                 per_client[i]["epsilon"] = float(u.metrics["epsilon"])
                 per_client[i]["sigma"] = float(u.metrics["sigma"])
+            if "update_norm" in u.metrics:  # NbAFL: the norm of what the client sent, before its clip
+                per_client[i]["update_norm"] = float(u.metrics["update_norm"])
         if not live:  # every selected client is out of privacy budget: the model stays
             return Aggregated(global_state, {"stopped_clients": float(len(updates))}, per_client)
         ids = [i for i, _ in live]

@@ -29,7 +29,11 @@ any step that would take its ε past ``epsilon``, and sends nothing in a round i
 ``clip`` is a diagnostic with no guarantee: ``dp``'s Poisson sampling, per-sample clipping and
 division by the expected batch, with no noise, no account and no budget; set beside ``none`` and
 ``dp`` it separates what DP-SGD's mechanics cost from what its noise costs. The supervised contrastive loss couples the samples of a batch, which per-sample
-clipping cannot bound, so private runs need ``rho = 0``.
+clipping cannot bound, so private runs need ``rho = 0``. ``nbafl`` is the second baseline, NbAFL's
+uplink noise (:mod:`fedcore.privacy.nbafl`): plain local training, then what the client sends (its
+change to the round's starting weights) clipped to norm ``clip_norm`` with N(0, σ_u²) added to every
+coordinate, σ_u calibrated for the client's ⌈rounds·F⌉ planned uploads; a client that has made them
+all sends nothing more.
 """
 
 from __future__ import annotations
@@ -50,8 +54,9 @@ from fedcore.train.base import TRAINERS, ClientUpdate, LocalTrainer, State, augm
 
 CLASSIFIER_LOSSES = ("balanced", "plain")
 COMPRESSION = ("distil", "none")
-PRIVACY = ("none", "lbdp", "dp", "clip")
+PRIVACY = ("none", "lbdp", "dp", "clip", "nbafl")
 EXEMPLAR_RULES = ("herding", "random", "none")
+NBAFL_SENSITIVITY = ("average", "worst")
 
 
 @TRAINERS.register("fcil")
@@ -81,6 +86,10 @@ class FCILTrainer(LocalTrainer):
         How LBDP's accountant estimates the expectation over records: ``mean`` (the sample mean of the
         batch's clipped norms) or ``ucb`` (a one-sided Student-t upper confidence bound on it, so the
         account holds with probability 1 − ``bdp_confidence`` per step; Triastcyn & Faltings' form).
+    nbafl_sensitivity:
+        What one record can change in an NbAFL upload: ``average`` (NbAFL's 2C/m, m the client's training
+        samples: its assumption that the local model is an average of per-record terms each within C) or
+        ``worst`` (2C, all that clipping the update to C bounds without that assumption).
     """
 
     def __init__(self, *, rho: float = 0.1, kd_temperature: float = 2.0, supcon_temperature: float = 0.1,
@@ -88,7 +97,8 @@ class FCILTrainer(LocalTrainer):
                  compress: str = "distil", compress_rounds: int = 1, lambda0: float = 1.0, new_init: str = "random",
                  memory: int = 200, per_class: int = 20, exemplars: str = "herding", privacy: str = "none",
                  epsilon: float = 8.0, delta: float = 1e-5, clip_norm: float = 1.0, sample_rate: float = 0.1,
-                 bdp_estimator: str = "mean", bdp_confidence: float = 0.05, **kw) -> None:
+                 bdp_estimator: str = "mean", bdp_confidence: float = 0.05, nbafl_sensitivity: str = "average",
+                 **kw) -> None:
         super().__init__(**kw)
         if self.lr_schedule != "constant" or self.channels_last or self.augment_mode == "sample":
             raise ValueError("the fcil trainer runs its own loop: it takes lr_schedule=constant, channels_last=false "
@@ -106,6 +116,7 @@ class FCILTrainer(LocalTrainer):
         from fedcore.privacy.bayesian import ESTIMATORS
 
         check_choice("bdp_estimator", bdp_estimator, ESTIMATORS)
+        check_choice("nbafl_sensitivity", nbafl_sensitivity, NBAFL_SENSITIVITY)
         if not 0 < bdp_confidence < 1:
             raise ValueError(f"bdp_confidence (γ of the ucb estimator: its bound holds with probability 1 − γ per "
                              f"step) must be in (0, 1), got {bdp_confidence}; e.g. 0.05")
@@ -141,6 +152,7 @@ class FCILTrainer(LocalTrainer):
         self.privacy, self.epsilon, self.delta = privacy, float(epsilon), float(delta)
         self.clip_norm, self.sample_rate = float(clip_norm), float(sample_rate)
         self.bdp_estimator, self.bdp_confidence = bdp_estimator, float(bdp_confidence)
+        self.nbafl_sensitivity = nbafl_sensitivity
 
     needs_features = True
 
@@ -196,9 +208,23 @@ class FCILTrainer(LocalTrainer):
                       if n.split(".")[0] in ("new", "fusion", "fc", "proj") and p.requires_grad]
         opt = torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
         objective = _Objective(self, model, seen=seen, old=old, lam=lam, counts=counts, compressing=compressing)
+        privacy_metrics: Dict[str, float] = {}
         if self.privacy == "none":
             total, count, steps = self._plain_epochs(objective, opt, xt, yt, g)
-            privacy_metrics: Dict[str, float] = {}
+        elif self.privacy == "nbafl":
+            from fedcore.privacy.dp import check_private_model
+
+            check_private_model(model)  # BatchNorm's running statistics would be released without noise
+            start = {n: p.detach().clone() for n, p in model.named_parameters() if any(p is q for q in params)}
+            planned = _planned_uploads(b)
+            stopped = stopped or int(ledger.get("uploads", 0)) >= planned
+            if stopped:  # every planned upload made: nothing more is sent
+                ledger["exhausted"] = True
+                total, count, steps = 0.0, 0, 0
+                privacy_metrics = {"epsilon": float(ledger.get("epsilon", 0.0)),
+                                   "sigma": float(ledger.get("sigma", float("nan"))), "budget_exhausted": 1.0}
+            else:
+                total, count, steps = self._plain_epochs(objective, opt, xt, yt, g)
         else:
             total, count, steps, ledger, privacy_metrics = self._private_epochs(
                 objective, opt, params, xt, yt, g, ledger=ledger, broadcast=b, stopped=stopped)
@@ -217,6 +243,8 @@ class FCILTrainer(LocalTrainer):
                 rng.permutation(len(idx))[:self.per_class]
             memory.update(cls=c, x=x[idx], order=np.asarray(order))
         report = _local_report(model, xt, yt, seen=seen, num_classes=num_classes)
+        if self.privacy == "nbafl" and not stopped:
+            ledger, privacy_metrics = self._nbafl_release(model, start, ledger, n=len(xt), planned=planned, g=g)
         new_state = {"memory": memory.state_dict(), "counts_by_task": counts_by_task}
         if self.privacy != "none":
             new_state["ledger"] = ledger
@@ -327,6 +355,26 @@ class FCILTrainer(LocalTrainer):
         return total, count, steps, ledger, metrics
 
 
+    def _nbafl_release(self, model: DualNet, start: Dict[str, torch.Tensor], ledger: Dict[str, Any], *, n: int,
+                       planned: int, g: torch.Generator):
+        """NbAFL: replace the trained parameters by start + clip(trained − start) + N(0, σ_u²); one upload spent."""
+        from fedcore.privacy.nbafl import clip_and_noise, nbafl_std
+
+        std = nbafl_std(clip_norm=self.clip_norm, num_samples=n if self.nbafl_sensitivity == "average" else 1,
+                        exposures=planned, epsilon=self.epsilon, delta=self.delta)
+        named = dict(model.named_parameters())
+        released, norm = clip_and_noise({k: named[k].detach() - v for k, v in start.items()},
+                                        clip_norm=self.clip_norm, std=std, generator=g)
+        with torch.no_grad():
+            for k, d in released.items():
+                named[k].copy_(start[k] + d)
+        uploads = int(ledger.get("uploads", 0)) + 1
+        ledger = {**ledger, "uploads": uploads, "planned": planned, "epsilon": self.epsilon * uploads / planned,
+                  "sigma": std / self.clip_norm, "exhausted": uploads >= planned}
+        return ledger, {"epsilon": ledger["epsilon"], "sigma": ledger["sigma"], "update_norm": norm,
+                        "clipped_sq_norm": min(1.0, norm / self.clip_norm) ** 2,
+                        "budget_exhausted": float(ledger["exhausted"])}
+
     def _clipped_sq(self, objective: "_Objective", named, xb, yb):
         """Per-sample gradients of the batch, their norms, and their squared clipped norms ‖clip(g)‖²/C²."""
         from fedcore.privacy.dp import flatten_per_sample, per_sample_grads_functorch
@@ -392,6 +440,11 @@ class _Objective(nn.Module):
         view = augment_batch(xb, g)
         z = self.m.proj(torch.cat([f_new, self.m.new.embed(view)]))
         return loss + self.t.rho * L.supcon(z, torch.cat([yb, yb]), temperature=self.t.supcon_temperature)
+
+
+def _planned_uploads(broadcast: Dict[str, Any]) -> int:
+    """L: the uploads a client plans for, ⌈rounds·F⌉ (as classic DP plans its participations)."""
+    return max(1, int(math.ceil(int(broadcast.get("rounds", 1)) * float(broadcast.get("participation", 1.0)))))
 
 
 def _mask(num_classes: int, classes: Sequence[int]) -> torch.Tensor:
