@@ -28,6 +28,7 @@ import logging
 import os
 import sys
 import time
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -223,39 +224,69 @@ def _fedpad_report(cfg) -> None:
     print(text)
 
 
+PRIVACY_LABELS = {"lbdp": "LBDP", "dp": "classic DP", "nbafl": "NbAFL"}  # the fcil trainer's private forms
+SAME_DATA = ("set", "size", "max_per_domain", "clients_per_domain", "test_fraction", "size_skew", "tasks", "clients",
+             "alpha", "rounds_per_task", "participation", "model", "norm")  # what grids compared on one curve share
+
+
+def _privacy_label(tp: Mapping[str, Any]) -> str:
+    """A private method's curve: its form, and the variant of its account where it is not the default."""
+    form = str(tp.get("privacy", "none"))
+    label = PRIVACY_LABELS.get(form, form)
+    if form == "lbdp" and tp.get("bdp_estimator", "mean") != "mean":
+        label += f" ({tp['bdp_estimator']})"
+    if form == "nbafl" and tp.get("nbafl_sensitivity", "average") != "average":
+        label += f" ({tp['nbafl_sensitivity']}-case ΔS)"
+    return f"{label}, C = {float(tp.get('clip_norm', 1.0)):g}"
+
+
 def _ppfcil_privacy(cfg) -> None:
-    """The privacy-utility curve of a PP-FCIL grid (``ppfcil.privacy_report``): average incremental accuracy
-    against ε_total for each accountant and clip norm, beside the noise-free reference; and the paired gap
-    between LBDP and classic DP at each (ε, C)."""
+    """The privacy-utility curve of a PP-FCIL grid (``ppfcil.privacy_report``) and of the grids run beside it on
+    the same data (``ppfcil.privacy_report_with``): average incremental accuracy against ε_total for each
+    private form and clip norm, beside the noise-free reference; the paired gap between LBDP and classic DP
+    at each (ε, C); and every private method's score."""
     from fedcore.evaluate.plots import plot_privacy_utility
     from fedcore.evaluate.stats import wilcoxon_against
     from flows.rounds import results_dir
 
     grid_name = str(cfg.ppfcil.privacy_report)
+    grids = [grid_name, *[str(g) for g in cfg.ppfcil.get("privacy_report_with", [])]]
+    main = C.grid(cfg, "ppfcil", grid_name)
+    curves, reference, pairs, rows = {}, None, {}, []
+    for g in grids:
+        differ = [k for k in SAME_DATA if C.grid(cfg, "ppfcil", g).get(k) != main.get(k)]
+        if differ:
+            raise ValueError(f"ppfcil grid {g!r} is not on grid {grid_name!r}'s data and schedule ({', '.join(differ)} "
+                             f"differ), so it cannot join its privacy curve; drop it from ppfcil.privacy_report_with "
+                             f"or give it the same settings")
+    for g in grids:
+        spec = C.grid(cfg, "ppfcil", g)
+        path = results_dir(cfg, "ppfcil", g) / "scores.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing. Build it with `dvc repro ppfcil@{g}`.")
+        scores = json.loads(path.read_text())["avg_inc_acc_by_seed"]
+        for m in spec.methods:
+            tp = C.round_config(cfg, "ppfcil", method=str(m), seed=0, grid_name=g).trainer_params
+            if str(m) not in scores:
+                raise ValueError(f"{path} has no scores for method {m!r}, which grid {g!r} now lists; rebuild it with "
+                                 f"`dvc repro ppfcil@{g}`")
+            vals = scores[str(m)]
+            point = (float(np.mean(vals)), float(np.std(vals)))
+            form = tp.get("privacy", "none")
+            if form == "none":
+                reference = point
+                continue
+            if form == "clip":  # DP-SGD's mechanics without noise: no ε, a diagnostic (see the privacy-clip grid)
+                continue
+            eps, clip, label = float(tp["epsilon"]), float(tp.get("clip_norm", 1.0)), _privacy_label(tp)
+            curves.setdefault(label, []).append((eps, *point))
+            rows.append((label, eps, str(m), g, point, len(vals)))
+            if label.split(",")[0] in ("LBDP", "classic DP"):
+                pairs.setdefault((eps, clip), {})[form] = vals
     out = results_dir(cfg, "ppfcil", grid_name)
-    path = out / "scores.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing. Build it with `dvc repro ppfcil@{grid_name}`.")
-    scores = json.loads(path.read_text())["avg_inc_acc_by_seed"]
-    methods = C.grid(cfg, "ppfcil", grid_name).methods
-    curves, reference, pairs = {}, None, {}
-    for m in methods:
-        tp = C.round_config(cfg, "ppfcil", method=str(m), seed=0, grid_name=grid_name).trainer_params
-        vals = scores[str(m)]
-        point = (float(np.mean(vals)), float(np.std(vals)))
-        form = tp.get("privacy", "none")
-        if form == "none":
-            reference = point
-            continue
-        if form == "clip":  # DP-SGD's mechanics without noise: no ε, a diagnostic (see the privacy-clip grid)
-            continue
-        eps, clip = float(tp["epsilon"]), float(tp.get("clip_norm", 1.0))
-        label = f"{'LBDP' if form == 'lbdp' else 'classic DP'}, C = {clip:g}"
-        curves.setdefault(label, []).append((eps, *point))
-        pairs.setdefault((eps, clip), {})[form] = vals
     plot_privacy_utility(curves, out / "privacy.png", reference=reference,
                          title=f"PP-FCIL {grid_name}: privacy-utility")
-    lines = [f"# PP-FCIL privacy-utility ({grid_name} grid)", "",
+    lines = [f"# PP-FCIL privacy-utility ({' + '.join(grids)} grids)", "",
              "Average incremental accuracy, mean ± std over seeds; LBDP − classic DP paired over seeds.", "",
              "| ε_total | C | LBDP | classic DP | LBDP − DP | LBDP wins |", "|---|---|---|---|---|---|"]
     for (eps, clip), d in sorted(pairs.items()):
@@ -265,6 +296,10 @@ def _ppfcil_privacy(cfg) -> None:
                          f"{np.mean(d['dp']):.3f} ± {np.std(d['dp']):.3f} | {gap.mean_gap:+.3f} | {gap.wins}/{gap.n} |")
     if reference is not None:
         lines += ["", f"No noise (same objective): {reference[0]:.3f} ± {reference[1]:.3f}."]
+    lines += ["", "Every private method:", "", "| form | ε_total | method (grid) | avg incremental acc | seeds |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {label} | {eps:g} | {m} ({g}) | {pt[0]:.3f} ± {pt[1]:.3f} | {n} |"
+              for label, eps, m, g, pt, n in sorted(rows)]
     (out / "privacy.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -37,6 +37,11 @@ def test_the_ppfcil_experiment_composes_and_every_grid_method_builds():
     (["ppfcil.grids.quick.methods=[ppfcl]"], re.escape("unknown ppfcil method 'ppfcl';")),
     (["+ppfcil.methods.ppfcil.trainer_params.epsilon=-1", "+ppfcil.methods.ppfcil.trainer_params.privacy=dp",
       "+ppfcil.methods.ppfcil.trainer_params.rho=0", "+ppfcil.grids.quick.norm=group"], "epsilon must be"),
+    # NbAFL: 15 rounds at F = 0.6 are 9 uploads, so ε = 9 is 1 per upload; at F = 0.2 (3 uploads) T > L·sqrt(N)
+    (["ppfcil.grids.quick.methods=[nbafl-eps8]", "+ppfcil.grids.quick.norm=group",
+      "ppfcil.methods.nbafl-eps8.trainer_params.epsilon=9"], r"ε < 1 per upload.* Lower epsilon below 9"),
+    (["ppfcil.grids.quick.methods=[nbafl-eps1]", "+ppfcil.grids.quick.norm=group",
+      "ppfcil.grids.quick.participation=0.2"], r"T > L·sqrt\(N\).* Raise participation"),
 ])
 def test_bad_ppfcil_settings_are_refused_with_the_fix(extra, match):
     with pytest.raises(ValueError, match=match):
@@ -88,7 +93,7 @@ def test_privacy_report_pairs_lbdp_with_classic_dp_at_each_epsilon_and_clip_norm
 
     # a clip-only row (no noise, no ε) in the grid is left out of the curve and the pairs
     cfg = C.compose([f"paths.results={tmp_path}", "ppfcil.grids.privacy.methods=[ppfcil-nodp,lbdp-eps1,lbdp-eps8,"
-                     "dp-eps1,dp-eps8,lbdp-eps8-c10,dp-eps8-c10,clip-c1]"])
+                     "dp-eps1,dp-eps8,lbdp-eps8-c10,dp-eps8-c10,clip-c1]", "ppfcil.privacy_report_with=[]"])
     out = tmp_path / "ppfcil" / "privacy"
     out.mkdir(parents=True)
     methods = [str(m) for m in cfg.ppfcil.grids.privacy.methods]
@@ -101,15 +106,40 @@ def test_privacy_report_pairs_lbdp_with_classic_dp_at_each_epsilon_and_clip_norm
     assert "| 8 | 1 | 0.710 ± 0.010 | 0.605 ± 0.005 | +0.105 | 2/2 |" in text
     assert "| 8 | 10 | 0.550 ± 0.050 | 0.550 ± 0.050 | +0.000 | 0/2 |" in text
     assert "No noise (same objective): 0.550 ± 0.050." in text and "0.900" not in text
-    assert len([line for line in text.splitlines() if line.startswith("| ")]) == 4  # head + 3 (ε, C) pairs
+    assert text.split("Every private method:")[0].count("\n| ") == 4  # head + 3 (ε, C) pairs
     assert (out / "privacy.png").is_file()
 
 
 def test_privacy_report_names_the_stage_that_builds_its_input(tmp_path):
     from flows.stages import _ppfcil_privacy
 
-    with pytest.raises(FileNotFoundError, match=re.escape("dvc repro ppfcil@privacy")):
+    with pytest.raises(FileNotFoundError, match=re.escape("dvc repro ppfcil@privacy`")):
         _ppfcil_privacy(C.compose([f"paths.results={tmp_path}"]))
+    (tmp_path / "ppfcil" / "privacy").mkdir(parents=True)
+    (tmp_path / "ppfcil" / "privacy" / "scores.json").write_text(json.dumps({"avg_inc_acc_by_seed": {}}))
+    with pytest.raises(FileNotFoundError, match=re.escape("dvc repro ppfcil@privacy-nbafl`")):
+        _ppfcil_privacy(C.compose([f"paths.results={tmp_path}", "ppfcil.grids.privacy.methods=[]"]))
+
+
+def test_privacy_report_joins_grids_on_the_same_data_and_refuses_others(tmp_path):
+    from flows.stages import _ppfcil_privacy
+
+    cfg = C.compose([f"paths.results={tmp_path}", "ppfcil.grids.privacy.methods=[ppfcil-nodp,lbdp-eps8,dp-eps8]"])
+    fake = {"privacy": {"ppfcil-nodp": [0.5, 0.5], "lbdp-eps8": [0.4, 0.42], "dp-eps8": [0.3, 0.3]},
+            "privacy-nbafl": {"nbafl-eps1": [0.2, 0.2], "nbafl-eps8": [0.45, 0.47], "nbafl-eps8-c10": [0.3, 0.3],
+                              "nbafl-eps8-worst": [0.1, 0.1]},
+            "privacy-ucb": {"lbdp-eps8-ucb": [0.38, 0.38], "lbdp-eps8-c10-ucb": [0.3, 0.3]}}
+    for g, scores in fake.items():
+        (tmp_path / "ppfcil" / g).mkdir(parents=True)
+        (tmp_path / "ppfcil" / g / "scores.json").write_text(json.dumps({"avg_inc_acc_by_seed": scores}))
+    _ppfcil_privacy(cfg)
+    text = (tmp_path / "ppfcil" / "privacy" / "privacy.md").read_text()
+    assert "| 8 | 1 | 0.410 ± 0.010 | 0.300 ± 0.000 | +0.110 | 2/2 |" in text  # the pair table: LBDP and DP only
+    assert "| NbAFL, C = 1 | 8 | nbafl-eps8 (privacy-nbafl) | 0.460 ± 0.010 | 2 |" in text
+    assert "| NbAFL (worst-case ΔS), C = 1 | 8 | nbafl-eps8-worst (privacy-nbafl) | 0.100 ± 0.000 | 2 |" in text
+    assert "| LBDP (ucb), C = 10 | 8 | lbdp-eps8-c10-ucb (privacy-ucb) | 0.300 ± 0.000 | 2 |" in text
+    with pytest.raises(ValueError, match=r"grid 'privacy-ucb' is not on grid 'privacy'.*\(clients differ\)"):
+        _ppfcil_privacy(C.compose([f"paths.results={tmp_path}", "ppfcil.grids.privacy-ucb.clients=4"]))
 
 
 def test_the_flow_submit_ships_each_clients_data_of_the_current_task_once(monkeypatch):
