@@ -24,7 +24,7 @@ from fedcore.train import create_trainer
 from fedcore.train.base import ClientUpdate
 
 
-PRIVATE = dict(privacy="lbdp", rho=0.0, classifier_loss="plain", exemplars="random")
+PRIVATE = dict(privacy="lbdp", rho=0.0, classifier_loss="plain", exemplars="random", noise_source="seeded")
 
 
 # ------------------------------------------------------------------------------------ fixtures
@@ -438,7 +438,7 @@ def test_nbafl_clips_the_update_jointly_and_adds_noise_of_its_std():
 
 def test_nbafl_sends_plain_training_clipped_to_c_spends_one_upload_a_round_and_stops_after_the_plan(
         digits, monkeypatch):
-    kw = dict(rho=0.0, classifier_loss="plain", exemplars="random")
+    kw = dict(rho=0.0, classifier_loss="plain", exemplars="random", noise_source="seeded")
     _, plain = _round(digits, task=0, round_index=0, n=60, norm="group", **kw)
     spec = ModelSpec(name="dual-lenet", in_channels=1, num_classes=10, norm="group")
     torch.manual_seed(0)
@@ -463,6 +463,30 @@ def test_nbafl_sends_plain_training_clipped_to_c_spends_one_upload_a_round_and_s
     assert last.metrics["epsilon"] == pytest.approx(4.0) and not last.payload["stopped"]
     _, after = _round(digits, task=0, round_index=1, n=60, norm="group", client_state=last.client_state, **nbafl)
     assert after.payload["stopped"] and after.metrics["steps"] == 0 and after.num_examples == 0
+    # with the noise drawn: what is sent is the clipped update plus N(0, σ_u²) in every coordinate
+    monkeypatch.undo()
+    _, noisy = _round(digits, task=0, round_index=0, n=60, norm="group", privacy="nbafl", epsilon=4.0, clip_norm=0.5,
+                      **kw)
+    d_noisy = torch.cat([(noisy.state[k] - init[k]).flatten() for k in keys])
+    sigma_u = noisy.metrics["sigma"] * 0.5
+    assert float((d_noisy - d_nb).std()) == pytest.approx(sigma_u, rel=0.02) and sigma_u > 0.01
+    assert noisy.payload["accuracy"] != nb.payload["accuracy"]  # the report describes the noised model it sends
     # without NbAFL's averaging assumption one record can move the clipped update by 2C, not 2C/m: m times the noise
     _, worst = _round(digits, task=0, round_index=0, n=60, norm="group", nbafl_sensitivity="worst", **nbafl)
     assert worst.metrics["sigma"] == pytest.approx(60 * nb.metrics["sigma"])  # σ = std / C: C cancels
+
+
+@pytest.mark.parametrize("privacy", ["dp", "nbafl"])
+def test_private_noise_is_secure_by_default_and_seeded_only_when_asked(digits, privacy):
+    kw = dict(rho=0.0, classifier_loss="plain", exemplars="random", privacy=privacy, epsilon=4.0, sample_rate=0.5)
+    assert create_trainer("fcil", **kw).noise_source == "secure"
+    runs = {src: [_round(digits, task=0, round_index=0, n=40, norm="group", noise_source=src, **kw)[1]
+                  for _ in range(2)] for src in ("secure", "seeded")}
+    weights = lambda u: torch.cat([v.flatten().float() for v in u.state.values()])  # noqa: E731
+    # the same seed: seeded noise (and sampling) is the same bit for bit; OS entropy never is
+    assert torch.equal(weights(runs["seeded"][0]), weights(runs["seeded"][1]))
+    assert not torch.equal(weights(runs["secure"][0]), weights(runs["secure"][1]))
+    for upd in runs["secure"]:  # the account does not depend on where the noise came from
+        assert 0 < upd.metrics["epsilon"] <= 4.0 + 1e-9
+    with pytest.raises(ValueError, match="noise_source"):
+        create_trainer("fcil", noise_source="urandom")

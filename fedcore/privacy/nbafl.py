@@ -66,14 +66,21 @@ def downlink_needed(*, rounds: int, exposures: int, clients: int) -> bool:
 
 @torch.no_grad()
 def clip_and_noise(update: Dict[str, torch.Tensor], *, clip_norm: float, std: float,
-                   generator: torch.Generator) -> Tuple[Dict[str, torch.Tensor], float]:
+                   generator: torch.Generator | None = None, source: str = "seeded"
+                   ) -> Tuple[Dict[str, torch.Tensor], float]:
     """Scale ``update`` jointly to norm at most C, add N(0, std²) to every coordinate; returns the noised
-    update and the norm before clipping. Noise is drawn from ``generator`` in the dict's key order."""
+    update and the norm before clipping. ``source="seeded"`` draws the noise from ``generator`` in the dict's
+    key order; ``"secure"`` from OS entropy (:func:`fedcore.privacy.dp.gaussian_noise`)."""
+    from fedcore.privacy.dp import check_noise_source, gaussian_noise
+
+    check_noise_source(source)
     norm = float(torch.sqrt(sum((u.double() ** 2).sum() for u in update.values()))) if update else 0.0
     scale = min(1.0, clip_norm / (norm + 1e-12))
-    out = {k: u * scale + torch.randn(u.shape, generator=generator).to(u.device, u.dtype) * std
-           for k, u in update.items()}
-    return out, norm
+    if source == "seeded":
+        return {k: u * scale + torch.randn(u.shape, generator=generator).to(u.device, u.dtype) * std
+                for k, u in update.items()}, norm
+    return {k: u * scale + gaussian_noise(u.shape, std=std, source="secure", device=u.device, dtype=u.dtype)
+            for k, u in update.items()}, norm
 
 
 __all__ = ["clip_and_noise", "downlink_needed", "exposure_epsilon", "nbafl_std"]

@@ -33,12 +33,14 @@ clipping cannot bound, so private runs need ``rho = 0``. ``nbafl`` is the second
 uplink noise (:mod:`fedcore.privacy.nbafl`): plain local training, then what the client sends (its
 change to the round's starting weights) clipped to norm ``clip_norm`` with N(0, σ_u²) added to every
 coordinate, σ_u calibrated for the client's ⌈rounds·F⌉ planned uploads; a client that has made them
-all sends nothing more.
+all sends nothing more. Every private form draws its noise and Poisson samples from OS entropy unless
+``noise_source`` is ``seeded`` (reproducible research runs, with no guarantee).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Dict, List, Sequence
 
 import numpy as np
@@ -86,6 +88,11 @@ class FCILTrainer(LocalTrainer):
         How LBDP's accountant estimates the expectation over records: ``mean`` (the sample mean of the
         batch's clipped norms) or ``ucb`` (a one-sided Student-t upper confidence bound on it, so the
         account holds with probability 1 − ``bdp_confidence`` per step; Triastcyn & Faltings' form).
+    noise_source:
+        Where the private forms draw their noise and their Poisson samples: ``secure`` (OS entropy, the
+        default: nobody can regenerate them) or ``seeded`` (the round's torch generator, from the run's
+        seed: reproducible bit for bit, but anyone who reads the seed can subtract the noise and knows
+        which records each step used, so no guarantee holds; research grids only).
     nbafl_sensitivity:
         What one record can change in an NbAFL upload: ``average`` (NbAFL's 2C/m, m the client's training
         samples: its assumption that the local model is an average of per-record terms each within C) or
@@ -98,7 +105,7 @@ class FCILTrainer(LocalTrainer):
                  memory: int = 200, per_class: int = 20, exemplars: str = "herding", privacy: str = "none",
                  epsilon: float = 8.0, delta: float = 1e-5, clip_norm: float = 1.0, sample_rate: float = 0.1,
                  bdp_estimator: str = "mean", bdp_confidence: float = 0.05, nbafl_sensitivity: str = "average",
-                 **kw) -> None:
+                 noise_source: str = "secure", **kw) -> None:
         super().__init__(**kw)
         if self.lr_schedule != "constant" or self.channels_last or self.augment_mode == "sample":
             raise ValueError("the fcil trainer runs its own loop: it takes lr_schedule=constant, channels_last=false "
@@ -117,6 +124,9 @@ class FCILTrainer(LocalTrainer):
 
         check_choice("bdp_estimator", bdp_estimator, ESTIMATORS)
         check_choice("nbafl_sensitivity", nbafl_sensitivity, NBAFL_SENSITIVITY)
+        from fedcore.privacy.dp import check_noise_source
+
+        check_noise_source(noise_source)
         if not 0 < bdp_confidence < 1:
             raise ValueError(f"bdp_confidence (γ of the ucb estimator: its bound holds with probability 1 − γ per "
                              f"step) must be in (0, 1), got {bdp_confidence}; e.g. 0.05")
@@ -152,7 +162,7 @@ class FCILTrainer(LocalTrainer):
         self.privacy, self.epsilon, self.delta = privacy, float(epsilon), float(delta)
         self.clip_norm, self.sample_rate = float(clip_norm), float(sample_rate)
         self.bdp_estimator, self.bdp_confidence = bdp_estimator, float(bdp_confidence)
-        self.nbafl_sensitivity = nbafl_sensitivity
+        self.nbafl_sensitivity, self.noise_source = nbafl_sensitivity, noise_source
 
     needs_features = True
 
@@ -242,9 +252,9 @@ class FCILTrainer(LocalTrainer):
             order = herding(features=feats[idx], m=self.per_class) if self.exemplars == "herding" else \
                 rng.permutation(len(idx))[:self.per_class]
             memory.update(cls=c, x=x[idx], order=np.asarray(order))
-        report = _local_report(model, xt, yt, seen=seen, num_classes=num_classes)
-        if self.privacy == "nbafl" and not stopped:
+        if self.privacy == "nbafl" and not stopped:  # before the report: it describes the model the server gets
             ledger, privacy_metrics = self._nbafl_release(model, start, ledger, n=len(xt), planned=planned, g=g)
+        report = _local_report(model, xt, yt, seen=seen, num_classes=num_classes)
         new_state = {"memory": memory.state_dict(), "counts_by_task": counts_by_task}
         if self.privacy != "none":
             new_state["ledger"] = ledger
@@ -280,7 +290,7 @@ class FCILTrainer(LocalTrainer):
 
     def _private_epochs(self, objective: "_Objective", opt, params, xt, yt, g, *, ledger, broadcast, stopped):
         from fedcore.privacy.bayesian import calibrate_sigma_bdp, calibrate_sigma_classic, create_accountant
-        from fedcore.privacy.dp import check_private_model
+        from fedcore.privacy.dp import check_private_model, gaussian_noise
 
         check_private_model(objective.model)
         name = "bayesian" if self.privacy == "lbdp" else "classic"
@@ -317,7 +327,7 @@ class FCILTrainer(LocalTrainer):
                 ledger["exhausted"] = True
                 stopped = True
         for _ in range(0 if stopped else steps_per_round):
-            pick = torch.rand(n, generator=g) < q  # Poisson sampling: each sample joins with probability q
+            pick = _poisson_pick(n, q, g, self.noise_source)  # each sample joins with probability q
             idx = torch.nonzero(pick).flatten().to(xt.device)
             xb, yb = xt[idx], yt[idx]
             if len(idx):
@@ -334,7 +344,9 @@ class FCILTrainer(LocalTrainer):
             for key, p in named.items():
                 summed = torch.zeros_like(p) if not len(idx) else torch.einsum(
                     "b,b...->...", (self.clip_norm / (norms + 1e-12)).clamp(max=1.0), per_sample[key])
-                noise = torch.randn(summed.shape, generator=g).to(summed.device) * sigma * self.clip_norm
+                noise = torch.randn(summed.shape, generator=g).to(summed.device) * sigma * self.clip_norm \
+                    if self.noise_source == "seeded" else \
+                    gaussian_noise(summed.shape, std=sigma * self.clip_norm, source="secure", device=summed.device)
                 p.grad = (summed + noise) / expected
             opt.step()
             if len(idx):
@@ -364,7 +376,7 @@ class FCILTrainer(LocalTrainer):
                         exposures=planned, epsilon=self.epsilon, delta=self.delta)
         named = dict(model.named_parameters())
         released, norm = clip_and_noise({k: named[k].detach() - v for k, v in start.items()},
-                                        clip_norm=self.clip_norm, std=std, generator=g)
+                                        clip_norm=self.clip_norm, std=std, generator=g, source=self.noise_source)
         with torch.no_grad():
             for k, d in released.items():
                 named[k].copy_(start[k] + d)
@@ -440,6 +452,15 @@ class _Objective(nn.Module):
         view = augment_batch(xb, g)
         z = self.m.proj(torch.cat([f_new, self.m.new.embed(view)]))
         return loss + self.t.rho * L.supcon(z, torch.cat([yb, yb]), temperature=self.t.supcon_temperature)
+
+
+def _poisson_pick(n: int, q: float, g: torch.Generator, source: str) -> torch.Tensor:
+    """(n,) bools, each True with probability q: from ``g`` (``seeded``) or from OS entropy (``secure``: 53-bit
+    uniforms, so nobody who reads the run's seed learns which records a step used)."""
+    if source == "seeded":
+        return torch.rand(n, generator=g) < q
+    words = np.frombuffer(os.urandom(8 * n), dtype=np.uint64)
+    return torch.from_numpy((words >> np.uint64(11)).astype(np.float64) * 2.0 ** -53 < q)
 
 
 def _planned_uploads(broadcast: Dict[str, Any]) -> int:
