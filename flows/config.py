@@ -11,7 +11,6 @@ laid over the root config.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -337,9 +336,9 @@ def _check_incremental(system: str, name: str, g: DictConfig, method: str, rc: R
     if not str(g.model).startswith("dual-"):
         raise ValueError(f"{where}: model {g.model!r}; the fcil trainer needs a dual model (dual-lenet, dual-cnn, ...)")
     if trainer.privacy == "nbafl":
-        from fedcore.privacy.nbafl import downlink_needed, exposure_epsilon
+        from fedcore.privacy.nbafl import downlink_needed, exposure_epsilon, planned_uploads
 
-        uploads = max(1, math.ceil(rc.rounds * rc.participation))
+        uploads = planned_uploads(rc.rounds, rc.participation)
         try:
             exposure_epsilon(trainer.epsilon, uploads)
         except ValueError as e:

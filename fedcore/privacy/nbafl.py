@@ -37,6 +37,11 @@ from typing import Dict, Tuple
 import torch
 
 
+def planned_uploads(rounds: int, participation: float) -> int:
+    """L = ⌈rounds·F⌉: the uploads a client plans for (classic DP-SGD plans its participations the same way)."""
+    return max(1, math.ceil(int(rounds) * float(participation)))
+
+
 def exposure_epsilon(epsilon: float, exposures: int) -> float:
     """ε_e = ε / L, the budget of one upload; refused where the classical Gaussian calibration does not hold."""
     if exposures < 1:
@@ -83,4 +88,4 @@ def clip_and_noise(update: Dict[str, torch.Tensor], *, clip_norm: float, std: fl
             for k, u in update.items()}, norm
 
 
-__all__ = ["clip_and_noise", "downlink_needed", "exposure_epsilon", "nbafl_std"]
+__all__ = ["clip_and_noise", "downlink_needed", "exposure_epsilon", "nbafl_std", "planned_uploads"]

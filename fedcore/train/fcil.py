@@ -39,7 +39,6 @@ all sends nothing more. Every private form draws its noise and Poisson samples f
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any, Dict, List, Sequence
 
@@ -50,6 +49,7 @@ from torch import nn
 from fedcore.incremental import losses as L
 from fedcore.incremental.dual import NEW_INITS, DualNet
 from fedcore.incremental.exemplars import ExemplarMemory, herding
+from fedcore.privacy.nbafl import planned_uploads
 from fedcore.registry import check_choice
 from fedcore.tensors import batches, state_to_cpu, to_tensor
 from fedcore.train.base import TRAINERS, ClientUpdate, LocalTrainer, State, augment_batch
@@ -225,8 +225,9 @@ class FCILTrainer(LocalTrainer):
             from fedcore.privacy.dp import check_private_model
 
             check_private_model(model)  # BatchNorm's running statistics would be released without noise
-            start = {n: p.detach().clone() for n, p in model.named_parameters() if any(p is q for q in params)}
-            planned = _planned_uploads(b)
+            trained = {id(p) for p in params}
+            start = {n: p.detach().clone() for n, p in model.named_parameters() if id(p) in trained}
+            planned = planned_uploads(b.get("rounds", 1), b.get("participation", 1.0))
             stopped = stopped or int(ledger.get("uploads", 0)) >= planned
             if stopped:  # every planned upload made: nothing more is sent
                 ledger["exhausted"] = True
@@ -303,7 +304,7 @@ class FCILTrainer(LocalTrainer):
         steps_per_round = max(1, int(round(self.local_epochs / q)))
         expected = max(1.0, q * n)
         rounds, part = int(broadcast.get("rounds", 1)), float(broadcast.get("participation", 1.0))
-        planned = max(steps_per_round, int(math.ceil(rounds * part)) * steps_per_round)  # this client's whole run
+        planned = max(steps_per_round, planned_uploads(rounds, part) * steps_per_round)  # this client's whole run
         trainable = {id(p) for p in params}
         named = {k: p for k, p in objective.named_parameters() if id(p) in trainable}
         total, count, steps, sigmas, sq_all = 0.0, 0, 0, [], []
@@ -461,11 +462,6 @@ def _poisson_pick(n: int, q: float, g: torch.Generator, source: str) -> torch.Te
         return torch.rand(n, generator=g) < q
     words = np.frombuffer(os.urandom(8 * n), dtype=np.uint64)
     return torch.from_numpy((words >> np.uint64(11)).astype(np.float64) * 2.0 ** -53 < q)
-
-
-def _planned_uploads(broadcast: Dict[str, Any]) -> int:
-    """L: the uploads a client plans for, ⌈rounds·F⌉ (as classic DP plans its participations)."""
-    return max(1, int(math.ceil(int(broadcast.get("rounds", 1)) * float(broadcast.get("participation", 1.0)))))
 
 
 def _mask(num_classes: int, classes: Sequence[int]) -> torch.Tensor:
