@@ -24,6 +24,7 @@ from fedcore.data import Partition
 from fedcore.engine import (ArrivalsResult, ModelSpec, RunInterrupted, ServerState, arrivals_result, initial_state,
                             run_rounds, save_state, source_round_data)
 from fedcore.evaluate.plots import plot_arrivals, plot_privacy
+from fedcore.privacy.ledger import ledger_document
 from flows import config as C
 from flows import model_registry, plot_data, runtime, tracking, ui
 from flows.tasks import (  # noqa: F401 - the paths and loaders are part of this module's interface
@@ -145,8 +146,7 @@ def _log_experiment(cfg: DictConfig, acfg, res: ArrivalsResult, *, spec: ModelSp
                           title=f"{acfg.method}+{acfg.aggregator} ({acfg.form})")
     if res.ledgers:
         (out / "privacy_ledger.json").write_text(json.dumps(
-            {"delta": acfg.privacy_config().delta, "clients": {str(k): v for k, v in res.ledgers.items()}},
-            indent=1) + "\n")
+            ledger_document(delta=acfg.privacy_config().delta, clients=res.ledgers), indent=1) + "\n")
         plots.append(plot_privacy(records, out))
         plots.append(out / "privacy_ledger.json")
     np.savetxt(out / "accuracy_matrix.csv", acc, delimiter=",", fmt="%.4f")

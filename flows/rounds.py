@@ -76,6 +76,39 @@ def _cell_outputs(res: RoundsResult, part, out: Path, title: str, score: str | N
     return [plot, out / "rounds.json", plot_data.write_records_csv(res.records, out / plot_data.ROUNDS_CSV)]
 
 
+def _log_ledgers(res: RoundsResult, rcfg: RoundConfig) -> None:
+    """A private round-based run's ledgers, on the active MLflow run, as private test-time adaptation writes
+    its own (:mod:`fedcore.privacy.ledger`): a ledger line per client and round (``eps_round.c<k>``,
+    ``eps_client_total.c<k>``, ``eps_budget_remaining.c<k>``, ``privacy_sigma.c<k>``, ``privacy_refused.c<k>``,
+    step = round), and ``ledgers/privacy_ledger.json`` and ``.png``. They are MLflow artifacts only: the DVC
+    outputs (rounds.json) already hold each round's ε and σ per client."""
+    from fedcore.evaluate.plots import plot_ledger
+    from fedcore.privacy.ledger import ledger_document, round_ledger_lines
+    from fedcore.train import create_trainer
+
+    if not res.ledgers:
+        return
+    trainer = create_trainer(rcfg.trainer, **rcfg.trainer_params)
+    form = getattr(trainer, "privacy", "none")
+    if form not in ("lbdp", "dp", "nbafl"):  # clip-only and no privacy promise nothing, and keep no account
+        return
+    budget = float(trainer.epsilon)
+    lines = round_ledger_lines(res.records, budget=budget)
+    tracking.log_client_lines(lines)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        doc = ledger_document(delta=trainer.delta, clients=res.ledgers, privacy=form, budget=budget)
+        (folder / "privacy_ledger.json").write_text(json.dumps(doc, indent=1) + "\n")
+        points = [{"step": r, "client": k, "label": f"c{k}", "eps_client_total": line["eps_client_total"],
+                   "privacy_refused": line["privacy_refused"]} for r, k, line in lines]
+        paths = [folder / "privacy_ledger.json"]
+        if points:
+            paths.append(plot_ledger(points, folder, step="round", budget=budget, width=len(res.records)))
+        tracking.log_files(paths, artifact_path="ledgers")
+
+
 def _headline_score(cfg: DictConfig, system: str, grid_name: str, method: str | None, trainer: str) -> str | None:
     return C.method_scores(cfg, system, method, trainer)[0] if C.is_openset(cfg, system, grid_name) else None
 
@@ -125,6 +158,7 @@ def grid(cfg: DictConfig, system: str = "fedpad", grid_name: str | None = None, 
             m, s, res = cell["method"], cell["seed"], cell["result"]
             with _start_cell_run(cfg, system, name, m, configs[(m, s)], part, started_ms=cell["started_ms"]) as run:
                 tracking.log_rounds(res.records)
+                _log_ledgers(res, configs[(m, s)])
                 mlflow.log_metrics(res.summary)
                 mlflow.log_metric("run_seconds", cell["seconds"])
                 paths = _cell_outputs(res, part, results_dir(cfg, system, name) / "cells" / f"{m}-s{s}",
@@ -503,6 +537,7 @@ def single(cfg: DictConfig, system: str = "fedpad") -> RoundsResult:
                 log.close(raise_errors=False)  # the run's own error is the one to report
                 raise
             log.close()
+            _log_ledgers(res, rcfg)
             mlflow.log_metrics(res.summary)
             mlflow.log_metric("run_seconds", time.perf_counter() - t0)
             paths = _cell_outputs(res, part, results_dir(cfg, system, name) / "single" / f"{label}-s{rcfg.seed}",

@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Mapping
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Tuple
 
 import mlflow
 import numpy as np
@@ -242,11 +242,24 @@ def log_rounds(records: Iterable[Mapping[str, Any]]) -> None:
     :func:`log_round_record`)."""
     from mlflow.entities import Metric
 
-    run, client = mlflow.active_run(), mlflow.MlflowClient()
     now = int(time.time() * 1000)
-    batch = [Metric(k, v, now, int(rec["round"])) for rec in records for k, v in round_metrics(rec).items()]
-    for i in range(0, len(batch), 900):  # MLflow takes at most 1000 metrics per batch
-        client.log_batch(run.info.run_id, metrics=batch[i:i + 900])
+    _log_batches([Metric(k, v, now, int(rec["round"])) for rec in records for k, v in round_metrics(rec).items()])
+
+
+def _log_batches(metrics: List["mlflow.entities.Metric"]) -> None:
+    run, client = mlflow.active_run(), mlflow.MlflowClient()
+    for i in range(0, len(metrics), 900):  # MLflow takes at most 1000 metrics per batch
+        client.log_batch(run.info.run_id, metrics=metrics[i:i + 900])
+
+
+def log_client_lines(lines: Iterable[Tuple[int, int, Mapping[str, float]]]) -> None:
+    """Per-client lines (step, client k, metrics) on the active run as ``<metric>.c<k>`` with that step, in
+    batches: the privacy ledger of a round-based run (:func:`fedcore.privacy.ledger.round_ledger_lines`)."""
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    _log_batches([Metric(f"{name}.c{k}", float(v), now, int(step)) for step, k, line in lines
+                  for name, v in line.items()])
 
 
 def log_model(spec: ModelSpec, state: Dict[str, torch.Tensor], *, example: np.ndarray) -> str:

@@ -332,6 +332,44 @@ def test_server_ignores_clients_out_of_budget_and_keeps_the_model_when_all_are()
     assert [1 in p for p in picked] == [False] * 6  # a client out of budget is never picked again
 
 
+def test_a_nan_upload_that_spends_the_budget_retires_its_client_and_its_ledger_line_is_recorded():
+    s = PPFCIL()
+    g = {"w": torch.zeros(2), "task": torch.tensor(0)}
+    s.setup(g, num_clients=3, param_keys=["w"])
+    s.select(0, [0, 1], num_clients=3)
+    last = _update(0.5, value=math.nan)  # client 1's last budgeted upload came back NaN: the engine drops it
+    last.metrics.update(epsilon=8.0, sigma=1.3, budget_exhausted=1.0)
+    s.discarded([(1, last)])
+    kept = _update(0.9)
+    kept.metrics.update(epsilon=2.0, sigma=1.1)
+    agg = s.aggregate(g, [(0, kept)], num_clients=3)
+    assert agg.per_client[1] == {"epsilon": 8.0, "sigma": 1.3, "budget_spent": 0.0}
+    assert agg.per_client[0]["epsilon"] == 2.0 and agg.per_client[0]["budget_spent"] == 0.0
+    assert np.isnan(s.vectors[1]).all()  # the broken model's report is not kept
+    picked = [s.select(r, [0, 1], num_clients=3) for r in range(1, 7)]
+    assert [1 in p for p in picked] == [False] * 6  # spent is spent, merged or not
+    s.select(7, [0, 1], num_clients=3)
+    assert 1 not in s.aggregate(g, [(0, kept)], num_clients=3).per_client  # a line belongs to its own round
+
+
+def test_round_ledger_lines_carry_private_tta_names_and_what_each_round_cost():
+    from fedcore.privacy import Ledger, PrivacyConfig
+    from fedcore.privacy.ledger import round_ledger_lines
+
+    records = [{"round": 0, "epsilon.c2": 1.5, "sigma.c2": 0.9, "budget_spent.c2": 0.0, "epsilon.c10": 2.0,
+                "sigma.c10": 0.8, "budget_spent.c10": 0.0},
+               {"round": 1, "acc.seen": 0.5},  # neither client picked
+               {"round": 2, "epsilon.c2": 4.0, "sigma.c2": 0.9, "budget_spent.c2": 0.0},
+               {"round": 3, "epsilon.c2": 4.0, "sigma.c2": 0.9, "budget_spent.c2": 1.0}]
+    lines = round_ledger_lines(records, budget=4.0)
+    assert [(r, k) for r, k, _ in lines] == [(0, 2), (0, 10), (2, 2), (3, 2)]
+    assert [line["eps_round"] for _, _, line in lines] == [1.5, 2.0, 2.5, 0.0]
+    assert [line["eps_budget_remaining"] for _, _, line in lines] == [2.5, 2.0, 0.0, 0.0]
+    assert [line["privacy_refused"] for _, _, line in lines] == [0.0, 0.0, 0.0, 1.0]
+    arrival = Ledger(PrivacyConfig(mode="dp", epsilon=1.0, budget=4.0), uses=1).record(0, refused=False)
+    assert set(lines[0][2]) == set(arrival) - {"eps_arrival"} | {"eps_round"}  # one ledger format, two systems
+
+
 def test_server_state_round_trips_and_selection_picks_unseen_clients_first():
     s = PPFCIL(max_wait=3)
     g = {"w": torch.zeros(2), "task": torch.tensor(0)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import re
 
 import pytest
@@ -81,6 +82,24 @@ def test_incremental_grid_writes_tables_and_logs_tasks_ledgers_and_selection(tmp
     assert len(client.get_metric_history(run.info.run_id, "acc.seen")) == 4  # one point per round
     ledger = [k for k in runs["lbdp-eps8-s0"].data.metrics if k.startswith("epsilon.c")]
     assert ledger  # every client's privacy spending is in MLflow, per round
+    # ... as private test-time adaptation writes its ledger: a line per client and round, and the document
+    private = runs["lbdp-eps8-s0"].info.run_id
+    for key in ledger:
+        k = key[len("epsilon."):]
+        spent = {m.step: m.value for m in client.get_metric_history(private, f"eps_round.{k}")}
+        total = {m.step: m.value for m in client.get_metric_history(private, f"eps_client_total.{k}")}
+        reported = {r["round"]: r[key] for r in records if key in r}
+        assert total == pytest.approx(reported) and sum(spent.values()) == pytest.approx(max(total.values()))
+        left = client.get_metric_history(private, f"eps_budget_remaining.{k}")
+        assert [m.value for m in left] == pytest.approx([8.0 - total[m.step] for m in left])
+    assert all(not k.startswith("eps_round") for k in run.data.metrics)  # no ledger without a privacy promise
+    arts = {a.path for a in client.list_artifacts(private, "ledgers")}
+    assert arts == {"ledgers/privacy_ledger.json", "ledgers/privacy_ledger.png"}
+    doc = json.loads(Path(client.download_artifacts(private, "ledgers/privacy_ledger.json", str(tmp_path)))
+                     .read_text())
+    assert doc["privacy"] == "lbdp" and doc["budget"] == 8.0 and doc["delta"] == pytest.approx(1e-5)
+    assert {f"c{k}" for k in doc["clients"]} == {key[len("epsilon."):] for key in ledger}
+    assert all(v["accountant"]["accountant"] == "bayesian" for v in doc["clients"].values())
     versions = client.search_model_versions("name='ppfcil-quick'")
     assert [(v.tags["method"], v.tags["champion_metric"]) for v in versions] == [("ppfcil", "avg_inc_acc")]
     from flows.tracking import load_registered

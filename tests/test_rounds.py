@@ -158,6 +158,20 @@ def test_a_client_that_sends_nan_is_not_merged_and_named(fed):
     assert all(torch.isfinite(v).all() for v in res.final_state.values() if v.is_floating_point())
 
 
+def test_the_server_is_told_of_each_update_it_will_not_merge_before_it_aggregates(fed, monkeypatch):
+    from fedcore.aggregate.strategies import FedAvg
+
+    calls = []
+    monkeypatch.setattr(FedAvg, "discarded", lambda self, ups: calls.append(("discarded", [i for i, _ in ups])))
+    real = FedAvg.aggregate
+    monkeypatch.setattr(FedAvg, "aggregate", lambda self, g, ups, **kw: calls.append(("aggregate", [i for i, _ in ups]))
+                        or real(self, g, ups, **kw))
+    with pytest.warns(RuntimeWarning, match="client 1"):
+        run_rounds(fed, SPEC, sgd_cfg(rounds=2), submit=_Diverging())
+    # what a NaN upload implies (a privacy budget spent) must reach the server, which never sees its weights
+    assert calls == [("discarded", [1]), ("aggregate", [0, 2, 3])] * 2
+
+
 class _SpendsAndDiverges:
     """Client 1 spends one unit of its privacy account every round and sends NaNs; records what it is given."""
 

@@ -55,6 +55,11 @@ class Strategy:
     def aggregate(self, global_state: State, updates: Updates, *, num_clients: int) -> Aggregated:
         return Aggregated(weighted_average([(u.state, u.num_examples) for _, u in updates]))
 
+    def discarded(self, updates: Updates) -> None:
+        """Updates of this round that the engine will not merge (weights with NaN or inf), before
+        :meth:`aggregate`: their weights are unusable, but what their sending implies (a privacy budget
+        spent) still holds. Most servers ignore them."""
+
     def state_dict(self) -> Dict[str, Any]:
         return {}
 

@@ -186,6 +186,7 @@ class RoundsResult:
     records: List[Dict[str, Any]]  # one per round
     final_state: State
     summary: Dict[str, float]
+    ledgers: Dict[int, Dict[str, Any]] = field(default_factory=dict)  # each private client's ledger at the end
 
 
 RoundHook = Callable[[Dict[str, Any], State], None]
@@ -276,6 +277,8 @@ def run_rounds(data: RoundData, spec: ModelSpec, cfg: RoundConfig, *, init: Stat
                               "its update is not merged (lower its learning rate if this repeats)", RuntimeWarning,
                               stacklevel=2)
         refused = [i for i, _ in dropped]
+        if dropped:
+            strategy.discarded(dropped)
         t0 = time.perf_counter()
         agg = strategy.aggregate(state, updates, num_clients=data.num_clients) if updates else Aggregated(state)
         new_state = agg.state
@@ -301,7 +304,8 @@ def run_rounds(data: RoundData, spec: ModelSpec, cfg: RoundConfig, *, init: Stat
             on_round(record, state)
         if stop_after is not None and done >= stop_after and done < cfg.rounds:
             raise RunInterrupted(f"stopped after round {done} as asked; resume to continue")
-    return RoundsResult(records=records, final_state=state, summary=summarise_rounds(records))
+    return RoundsResult(records=records, final_state=state, summary=summarise_rounds(records),
+                        ledgers={k: v["ledger"] for k, v in sorted(client_states.items()) if "ledger" in v})
 
 
 def _round_record(r: int, data: RoundData, updates, refused, agg, agg_seconds: float, state: State,

@@ -79,23 +79,34 @@ def plot_arrivals(records: List[Dict], acc_matrix: np.ndarray, corruptions: Sequ
 
 def plot_privacy(records: List[Dict], folder: str | Path) -> Path:
     """Each client's cumulative ε after every arrival (a step line per client), refusals marked."""
+    points = [{"step": r["arrival"], "client": r["client_id"], "label": f"{r['client_id']}:{r['corruption'][:10]}",
+               "eps_client_total": r["eps_client_total"], "privacy_refused": r.get("privacy_refused", 0.0)}
+              for r in records]
+    budget = (records[0]["eps_budget_remaining"] + records[0]["eps_client_total"]
+              if "eps_budget_remaining" in records[0] else None)
+    return plot_ledger(points, folder, step="arrival", budget=budget, width=len(records))
+
+
+def plot_ledger(points: List[Dict], folder: str | Path, *, step: str, budget: float | None, width: int) -> Path:
+    """privacy_ledger.png of any system: each client's cumulative ε after every ``step`` at which it sent (or
+    was refused), a step line per client, refusals marked, the budget dashed. ``points``: dicts with ``step``,
+    ``client``, ``label``, ``eps_client_total`` and ``privacy_refused``; ``width``: the number of steps."""
     plt = _plt()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(max(6, len(records) * 0.25), 3.6))
-    clients = sorted({r["client_id"] for r in records})
+    fig, ax = plt.subplots(figsize=(max(6, width * 0.25), 3.6))
+    clients = sorted({p["client"] for p in points})
     for k in clients:
-        pts = [(r["arrival"], r["eps_client_total"]) for r in records if r["client_id"] == k]
-        name = next(r["corruption"] for r in records if r["client_id"] == k)
-        ax.step([p[0] for p in pts], [p[1] for p in pts], where="post", marker="o", ms=3, label=f"{k}:{name[:10]}")
-    refused = [r for r in records if r.get("privacy_refused")]
+        pts = [(p["step"], p["eps_client_total"]) for p in points if p["client"] == k]
+        name = next(p["label"] for p in points if p["client"] == k)
+        ax.step([p[0] for p in pts], [p[1] for p in pts], where="post", marker="o", ms=3, label=name)
+    refused = [p for p in points if p["privacy_refused"]]
     if refused:
-        ax.plot([r["arrival"] for r in refused], [r["eps_client_total"] for r in refused], "rx", ms=9,
+        ax.plot([p["step"] for p in refused], [p["eps_client_total"] for p in refused], "rx", ms=9,
                 label="refused (budget spent)")
-    if "eps_budget_remaining" in records[0]:
-        budget = records[0]["eps_budget_remaining"] + records[0]["eps_client_total"]
+    if budget is not None:
         ax.axhline(budget, color="k", ls="--", lw=1, label=f"budget ε={budget:g}")
-    ax.set_xlabel("arrival")
+    ax.set_xlabel(step)
     ax.set_ylabel("cumulative ε of the client")
     ax.set_title("privacy ledger")
     ax.legend(fontsize=6, ncol=2, loc="upper left")

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from fedcore.privacy.accountant import (
     CALIBRATIONS,
@@ -159,8 +160,53 @@ class Ledger:
         """The per-arrival ledger line for MLflow (finite numbers only)."""
         if not self.cfg.accounted:
             return {}
-        out = {"privacy_sigma": self.sigma, "privacy_refused": float(refused),
-               "eps_arrival": 0.0 if refused else self.arrival_epsilon(), "eps_client_total": self.epsilon(client)}
-        if self.cfg.budget is not None:
-            out["eps_budget_remaining"] = max(0.0, self.cfg.budget - out["eps_client_total"])
-        return out
+        return ledger_line("arrival", sigma=self.sigma, spent=0.0 if refused else self.arrival_epsilon(),
+                           total=self.epsilon(client), budget=self.cfg.budget, refused=refused)
+
+
+# ---------------------------------------------------------------- one ledger format for every system
+# Sequential arrivals keep the ledgers on the server (Ledger above); round-based clients keep their own account
+# (fedcore.train.fcil: a Bayesian or RDP accountant, or NbAFL's upload count) and report ε and σ with each update.
+# Both are written the same way: a ledger line per client and step in MLflow, privacy_ledger.json with every
+# client's final account, and privacy_ledger.png (fedcore.evaluate.plots.plot_ledger).
+
+def ledger_line(step: str, *, sigma: float, spent: float, total: float, budget: Optional[float],
+                refused: bool) -> Dict[str, float]:
+    """One client's ledger line after one ``step`` (``"arrival"`` or ``"round"``), as MLflow metrics.
+
+    ``spent``: the ε this step cost (``eps_<step>``; 0 when refused); ``total``: the client's cumulative ε;
+    ``refused``: the client sent nothing because its budget is spent.
+    """
+    out = {"privacy_sigma": float(sigma), "privacy_refused": float(refused), f"eps_{step}": float(spent),
+           "eps_client_total": float(total)}
+    if budget is not None:
+        out["eps_budget_remaining"] = max(0.0, float(budget) - out["eps_client_total"])
+    return out
+
+
+_ROUND_EPSILON = re.compile(r"^epsilon\.c(\d+)$")
+
+
+def round_ledger_lines(records: Sequence[Mapping[str, Any]], *,
+                       budget: Optional[float]) -> List[Tuple[int, int, Dict[str, float]]]:
+    """(round, client, ledger line) for every client that reported a ledger in a round's record
+    (``epsilon.c<k>``, ``sigma.c<k>`` and ``budget_spent.c<k>``, as the ``ppfcil`` strategy writes them)."""
+    lines, last = [], {}
+    for rec in records:
+        for key in sorted(rec, key=lambda k: (len(k), k)):
+            m = _ROUND_EPSILON.match(key)
+            if m is None:
+                continue
+            k, total = int(m.group(1)), float(rec[key])
+            refused = bool(rec.get(f"budget_spent.c{k}", 0.0))
+            lines.append((int(rec["round"]), k, ledger_line(
+                "round", sigma=float(rec.get(f"sigma.c{k}", math.nan)), spent=0.0 if refused else total - last.get(k, 0.0),
+                total=total, budget=budget, refused=refused)))
+            last[k] = total
+    return lines
+
+
+def ledger_document(*, delta: float, clients: Mapping[int, Any], **about: Any) -> Dict[str, Any]:
+    """privacy_ledger.json: δ, anything ``about`` the account (its kind, the budget), and every client's final
+    ledger keyed by client id."""
+    return {"delta": float(delta), **about, "clients": {str(k): v for k, v in sorted(clients.items())}}
