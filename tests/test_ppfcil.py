@@ -239,11 +239,12 @@ def test_same_seed_same_metrics_and_resume_after_task_and_round_is_identical(dig
     assert _same(a["strategy"], b["strategy"])
 
 
-def test_privacy_ledger_never_exceeds_the_budget_and_a_spent_client_stops_sending(digits):
+@pytest.mark.parametrize("privacy", ["dp", "lbdp"])
+def test_privacy_ledger_never_exceeds_the_budget_and_a_spent_client_stops_sending(digits, privacy):
     # m = 2 of 3 clients a round, so a client takes part in 4 of 6 rounds on average, while its σ is
     # calibrated for ⌈6 · 0.34⌉ = 3: the budget runs out before the run ends
     data, spec, cfg, ev = _setup(digits, norm="group", tasks=2, rounds_per_task=3, participation=0.34,
-                                 trainer=dict(PRIVATE, privacy="dp", epsilon=0.5, sample_rate=0.5))
+                                 trainer=dict(PRIVATE, privacy=privacy, epsilon=0.5, sample_rate=0.5))
     cfg = RoundConfig(**{**cfg.__dict__, "rounds": 6})
     res = run_rounds(data, spec, cfg, evaluate=ev)
     eps = {int(k[len("epsilon.c"):]): [] for r in res.records for k in r if re.match(r"^epsilon\.c\d+$", k)}
@@ -254,6 +255,11 @@ def test_privacy_ledger_never_exceeds_the_budget_and_a_spent_client_stops_sendin
     assert eps and all(0 < v <= 0.5 + 1e-9 for vals in eps.values() for v in vals)
     assert all(np.all(np.diff(vals) >= -1e-12) for vals in eps.values())  # spending only grows
     assert any(r.get("stopped_clients", 0) > 0 for r in res.records)  # a budget this small runs out
+    # ... and a client picked past its plan sends nothing, rather than an update drowned in noise: LBDP plans
+    # its σ to spend ε_total over exactly its planned steps, so nothing usable is left after them
+    sent = [r[f"sigma.c{k}"] for r in res.records for k in eps
+            if f"sigma.c{k}" in r and not r.get(f"budget_spent.c{k}", 0.0)]
+    assert max(sent) < 2 * min(sent)
 
 
 # ------------------------------------------------------------------------------------ one client round
@@ -285,6 +291,56 @@ def test_a_round_weights_distillation_by_old_over_seen_classes_and_herds_its_cla
     assert upd2.payload["total_examples"] == upd.payload["new_examples"] + upd2.payload["new_examples"]
 
 
+def _objective(*, compressing, rho=0.5, lam=0.5, **trainer):
+    from fedcore.train.fcil import _Objective
+
+    torch.manual_seed(0)
+    model = ModelSpec(name="dual-lenet", in_channels=1, num_classes=10).build()
+    model.advance(1, compressed=False)  # task 1: Φ_old holds task 0 (classes 0, 1), the teacher its classifier
+    model.train()
+    t = create_trainer("fcil", rho=rho, kd_temperature=2.0, lambda0=0.7, **trainer)
+    seen, old = torch.zeros(10, dtype=torch.bool), torch.zeros(10, dtype=torch.bool)
+    seen[:4], old[:2] = True, True
+    counts = torch.tensor([20, 20, 60, 80, 0, 0, 0, 0, 0, 0])
+    return model, _Objective(t, model, seen=seen, old=old, lam=lam, counts=counts, compressing=compressing), seen, old
+
+
+def test_the_training_loss_is_the_issues_weighted_sum_with_supcon_on_phi_new_through_the_head():
+    from fedcore.train.base import augment_batch
+
+    model, obj, seen, old = _objective(compressing=False, rho=0.5, lam=0.25)
+    x, y = torch.rand(8, 1, 28, 28), torch.tensor([0, 1, 2, 3, 2, 3, 0, 2])
+    got = obj.batch_loss(x, y, torch.Generator().manual_seed(3))
+    f_mix, f_new, _ = model.mix(x)
+    logits = model.fc(f_mix)
+    with torch.no_grad():
+        teacher = model.teacher_logits(x)
+    lc = L.classification(logits, y, seen=seen, prior=L.log_prior(torch.tensor([20, 20, 60, 80, 0, 0, 0, 0, 0, 0])))
+    ld = L.distillation(logits, teacher, old=old, temperature=2.0)
+    view = augment_batch(x, torch.Generator().manual_seed(3))
+    z = model.proj(torch.cat([f_new, model.new.embed(view)]))
+    ls = L.supcon(z, torch.cat([y, y]), temperature=obj.t.supcon_temperature)
+    assert float(got) == pytest.approx(float((0.75 * lc + 0.25 * ld).mean() + 0.5 * ls), rel=1e-5)
+    # L_S reaches Φ_new and the head only: the fusion, the classifier and the frozen Φ_old take none of it
+    model.zero_grad(set_to_none=True)
+    (0.5 * ls).backward()
+    touched = {n.split(".")[0] for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert touched == {"new", "proj"}
+
+
+def test_the_compression_loss_weights_l_c_by_one_minus_lambda_and_matches_f_mix_with_lambda0():
+    model, obj, seen, _ = _objective(compressing=True, lam=0.25)
+    x, y = torch.rand(8, 1, 28, 28), torch.tensor([0, 1, 2, 3, 2, 3, 0, 2])
+    got = obj.batch_loss(x, y, torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        f_mix = model.mix(x)[0]
+    f_single = model.single.embed(x)
+    lc = L.classification(model.fc(f_single), y, seen=seen,
+                          prior=L.log_prior(torch.tensor([20, 20, 60, 80, 0, 0, 0, 0, 0, 0])))
+    expect = (0.75 * lc + 0.7 * L.feature_match(f_mix, f_single)).mean()
+    assert float(got) == pytest.approx(float(expect), rel=1e-5)
+
+
 def test_a_compression_round_trains_only_the_single_branch(digits):
     _, first = _round(digits, task=0, round_index=0)
     _, train = _round(digits, task=1, round_index=2, state=first.state, client_state=first.client_state)
@@ -294,6 +350,15 @@ def test_a_compression_round_trains_only_the_single_branch(digits):
     changed = {k.split(".")[0] for k in comp.state if comp.state[k].is_floating_point()
                and not torch.equal(comp.state[k], train.state[k])}
     assert changed == {"single"}  # Φ_new, its BatchNorm statistics, the fusion and the classifier stay put
+
+
+def test_lbdp_scales_its_noise_to_the_clients_gradients_and_classic_dp_does_not(digits):
+    # with C = 30 per-sample gradients stay well inside the clip (mean d² about 0.1 here): LBDP's account charges
+    # them for what they are, so the same ε buys less noise; classic DP charges every record as if clipped (d = 1)
+    sig = {(p, c): _round(digits, task=0, round_index=0, norm="group", **dict(PRIVATE, privacy=p, clip_norm=c))[1]
+           .metrics["sigma"] for p in ("lbdp", "dp") for c in (1.0, 30.0)}
+    assert sig[("lbdp", 30.0)] < 0.5 * sig[("dp", 30.0)] and sig[("lbdp", 30.0)] < 0.5 * sig[("lbdp", 1.0)]
+    assert sig[("dp", 30.0)] == pytest.approx(sig[("dp", 1.0)])  # classic σ is a noise multiplier: data-blind
 
 
 def test_lbdp_takes_noise_only_steps_on_empty_poisson_batches_and_counts_them(digits):

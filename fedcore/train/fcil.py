@@ -312,6 +312,11 @@ class FCILTrainer(LocalTrainer):
         if name == "classic" and sigma == 0.0 and not clip_only:
             sigma = calibrate_sigma_classic(q=q, steps=planned, epsilon=self.epsilon, delta=self.delta)
         sq_seen = None  # the latest sample of clipped norms: the data distribution the Bayesian cost is taken over
+        if name == "bayesian" and acct.steps >= planned:
+            # every planned step is taken, and σ was planned to spend ε_total over exactly those: what is left buys
+            # steps only at σ near SIGMA_MAX, an update of pure noise. The client stops, as classic DP's does.
+            ledger["exhausted"] = True
+            stopped = True
         if name == "bayesian" and not stopped:  # (clip_only is "classic")
             # data-aware noise: the σ that spends what is left of ε_total over this client's remaining planned
             # steps, at the clipped-gradient distribution of a probe of its data (up to 64 samples)
