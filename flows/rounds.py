@@ -76,6 +76,26 @@ def _cell_outputs(res: RoundsResult, part, out: Path, title: str, score: str | N
     return [plot, out / "rounds.json", plot_data.write_records_csv(res.records, out / plot_data.ROUNDS_CSV)]
 
 
+def _log_tasks(records: List[Dict[str, Any]]) -> None:
+    """A class-incremental run's per-task series on the active MLflow run, step = task: ``task_acc_seen`` (the
+    accuracy on every class seen so far, at the task's last round) and ``task_acc.task<j>`` (row t of the
+    accuracy matrix: task j's classes after task t). The per-round series are ``acc.seen`` and ``acc.task<j>``."""
+    if not records or "task" not in records[-1]:
+        return
+    from mlflow.entities import Metric
+
+    from fedcore.incremental.evaluate import task_end_metrics
+
+    m = task_end_metrics(records)
+    if not m:
+        return
+    now = int(time.time() * 1000)
+    batch = [Metric("task_acc_seen", float(a), now, t) for t, a in enumerate(m["acc_seen"])]
+    batch += [Metric(f"task_acc.task{j}", float(v), now, t) for t, row in enumerate(m["acc_matrix"])
+              for j, v in enumerate(row[:t + 1])]
+    tracking.log_metric_batches(batch)
+
+
 def _log_ledgers(res: RoundsResult, rcfg: RoundConfig) -> None:
     """A private round-based run's ledgers, on the active MLflow run, as private test-time adaptation writes
     its own (:mod:`fedcore.privacy.ledger`): a ledger line per client and round (``eps_round.c<k>``,
@@ -158,6 +178,7 @@ def grid(cfg: DictConfig, system: str = "fedpad", grid_name: str | None = None, 
             m, s, res = cell["method"], cell["seed"], cell["result"]
             with _start_cell_run(cfg, system, name, m, configs[(m, s)], part, started_ms=cell["started_ms"]) as run:
                 tracking.log_rounds(res.records)
+                _log_tasks(res.records)
                 _log_ledgers(res, configs[(m, s)])
                 mlflow.log_metrics(res.summary)
                 mlflow.log_metric("run_seconds", cell["seconds"])
@@ -537,6 +558,7 @@ def single(cfg: DictConfig, system: str = "fedpad") -> RoundsResult:
                 log.close(raise_errors=False)  # the run's own error is the one to report
                 raise
             log.close()
+            _log_tasks(res.records)
             _log_ledgers(res, rcfg)
             mlflow.log_metrics(res.summary)
             mlflow.log_metric("run_seconds", time.perf_counter() - t0)

@@ -243,10 +243,11 @@ def log_rounds(records: Iterable[Mapping[str, Any]]) -> None:
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
-    _log_batches([Metric(k, v, now, int(rec["round"])) for rec in records for k, v in round_metrics(rec).items()])
+    log_metric_batches([Metric(k, v, now, int(rec["round"])) for rec in records for k, v in round_metrics(rec).items()])
 
 
-def _log_batches(metrics: List["mlflow.entities.Metric"]) -> None:
+def log_metric_batches(metrics: List["mlflow.entities.Metric"]) -> None:
+    """``metrics`` on the active run, 900 to a request (MLflow takes at most 1,000)."""
     run, client = mlflow.active_run(), mlflow.MlflowClient()
     for i in range(0, len(metrics), 900):  # MLflow takes at most 1000 metrics per batch
         client.log_batch(run.info.run_id, metrics=metrics[i:i + 900])
@@ -258,7 +259,7 @@ def log_client_lines(lines: Iterable[Tuple[int, int, Mapping[str, float]]]) -> N
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
-    _log_batches([Metric(f"{name}.c{k}", float(v), now, int(step)) for step, k, line in lines
+    log_metric_batches([Metric(f"{name}.c{k}", float(v), now, int(step)) for step, k, line in lines
                   for name, v in line.items()])
 
 

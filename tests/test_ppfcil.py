@@ -260,6 +260,15 @@ def test_privacy_ledger_never_exceeds_the_budget_and_a_spent_client_stops_sendin
     sent = [r[f"sigma.c{k}"] for r in res.records for k in eps
             if f"sigma.c{k}" in r and not r.get(f"budget_spent.c{k}", 0.0)]
     assert max(sent) < 2 * min(sent)
+    # the round that takes a client's last planned step says so, and the server retires it at once: a client is
+    # picked to send nothing only once every client is spent
+    made = {k: 0 for k in eps}
+    for r in res.records:
+        if any(r.get(f"budget_spent.c{k}", 0.0) for k in eps):
+            assert all(v == 3 for v in made.values()), (r["round"], made)
+        for k in eps:
+            made[k] += int(f"epsilon.c{k}" in r and not r.get(f"budget_spent.c{k}", 0.0))
+    assert all(v <= 3 for v in made.values())
 
 
 # ------------------------------------------------------------------------------------ one client round

@@ -199,9 +199,10 @@ def round_ledger_lines(records: Sequence[Mapping[str, Any]], *,
                 continue
             k, total = int(m.group(1)), float(rec[key])
             refused = bool(rec.get(f"budget_spent.c{k}", 0.0))
-            lines.append((int(rec["round"]), k, ledger_line(
-                "round", sigma=float(rec.get(f"sigma.c{k}", math.nan)), spent=0.0 if refused else total - last.get(k, 0.0),
-                total=total, budget=budget, refused=refused)))
+            sigma = float(rec.get(f"sigma.c{k}", math.nan))
+            lines.append((int(rec["round"]), k, ledger_line(  # a refused client drew no noise: σ 0, finite for MLflow
+                "round", sigma=0.0 if refused and not math.isfinite(sigma) else sigma,
+                spent=0.0 if refused else total - last.get(k, 0.0), total=total, budget=budget, refused=refused)))
             last[k] = total
     return lines
 

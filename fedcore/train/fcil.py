@@ -365,6 +365,8 @@ class FCILTrainer(LocalTrainer):
         if clip_only:  # no ledger: nothing is promised
             return total, count, steps, ledger, {
                 "sigma": 0.0, "clipped_sq_norm": float(np.mean(sq_all)) if sq_all else float("nan")}
+        if acct.steps >= planned:  # the plan's last step is taken: tell the server now, so that it retires this
+            ledger["exhausted"] = True  # client (as NbAFL's after its last upload) rather than pick it for nothing
         ledger.update({"accountant": acct.state_dict(), "epsilon": float(acct.epsilon(self.delta)) if acct.steps
                        else 0.0, "sigma": sigma if name == "classic" else ledger.get("sigma", 0.0)})
         metrics = {"epsilon": ledger["epsilon"], "sigma": float(np.mean(sigmas)) if sigmas else float("nan"),
