@@ -142,7 +142,7 @@ def test_privacy_report_names_the_stage_that_builds_its_input(tmp_path):
         _ppfcil_privacy(C.compose([f"paths.results={tmp_path}"]))
     (tmp_path / "ppfcil" / "privacy").mkdir(parents=True)
     (tmp_path / "ppfcil" / "privacy" / "scores.json").write_text(json.dumps({"avg_inc_acc_by_seed": {}}))
-    with pytest.raises(FileNotFoundError, match=re.escape("dvc repro ppfcil@privacy-nbafl`")):
+    with pytest.raises(FileNotFoundError, match=re.escape("dvc repro ppfcil@privacy-eps`")):  # the next grid joined
         _ppfcil_privacy(C.compose([f"paths.results={tmp_path}", "ppfcil.grids.privacy.methods=[]"]))
 
 
@@ -151,6 +151,8 @@ def test_privacy_report_joins_grids_on_the_same_data_and_refuses_others(tmp_path
 
     cfg = C.compose([f"paths.results={tmp_path}", "ppfcil.grids.privacy.methods=[ppfcil-nodp,lbdp-eps8,dp-eps8]"])
     fake = {"privacy": {"ppfcil-nodp": [0.5, 0.5], "lbdp-eps8": [0.4, 0.42], "dp-eps8": [0.3, 0.3]},
+            "privacy-eps": {"lbdp-eps2": [0.35, 0.39], "dp-eps2": [0.33, 0.33], "lbdp-eps4": [0.4, 0.4],
+                            "dp-eps4": [0.4, 0.4]},
             "privacy-nbafl": {"nbafl-eps1": [0.2, 0.2], "nbafl-eps8": [0.45, 0.47], "nbafl-eps8-c10": [0.3, 0.3],
                               "nbafl-eps8-worst": [0.1, 0.1]},
             "privacy-ucb": {"lbdp-eps8-ucb": [0.38, 0.38], "lbdp-eps8-c10-ucb": [0.3, 0.3]}}
@@ -160,6 +162,7 @@ def test_privacy_report_joins_grids_on_the_same_data_and_refuses_others(tmp_path
     _ppfcil_privacy(cfg)
     text = (tmp_path / "ppfcil" / "privacy" / "privacy.md").read_text()
     assert "| 8 | 1 | 0.410 ± 0.010 | 0.300 ± 0.000 | +0.110 | 2/2 |" in text  # the pair table: LBDP and DP only
+    assert "| 2 | 1 | 0.370 ± 0.020 | 0.330 ± 0.000 | +0.040 | 2/2 |" in text  # ... from every grid joined
     assert "| NbAFL, C = 1 | 8 | nbafl-eps8 (privacy-nbafl) | 0.460 ± 0.010 | 2 |" in text
     assert "| NbAFL (worst-case ΔS), C = 1 | 8 | nbafl-eps8-worst (privacy-nbafl) | 0.100 ± 0.000 | 2 |" in text
     assert "| LBDP (ucb), C = 10 | 8 | lbdp-eps8-c10-ucb (privacy-ucb) | 0.300 ± 0.000 | 2 |" in text
