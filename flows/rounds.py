@@ -77,7 +77,7 @@ def _cell_outputs(res: RoundsResult, part, out: Path, title: str, score: str | N
 
 
 def _log_tasks(records: List[Dict[str, Any]]) -> None:
-    """A class-incremental run's per-task series on the active MLflow run, step = task: ``task_acc_seen`` (the
+    """A class-incremental run's per-task series on the active MLflow run, step = task: ``task_acc.seen`` (the
     accuracy on every class seen so far, at the task's last round) and ``task_acc.task<j>`` (row t of the
     accuracy matrix: task j's classes after task t). The per-round series are ``acc.seen`` and ``acc.task<j>``."""
     if not records or "task" not in records[-1]:
@@ -90,7 +90,7 @@ def _log_tasks(records: List[Dict[str, Any]]) -> None:
     if not m:
         return
     now = int(time.time() * 1000)
-    batch = [Metric("task_acc_seen", float(a), now, t) for t, a in enumerate(m["acc_seen"])]
+    batch = [Metric("task_acc.seen", float(a), now, t) for t, a in enumerate(m["acc_seen"])]
     batch += [Metric(f"task_acc.task{j}", float(v), now, t) for t, row in enumerate(m["acc_matrix"])
               for j, v in enumerate(row[:t + 1])]
     tracking.log_metric_batches(batch)

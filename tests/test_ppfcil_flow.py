@@ -81,7 +81,7 @@ def test_incremental_grid_writes_tables_and_logs_tasks_ledgers_and_selection(tmp
     run = runs["ppfcil-s0"]
     assert run.data.metrics["avg_inc_acc"] == pytest.approx(summary["ppfcil"]["avg_inc_acc"])
     assert len(client.get_metric_history(run.info.run_id, "acc.seen")) == 4  # one point per round
-    per_task = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "task_acc_seen")}
+    per_task = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "task_acc.seen")}
     ends = json.loads((out / "cells/ppfcil-s0/rounds.json").read_text())
     assert per_task == pytest.approx({0: ends[1]["acc.seen"], 1: ends[3]["acc.seen"]})  # one per task, at its end
     assert {m.step for m in client.get_metric_history(run.info.run_id, "task_acc.task0")} == {0, 1}

@@ -162,14 +162,37 @@ def test_the_server_is_told_of_each_update_it_will_not_merge_before_it_aggregate
     from fedcore.aggregate.strategies import FedAvg
 
     calls = []
-    monkeypatch.setattr(FedAvg, "discarded", lambda self, ups: calls.append(("discarded", [i for i, _ in ups])))
+    monkeypatch.setattr(FedAvg, "discarded", lambda self, ups: calls.append(("discarded", [i for i, _ in ups]))
+                        or {i: {"spent": 1.0} for i, _ in ups})
     real = FedAvg.aggregate
     monkeypatch.setattr(FedAvg, "aggregate", lambda self, g, ups, **kw: calls.append(("aggregate", [i for i, _ in ups]))
                         or real(self, g, ups, **kw))
     with pytest.warns(RuntimeWarning, match="client 1"):
-        run_rounds(fed, SPEC, sgd_cfg(rounds=2), submit=_Diverging())
+        res = run_rounds(fed, SPEC, sgd_cfg(rounds=2), submit=_Diverging())
     # what a NaN upload implies (a privacy budget spent) must reach the server, which never sees its weights
     assert calls == [("discarded", [1]), ("aggregate", [0, 2, 3])] * 2
+    assert all(r["spent.c1"] == 1.0 and "spent.c0" not in r for r in res.records)  # and what it says is recorded
+
+
+class _AllDiverge:
+    def __call__(self, fn, **kw):
+        from fedcore.engine import Done
+
+        upd = fn(**kw)
+        upd.state = {k: v.float() * math.nan if v.is_floating_point() else v for k, v in upd.state.items()}
+        return Done(upd)
+
+
+def test_a_round_whose_every_update_is_dropped_keeps_the_model_and_records_what_the_server_says(fed, monkeypatch):
+    from fedcore.aggregate.strategies import FedAvg
+
+    monkeypatch.setattr(FedAvg, "discarded", lambda self, ups: {i: {"spent": 1.0} for i, _ in ups})
+    init = init_state(SPEC, seed=0)
+    with pytest.warns(RuntimeWarning):
+        res = run_rounds(fed, SPEC, sgd_cfg(rounds=1), init=init, submit=_AllDiverge())
+    rec = res.records[0]
+    assert rec["refused"] == [0, 1, 2, 3] and all(rec[f"spent.c{i}"] == 1.0 for i in range(4))
+    assert all(torch.equal(res.final_state[k], init[k]) for k in init)
 
 
 class _SpendsAndDiverges:

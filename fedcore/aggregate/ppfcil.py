@@ -72,11 +72,9 @@ class PPFCIL(Strategy):
         self.round = 0
         self.reasons: Dict[int, str] = {}
         self.scores = np.zeros(num_clients)
-        self._discarded: Dict[int, Dict[str, float]] = {}  # ledger lines of this round's NaN updates
 
     def select(self, round_index: int, default: List[int], *, num_clients: int) -> List[int]:
         self.round = int(round_index)
-        self._discarded = {}  # a round whose every update was NaN has no aggregate step to record them in
         if self.selection == "random":
             picked, self.reasons = list(default), {i: "random" for i in default}
             self.scores = np.zeros(num_clients)
@@ -97,15 +95,14 @@ class PPFCIL(Strategy):
         """The client has nothing left to send: it sent nothing this round, or its budget ran out in it."""
         return bool(u.payload.get("stopped")) or u.metrics.get("budget_exhausted", 0.0) > 0
 
-    def discarded(self, updates: Updates) -> None:
+    def discarded(self, updates: Updates) -> Dict[int, Dict[str, float]]:
         # a NaN update that used up its client's budget (NbAFL's last upload, LBDP's last step) spent it all the
-        # same: that client is not picked again, and its ledger line is in this round's record. Its report
+        # same: that client is not picked again, and its ledger line goes into this round's record. Its report
         # describes a broken model and is not kept.
         for i, u in updates:
             if self._spends_out(u):
                 self.spent[i] = True
-            if "epsilon" in u.metrics:
-                self._discarded[i] = self._ledger_line(u)
+        return {i: self._ledger_line(u) for i, u in updates if "epsilon" in u.metrics}
 
     @staticmethod
     def _ledger_line(u) -> Dict[str, float]:
@@ -128,9 +125,6 @@ class PPFCIL(Strategy):
                 per_client[i].update(self._ledger_line(u))
             if "update_norm" in u.metrics:  # NbAFL: the norm of what the client sent, before its clip
                 per_client[i]["update_norm"] = float(u.metrics["update_norm"])
-        for i, line in self._discarded.items():
-            per_client.setdefault(i, {}).update(line)
-        self._discarded = {}
         if not live:  # every selected client is out of privacy budget: the model stays
             return Aggregated(global_state, {"stopped_clients": float(len(updates))}, per_client)
         ids = [i for i, _ in live]

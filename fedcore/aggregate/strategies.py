@@ -55,10 +55,12 @@ class Strategy:
     def aggregate(self, global_state: State, updates: Updates, *, num_clients: int) -> Aggregated:
         return Aggregated(weighted_average([(u.state, u.num_examples) for _, u in updates]))
 
-    def discarded(self, updates: Updates) -> None:
+    def discarded(self, updates: Updates) -> Dict[int, Dict[str, float]]:
         """Updates of this round that the engine will not merge (weights with NaN or inf), before
         :meth:`aggregate`: their weights are unusable, but what their sending implies (a privacy budget
-        spent) still holds. Most servers ignore them."""
+        spent) still holds. Returns per-client diagnostics for the round's record (merged into
+        ``Aggregated.per_client``, also in a round where every update is discarded). Most servers ignore them."""
+        return {}
 
     def state_dict(self) -> Dict[str, Any]:
         return {}

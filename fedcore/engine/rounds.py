@@ -274,13 +274,14 @@ def run_rounds(data: RoundData, spec: ModelSpec, cfg: RoundConfig, *, init: Stat
             else:
                 dropped.append((i, upd))
                 warnings.warn(f"round {r}: client {i} ({data.client_group[i]}) sent weights with NaN or inf; "
-                              "its update is not merged (lower its learning rate if this repeats)", RuntimeWarning,
+                              "its update is not merged (if this repeats, lower its learning rate, or the noise it adds)", RuntimeWarning,
                               stacklevel=2)
         refused = [i for i, _ in dropped]
-        if dropped:
-            strategy.discarded(dropped)
+        lines = strategy.discarded(dropped) if dropped else {}
         t0 = time.perf_counter()
         agg = strategy.aggregate(state, updates, num_clients=data.num_clients) if updates else Aggregated(state)
+        for i, line in (lines or {}).items():  # what the server says of the dropped, in every round
+            agg.per_client.setdefault(i, {}).update(line)
         new_state = agg.state
         agg_seconds = time.perf_counter() - t0
         for i, upd in updates:

@@ -191,7 +191,7 @@ def round_ledger_lines(records: Sequence[Mapping[str, Any]], *,
                        budget: Optional[float]) -> List[Tuple[int, int, Dict[str, float]]]:
     """(round, client, ledger line) for every client that reported a ledger in a round's record
     (``epsilon.c<k>``, ``sigma.c<k>`` and ``budget_spent.c<k>``, as the ``ppfcil`` strategy writes them)."""
-    lines, last = [], {}
+    lines, last, sigmas = [], {}, {}
     for rec in records:
         for key in sorted(rec, key=lambda k: (len(k), k)):
             m = _ROUND_EPSILON.match(key)
@@ -200,8 +200,11 @@ def round_ledger_lines(records: Sequence[Mapping[str, Any]], *,
             k, total = int(m.group(1)), float(rec[key])
             refused = bool(rec.get(f"budget_spent.c{k}", 0.0))
             sigma = float(rec.get(f"sigma.c{k}", math.nan))
-            lines.append((int(rec["round"]), k, ledger_line(  # a refused client drew no noise: σ 0, finite for MLflow
-                "round", sigma=0.0 if refused and not math.isfinite(sigma) else sigma,
+            if math.isfinite(sigma) and not refused:
+                sigmas[k] = sigma
+            # as private TTA's: a refused line carries the client's σ (its last), and every number is finite
+            lines.append((int(rec["round"]), k, ledger_line(
+                "round", sigma=sigmas.get(k, 0.0) if refused or not math.isfinite(sigma) else sigma,
                 spent=0.0 if refused else total - last.get(k, 0.0), total=total, budget=budget, refused=refused)))
             last[k] = total
     return lines

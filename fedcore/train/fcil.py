@@ -313,8 +313,9 @@ class FCILTrainer(LocalTrainer):
             sigma = calibrate_sigma_classic(q=q, steps=planned, epsilon=self.epsilon, delta=self.delta)
         sq_seen = None  # the latest sample of clipped norms: the data distribution the Bayesian cost is taken over
         if name == "bayesian" and acct.steps >= planned:
-            # every planned step is taken, and σ was planned to spend ε_total over exactly those: what is left buys
-            # steps only at σ near SIGMA_MAX, an update of pure noise. The client stops, as classic DP's does.
+            # every planned step is taken (a ledger the end-of-round mark below did not close: one checkpointed by
+            # older code), and σ was planned to spend ε_total over those: the little that is left buys steps only
+            # at σ near SIGMA_MAX, an update of pure noise. The client stops, as classic DP's does.
             ledger["exhausted"] = True
             stopped = True
         if name == "bayesian" and not stopped:  # (clip_only is "classic")
