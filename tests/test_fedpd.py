@@ -15,7 +15,7 @@ from fedcore.engine import RoundConfig, RoundData, run_rounds
 from fedcore.engine.checkpoint import RunInterrupted
 from fedcore.engine.spec import ModelSpec
 from fedcore.models import create_model, mix_split
-from fedcore.openset.align import Chain, align_chain, apply_chain, layer_plan, transport
+from fedcore.openset.align import align_chain, apply_chain, layer_plan, shuffled_chain, transport
 from fedcore.openset.gdca import fuse
 from fedcore.openset.masks import delta_soft, make_mask, masks_from_scores, normalise, split_parts
 from fedcore.train import ClientUpdate, create_trainer
@@ -33,9 +33,9 @@ class MLP(nn.Module):
         return self.net(x)
 
 
-def lenet(seed=0, classes=7):
+def lenet(seed=0, classes=7, name="lenet"):
     torch.manual_seed(seed)
-    m = create_model("lenet", in_channels=1, num_classes=classes)
+    m = create_model(name, in_channels=1, num_classes=classes)
     for mod in m.modules():  # BatchNorm vectors that differ per channel, so a wrong reorder would show
         if isinstance(mod, nn.BatchNorm2d):
             mod.running_mean.normal_()
@@ -45,12 +45,15 @@ def lenet(seed=0, classes=7):
     return m.eval()
 
 
+def resnet20(seed=0, classes=7):
+    return lenet(seed, classes, name="resnet20")
+
+
 def permuted(model, seed=1):
     """(state of model with every hidden layer's units shuffled, the permutation matrices used)."""
-    g = torch.Generator().manual_seed(seed)
     plan = layer_plan(model)
-    perms = [torch.eye(layer.out)[torch.randperm(layer.out, generator=g)] for layer in plan[:-1]] + [None]
-    return apply_chain(model.state_dict(), plan, Chain(P=perms)), perms
+    chain = shuffled_chain(plan, torch.Generator().manual_seed(seed))
+    return apply_chain(model.state_dict(), plan, chain), chain.P
 
 
 def outputs(model_fn, state, x):
@@ -60,15 +63,17 @@ def outputs(model_fn, state, x):
 
 
 # ---------------------------------------------------------------------------------------------- alignment
-@pytest.mark.parametrize("make", [lambda: MLP().eval(), lenet], ids=["mlp", "conv+bn"])
+@pytest.mark.parametrize("make", [lambda: MLP().eval(), lenet, resnet20], ids=["mlp", "conv+bn", "residual"])
 def test_a_permuted_network_is_aligned_back_and_the_transport_is_the_permutation(make):
-    # Prepare: B is A with its hidden units shuffled (conv channels with their BatchNorm vectors)
+    # Prepare: B is A with its hidden units shuffled (conv channels with their BatchNorm vectors; in the
+    # ResNet, every layer writing into one residual sum with the same shuffle)
     torch.manual_seed(0)
     a = make()
     b_state, perms = permuted(a)
     plan = layer_plan(a)
     x = torch.randn(4, 1, 28, 28) if isinstance(a, nn.Module) and not isinstance(a, MLP) else torch.randn(4, 12)
-    fresh = (lambda: type(a)()) if isinstance(a, MLP) else (lambda: create_model("lenet", in_channels=1, num_classes=7))
+    name = "resnet20" if any(layer.tie is not None for layer in plan) else "lenet"
+    fresh = (lambda: type(a)()) if isinstance(a, MLP) else (lambda: create_model(name, in_channels=1, num_classes=7))
     for method, tol in (("hungarian", 0.0), ("sinkhorn", 1e-2)):
         # Execute
         chain = align_chain(a.state_dict(), b_state, plan, method=method, reg=0.01)
@@ -83,21 +88,130 @@ def test_a_permuted_network_is_aligned_back_and_the_transport_is_the_permutation
         assert torch.allclose(outputs(fresh, aligned, x), a(x), atol=1e-4 if method == "hungarian" else 5e-2)
 
 
-def test_alignment_preserves_the_function_of_a_reordered_model():
-    a = lenet()
+@pytest.mark.parametrize("name", ["lenet", "resnet20", "resnet18"])
+def test_alignment_preserves_the_function_of_a_reordered_model(name):
+    a = lenet(name=name)
     x = torch.randn(6, 1, 28, 28)
     b_state, _ = permuted(a, seed=7)
-    assert torch.allclose(outputs(lambda: create_model("lenet", in_channels=1, num_classes=7), b_state, x), a(x),
-                          atol=1e-5)
+    assert torch.allclose(outputs(lambda: create_model(name, in_channels=1, num_classes=7), b_state, x), a(x),
+                          atol=1e-4)
+    assert not torch.equal(b_state["layer1.0.conv1.weight" if name == "resnet18" else
+                                   "layers.0.conv1.weight" if name == "resnet20" else "features.0.weight"],
+                           a.state_dict()["layer1.0.conv1.weight" if name == "resnet18" else
+                                          "layers.0.conv1.weight" if name == "resnet20" else "features.0.weight"])
+
+
+def test_a_residual_sum_ties_its_writers_to_one_transport():
+    plan = {layer.name: (i, layer) for i, layer in enumerate(layer_plan(create_model("resnet20", in_channels=3,
+                                                                                      num_classes=10)))}
+    stem, first = plan["conv1"], plan["layers.0.conv1"]
+    assert stem[1].tie is None and stem[1].src is None and first[1].src == stem[0]
+    # the stem and every conv2 of the first stage write into one sum: the stem decides, the others follow
+    assert [plan[f"layers.{b}.conv2"][1].tie for b in range(3)] == [stem[0]] * 3
+    # a downsampling block starts a new sum: its conv2 decides together with its shortcut, whose inputs are
+    # already aligned; the later blocks of that stage follow
+    down, short = plan["layers.3.conv2"], plan["layers.3.shortcut.0"]
+    assert down[1].tie is None and down[1].joint == (short[0],) and short[1].tie == down[0]
+    assert short[1].src == stem[0] and plan["layers.4.conv2"][1].tie == down[0]
+    assert plan["layers.3.shortcut.0"][1].bn[0] == "layers.3.shortcut.1.weight"
+    assert plan["fc"][1].last and plan["fc"][1].src == plan["layers.6.conv2"][0]  # classes keep their order
+
+
+def test_a_downsampling_shortcut_joins_the_cost_of_the_transport_it_shares():
+    """Where a block's second conv cannot tell its units apart, its shortcut (joint member) must."""
+    a = resnet20()
+    state = a.state_dict()
+    for key in ("layers.3.conv2.weight", "layers.6.conv2.weight"):  # every unit of conv2 alike ...
+        state[key].zero_()
+    for key in ("layers.3.bn2", "layers.6.bn2"):  # ... with its BatchNorm affine
+        state[f"{key}.weight"].fill_(1.0)
+        state[f"{key}.bias"].zero_()
+    a.load_state_dict(state)
+    b_state, perms = permuted(a, seed=5)
+    plan = layer_plan(a)
+    chain = align_chain(a.state_dict(), b_state, plan, method="hungarian")
+    index = {layer.name: i for i, layer in enumerate(plan)}
+    for name in ("layers.3.conv2", "layers.6.conv2"):
+        assert torch.equal(chain.P[index[name]].float(), perms[index[name]].float()), name
+    x = torch.randn(4, 1, 28, 28)
+    aligned = apply_chain(a.state_dict(), plan, chain)
+    assert torch.allclose(outputs(lambda: create_model("resnet20", in_channels=1, num_classes=7), aligned, x), a(x),
+                          atol=1e-4)
+
+
+class _Cat(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.fc = nn.Conv2d(1, 4, 3), nn.Conv2d(1, 4, 3), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(torch.cat([self.a(x), self.b(x)], 1), 1), 1))
+
+
+class _NormAfterSum(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.bn, self.fc = nn.Conv2d(1, 4, 3), nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(self.bn(self.a(x) + self.b(x)), 1), 1))
+
+
+class _Net(nn.Module):
+    """A small traced network whose forward is given as a function of the module."""
+
+    def __init__(self, body, bn=4, fc=4):
+        super().__init__()
+        self.a, self.b, self.c = nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1), nn.Conv2d(4, 1, 1)
+        self.bn, self.fc = nn.BatchNorm1d(bn), nn.Linear(fc, 2)
+        self.body = body
+
+    def forward(self, x):
+        return self.body(self, x)
 
 
 def test_models_alignment_cannot_follow_are_refused_with_the_fix():
-    with pytest.raises(ValueError, match="cannot be aligned.*align=none"):
-        layer_plan(create_model("resnet20", in_channels=3, num_classes=10))
-    with pytest.raises(ValueError, match="has no layer to mix at.*lenet"):
-        mix_split(create_model("resnet20", in_channels=3, num_classes=10))
-    with pytest.raises(ValueError, match="cannot be aligned"):
-        FedPD(align="sinkhorn").bind_model(create_model("resnet20", in_channels=3, num_classes=10))
+    with pytest.raises(ValueError, match=r"GroupNorm\) is a layer alignment cannot reorder; use align=none"):
+        layer_plan(create_model("resnet20", in_channels=3, num_classes=10, norm="group"))
+    with pytest.raises(ValueError, match="operation cat .* cannot follow; use align=none"):
+        layer_plan(_Cat())
+    with pytest.raises(ValueError, match="BatchNorm that does not follow one conv .*after a sum"):
+        layer_plan(_NormAfterSum())
+    pool = nn.functional.adaptive_avg_pool2d
+    with pytest.raises(ValueError, match="b is called more than once"):  # one weight, two orders
+        layer_plan(_Net(lambda m, x: m.fc(torch.flatten(pool(m.b(m.b(m.a(x))), 1), 1))))
+    with pytest.raises(ValueError, match="flattens from dim 2 to -1"):  # a linear layer over space, not channels
+        layer_plan(_Net(lambda m, x: m.fc(torch.flatten(pool(m.a(x), 2), 2)).sum(-1)))
+    with pytest.raises(ValueError, match="linear layer on a .batch, channels"):
+        layer_plan(_Net(lambda m, x: m.fc(pool(m.a(x), 4)).sum((1, 2))))
+    with pytest.raises(ValueError, match="sums 4 channels with 1 .broadcasting"):
+        layer_plan(_Net(lambda m, x: m.fc(torch.flatten(pool((lambda h: m.b(h) + m.c(h))(m.a(x)), 1), 1))))
+    with pytest.raises(ValueError, match="channel for channel .*a flatten"):
+        layer_plan(_Net(lambda m, x: m.fc(m.bn(torch.flatten(pool(m.a(x), 2), 1))), bn=16, fc=16))
+    with pytest.raises(ValueError, match="has no layer to mix at.*lenet, resnet18, resnet20"):
+        mix_split(create_model("dual-lenet", in_channels=3, num_classes=10))
+    with pytest.raises(ValueError, match="cannot reorder"):
+        FedPD(align="sinkhorn").bind_model(create_model("resnet20", in_channels=3, num_classes=10, norm="group"))
+
+
+def test_sinkhorn_tolerance_reaches_the_solver_and_the_fusion():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(12, 5, generator=g, dtype=torch.float64), torch.randn(12, 5, generator=g, dtype=torch.float64)
+
+    def err(P):
+        return float(max((P.sum(0) - 1).abs().max(), (P.sum(1) - 1).abs().max()))
+
+    loose, tight = transport(a, b, reg=0.02, tol=1e-2), transport(a, b, reg=0.02, tol=1e-9, max_iter=5000)
+    assert err(tight.P) < 1e-6 < err(loose.P)
+    m = lenet()
+    states = [m.state_dict(), {k: v + 0.3 * torch.randn_like(v) if v.is_floating_point() else v
+                               for k, v in m.state_dict().items()}]
+    cut = split_parts({k: torch.ones_like(v) for k, v in m.named_parameters()}, {}, mode="none")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the tight one stops at max_iter, short of 1e-9
+        fused = [fuse(states, [1.0, 1.0], plan=layer_plan(m), parts=[cut, cut], ref=0, reg=0.02, tol=t).state
+                 for t in (1e-2, 1e-9)]
+    assert not all(torch.equal(fused[0][k], fused[1][k]) for k in fused[0])
 
 
 def test_sinkhorn_that_fails_warns_with_advice_and_never_returns_nan():
@@ -171,8 +285,9 @@ def test_divide_and_conquer_without_alignment_is_exactly_fedavg():
                 assert torch.allclose(fused.state[k], v, atol=1e-6), k
 
 
-def test_fusing_a_reordered_copy_with_the_original_gives_the_original():
-    a = lenet()
+@pytest.mark.parametrize("name", ["lenet", "resnet20"])
+def test_fusing_a_reordered_copy_with_the_original_gives_the_original(name):
+    a = lenet(name=name)
     b_state, _ = permuted(a, seed=3)
     plan = layer_plan(a)
     ones = {k: torch.ones_like(v) for k, v in a.named_parameters()}
@@ -180,7 +295,7 @@ def test_fusing_a_reordered_copy_with_the_original_gives_the_original():
     fused = fuse([a.state_dict(), b_state], [1.0, 1.0], plan=plan, parts=[cut, cut], ref=0, method="hungarian")
     plain = fuse([a.state_dict(), b_state], [1.0, 1.0], plan=plan, parts=[cut, cut], ref=0, method="none")
     x = torch.randn(5, 1, 28, 28)
-    build = lambda: create_model("lenet", in_channels=1, num_classes=7)  # noqa: E731
+    build = lambda: create_model(name, in_channels=1, num_classes=7)  # noqa: E731
     assert torch.allclose(outputs(build, fused.state, x), a(x), atol=1e-4)
     assert not torch.allclose(outputs(build, plain.state, x), a(x), atol=1e-2)  # what alignment prevents
 
@@ -318,6 +433,22 @@ def test_fedpd_resumes_to_the_same_run_and_keeps_a_bounded_bn_bank(tmp_path):
     assert last["sba_bank_bytes"] == 3 * (2 * 96 * 4 + 2 * 8)
 
 
+def test_fedpd_plus_plus_trains_a_resnet_end_to_end():
+    """PROSER mixes inside the ResNet, and the server aligns its parts through the residual sums."""
+    data = _data()
+    cfg = RoundConfig(rounds=2, trainer="proser", trainer_params={"lr": 0.05, "batch_size": 16, "importance": "dpi"},
+                      strategy="fedpd", strategy_params={"parts": "three", "align": "sinkhorn", "sba": True}, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        res = run_rounds(data, ModelSpec(name="resnet20", in_channels=1, num_classes=4, norm="batch"), cfg)
+    last = res.records[-1]
+    assert np.isfinite([last["align_cost"], last["transport_entropy"], last["bn_drift"]]).all()
+    assert last["align_cost"] > 0 and 0.0 <= last["transport_entropy"] <= 1.0
+    # all 21 BatchNorm layers of the ResNet are in the bank: the stem's, two per block, the two shortcuts'
+    channels = 16 + 2 * 3 * (16 + 32 + 64) + 32 + 64
+    assert last["sba_bank_bytes"] == 3 * (2 * channels * 4 + 2 * 8)
+
+
 def test_fedpd_refuses_updates_without_masks_and_names_the_fix():
     s = FedPD(parts="three")
     s.bind_model(create_model("lenet", in_channels=1, num_classes=4))
@@ -328,6 +459,8 @@ def test_fedpd_refuses_updates_without_masks_and_names_the_fix():
         s.aggregate(state, [(0, ClientUpdate(state=state, num_examples=1))], num_clients=1)
     with pytest.raises(ValueError, match="unknown align 'exact'"):
         FedPD(align="exact")
+    with pytest.raises(ValueError, match="0 < tol < 0.05.*0.5"):
+        FedPD(tol=0.5)
 
 
 def test_a_fedpd_run_is_reproducible():

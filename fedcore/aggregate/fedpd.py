@@ -9,6 +9,8 @@ Settings, each switchable for the paper's ablations:
   hold) or ``masked`` (the masked weights, the literal Eq. 19–21; see :func:`~fedcore.openset.align.align_chain`);
 * ``sba``: add the distance between the clients' BatchNorm-statistics histories to each BatchNorm
   layer's cost, with ``sba_weight`` (see :func:`~fedcore.openset.align.bank_cost` for why added);
+* ``reg``, ``max_iter``, ``tol``: Sinkhorn's relative entropy, iteration cap and stopping tolerance
+  on the marginals (1e-6; 1e-3 halves the three parts' alignment time on a ResNet-18, ``benchmarks/fedpd_align.py``);
 * ``quality``: also solve every layer exactly, to log Sinkhorn's cost over Hungarian's (slower);
 * ``reference``: the client every other is aligned to: ``largest`` (most examples, then the
   lowest id) or ``first`` (the lowest selected id). The paper allows any;
@@ -41,7 +43,7 @@ class FedPD(Strategy):
     needs_model = True
 
     def __init__(self, *, parts: str = "three", align: str = "sinkhorn", part_cost: str = "weighted",
-                 sba: bool = True, sba_weight: float = 1.0, reg: float = 0.05, max_iter: int = 200,
+                 sba: bool = True, sba_weight: float = 1.0, reg: float = 0.05, max_iter: int = 200, tol: float = 1e-6,
                  sba_window: int = 10, reference: str = "largest", client_weights: str = "examples",
                  quality: bool = False) -> None:
         for what, value, choices in (("parts", parts, PART_MODES), ("align", align, ALIGN_METHODS),
@@ -49,12 +51,12 @@ class FedPD(Strategy):
                                      ("client_weights", client_weights, CLIENT_WEIGHTS),
                                      ("part_cost", part_cost, PART_COSTS)):
             check_choice(what, value, choices)
-        if reg <= 0 or max_iter < 1 or sba_window < 1 or sba_weight < 0:
-            raise ValueError(f"need reg > 0, max_iter >= 1, sba_window >= 1 and sba_weight >= 0; got {reg}, "
-                             f"{max_iter}, {sba_window}, {sba_weight}")
+        if reg <= 0 or max_iter < 1 or sba_window < 1 or sba_weight < 0 or not 0 < tol < 5e-2:
+            raise ValueError(f"need reg > 0, max_iter >= 1, 0 < tol < 0.05, sba_window >= 1 and sba_weight >= 0; got "
+                             f"{reg}, {max_iter}, {tol}, {sba_window}, {sba_weight}")
         self.parts, self.align, self.sba, self.reg, self.max_iter = parts, align, bool(sba), float(reg), int(max_iter)
         self.sba_window, self.reference, self.client_weights = int(sba_window), reference, client_weights
-        self.quality, self.part_cost, self.sba_weight = bool(quality), part_cost, float(sba_weight)
+        self.quality, self.part_cost, self.sba_weight, self.tol = bool(quality), part_cost, float(sba_weight), float(tol)
 
     def bind_model(self, model: torch.nn.Module) -> None:
         """The network's layer plan; a model alignment cannot follow is refused here, before any round."""
@@ -75,7 +77,7 @@ class FedPD(Strategy):
         ref = self._reference(updates)
         weights = [float(u.num_examples) if self.client_weights == "examples" else 1.0 for u in ups]
         fused = fuse([u.state for u in ups], weights, plan=self.plan, parts=parts, ref=ref, method=self.align,
-                     reg=self.reg, max_iter=self.max_iter, part_cost=self.part_cost, sba_weight=self.sba_weight,
+                     reg=self.reg, max_iter=self.max_iter, tol=self.tol, part_cost=self.part_cost, sba_weight=self.sba_weight,
                      banks=[self.bank.get(i) for i in ids] if self.sba and self.align != "none" else None,
                      quality=self.quality and self.align == "sinkhorn", names=ids)
         metrics = {**fused.metrics, **self._mask_sizes(parts), **self._bn_drift(ups, ref),

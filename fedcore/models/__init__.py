@@ -61,11 +61,15 @@ def mix_split(model: nn.Module):
     """``(pre, post)``: the layers before and after the model's mixing point, for PROSER's manifold mixup.
 
     ``post(pre(x))`` equals ``model(x)``. A model declares its mixing point with ``mix_at``, an index
-    into its ``features``; a model without one is refused with the names of those that have one.
+    into its ``features``, or with a ``mix_parts()`` method that returns the pair (the ResNets); a
+    model without one is refused with the names of those that have one.
     """
+    if callable(getattr(model, "mix_parts", None)):
+        return model.mix_parts()
     at = getattr(model, "mix_at", None)
     if at is None or not isinstance(getattr(model, "features", None), nn.Sequential):
-        usable = [n for n in MODELS.names() if getattr(MODELS.get(n), "mix_at", None) is not None]
+        usable = [n for n in MODELS.names()
+                  if getattr(MODELS.get(n), "mix_at", None) is not None or getattr(MODELS.get(n), "mixable", False)]
         raise ValueError(f"{type(model).__name__} has no layer to mix at: PROSER mixes features at a middle layer "
                          f"(a `mix_at` index into `features`); use one of the models {', '.join(usable)}")
     head, tail = model.features[:at], model.features[at:]

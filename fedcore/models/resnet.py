@@ -52,6 +52,18 @@ class ResNet20(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(self.embed(x))
 
+    mixable = True
+
+    def mix_parts(self):
+        """PROSER's mixing point: after the second of the three stages, ``(pre, post)`` with ``post(pre(x)) == self(x)``."""
+        k = 2 * len(self.layers) // 3
+        pre = nn.Sequential(self.conv1, self.bn1, self.relu, self.layers[:k])
+
+        def post(h: torch.Tensor) -> torch.Tensor:
+            return self.fc(torch.flatten(self.pool(self.layers[k:](h)), 1))
+
+        return pre, post
+
 
 def resnet18_32(*, in_channels: int = 3, num_classes: int = 10, norm: str = "batch") -> nn.Module:
     """torchvision's resnet18 with a 3x3 stem and no max-pool, the usual 32x32 adaptation."""
@@ -68,7 +80,19 @@ def resnet18_32(*, in_channels: int = 3, num_classes: int = 10, norm: str = "bat
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.fc(self.embed(x))
 
+        def mix_parts(self):
+            """PROSER's mixing point: after ``layer2``, ``(pre, post)`` with ``post(pre(x)) == self(x)``."""
+            pre = nn.Sequential(self.conv1, self.bn1, self.relu, self.maxpool, self.layer1, self.layer2)
+
+            def post(h: torch.Tensor) -> torch.Tensor:
+                return self.fc(torch.flatten(self.avgpool(self.layer4(self.layer3(h))), 1))
+
+            return pre, post
+
     model = ResNet18(TVBlock, [2, 2, 2, 2], num_classes=num_classes, norm_layer=lambda c: make_norm(norm, c))
     model.conv1 = nn.Conv2d(in_channels, 64, 3, stride=1, padding=1, bias=False)
     model.maxpool = nn.Identity()
     return model
+
+
+resnet18_32.mixable = True  # builds a model with mix_parts (PROSER can mix in it)

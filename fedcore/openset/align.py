@@ -16,9 +16,13 @@ perfect match is a permutation matrix (Sinkhorn's is doubly stochastic, a soft p
 Reordered weights are ``P^T W``; the next layer's inputs become ``W P``. The classifier's
 outputs are classes and are never reordered.
 
-Only networks whose forward pass runs their layers in registration order, without skips, can be
-aligned this way (a residual connection ties two layers to one order). Such models say so with
-``sequential = True``; :func:`layer_plan` refuses any other, naming the fix.
+A network whose layers run in registration order says so with ``sequential = True``: layer j's
+inputs follow layer j − 1's transport. Any other network is traced (``torch.fx``) and its graph
+decides the plan. A residual sum ties the layers that write into it to one order: the first of
+them (in forward order) decides the transport, from its own units and those of every other
+writer whose inputs are already aligned (a downsampling shortcut), and the later writers follow
+it. Operations alignment cannot follow (a concatenation, a reshape, GroupNorm) are refused with
+the fix.
 """
 
 from __future__ import annotations
@@ -45,7 +49,11 @@ class Layer:
     """One alignable layer: its state keys, its width and how its inputs follow the previous layer.
 
     ``spatial`` is the number of input positions per previous unit (a linear layer after a
-    flattened ``C x 4 x 4`` map has ``spatial = 16``); ``last`` marks the classifier.
+    flattened ``C x 4 x 4`` map has ``spatial = 16``); ``last`` marks a layer whose outputs keep
+    their order (the classifier). ``src`` is the plan index of the layer whose transport reorders
+    this layer's inputs (None: the network's input). ``tie`` is the index of an earlier layer whose
+    transport this layer shares (both write into one residual sum); ``joint`` lists the later
+    layers writing into the same sum whose units join this layer's matching cost.
     """
 
     name: str
@@ -55,6 +63,9 @@ class Layer:
     out: int
     spatial: int
     last: bool
+    src: Optional[int] = None
+    tie: Optional[int] = None
+    joint: Tuple[int, ...] = ()
 
     @property
     def keys(self) -> Tuple[str, ...]:
@@ -64,10 +75,7 @@ class Layer:
 def layer_plan(model: nn.Module) -> List[Layer]:
     """The alignable layers of ``model`` in forward order; refuses models alignment cannot follow."""
     if not getattr(model, "sequential", False):
-        raise ValueError(f"{type(model).__name__} cannot be aligned: optimal-transport alignment reorders each layer's "
-                         "units and the next layer's inputs, which needs a network whose layers run in order with no "
-                         "skip connections (a residual block ties two layers to one order). Use a plain CNN "
-                         "(lenet or cnn) or set align=none")
+        return _graph_plan(model)
     raw: List[dict] = []
     for name, mod in model.named_modules():
         if list(mod.children()):
@@ -101,9 +109,177 @@ def layer_plan(model: nn.Module) -> List[Layer]:
                                  "the transport of one cannot reorder the other; use align=none")
         plan.append(Layer(name=r["name"], weight=f"{r['name']}.weight",
                           bias=f"{r['name']}.bias" if mod.bias is not None else None, bn=r["bn"], out=width_out,
-                          spatial=spatial, last=j == len(raw) - 1))
+                          spatial=spatial, last=j == len(raw) - 1, src=j - 1 if j else None))
         prev_out = width_out
     return plan
+
+
+_FLOW_FUNCTIONS = ("relu", "relu_", "flatten", "dropout", "adaptive_avg_pool2d", "avg_pool2d", "max_pool2d",
+                   "contiguous")
+_SUMS = ("add", "add_")  # `out += x` traces as operator.add
+
+
+def _graph_plan(model: nn.Module) -> List[Layer]:
+    """The plan of a network with skip connections, from its traced graph (see the module docstring).
+
+    Every tensor carries the *group* of layers whose transport orders its channels: a conv or
+    linear layer starts its own group, pass-through operations keep their input's, and a sum
+    merges its inputs' groups. A group that reaches the output (the classes) or the network's
+    input keeps its order.
+    """
+    from torch import fx
+
+    kind = type(model).__name__
+    fix = "use align=none, or a network whose layers and residual sums alignment can follow (lenet, cnn, resnet20, resnet18)"
+    try:
+        graph = fx.symbolic_trace(model).graph
+    except Exception as err:  # noqa: BLE001 - any tracing failure means the same thing here
+        raise ValueError(f"{kind} cannot be aligned: its forward pass cannot be traced ({err}); {fix}") from err
+    modules = dict(model.named_modules())
+    INPUT = -1
+    parent: Dict[int, int] = {INPUT: INPUT}
+
+    def find(g: int) -> int:
+        while parent[g] != g:
+            parent[g] = parent[parent[g]]
+            g = parent[g]
+        return g
+
+    raw: List[dict] = []
+    group: Dict[str, int] = {}      # node name -> the group ordering its channels
+    producer: Dict[str, int] = {}   # node name -> the layer it comes from through pass-through steps only
+    flat: Dict[str, bool] = {}      # node name -> (batch, features), as a linear layer needs, not (batch, C, ...)
+    seen: set = set()
+    output_groups: List[int] = []
+    for node in graph.nodes:
+        tensors = [a for a in node.args if isinstance(a, fx.Node)]
+        if node.op == "placeholder":
+            group[node.name], flat[node.name] = INPUT, False
+            continue
+        if node.op == "call_module" and isinstance(modules[node.target], (nn.Conv2d, nn.Linear, nn.BatchNorm1d,
+                                                                          nn.BatchNorm2d)):
+            if node.target in seen:
+                raise ValueError(f"{kind}.{node.target} is called more than once: one set of weights in two places "
+                                 f"cannot take two orders; {fix}")
+            seen.add(node.target)
+        if node.op == "output":
+            outs = node.args[0]
+            if not isinstance(outs, fx.Node):
+                raise ValueError(f"{kind} cannot be aligned: its forward pass returns {type(outs).__name__}, not one "
+                                 f"tensor; {fix}")
+            output_groups.append(group[outs.name])
+            continue
+        where = node.target if node.op == "call_module" else getattr(node.target, "__name__", str(node.target))
+        if node.op == "call_module":
+            mod = modules[node.target]
+            if isinstance(mod, (nn.Conv2d, nn.Linear)):
+                if isinstance(mod, nn.Conv2d) and mod.groups != 1:
+                    raise ValueError(f"{node.target}: grouped convolutions cannot be aligned unit by unit; {fix}")
+                g_in = group[tensors[0].name]
+                if isinstance(mod, nn.Linear) and g_in != INPUT and not flat[tensors[0].name]:
+                    raise ValueError(f"{node.target}: a linear layer on a (batch, channels, ...) map acts on its last "
+                                     f"axis, not on the channels alignment reorders; flatten from dim 1 first or {fix}")
+                j = len(raw)
+                raw.append({"name": node.target, "mod": mod, "bn": (), "in": g_in})
+                parent[j] = j
+                group[node.name], producer[node.name], flat[node.name] = j, j, isinstance(mod, nn.Linear)
+                continue
+            if isinstance(mod, (nn.BatchNorm1d, nn.BatchNorm2d)):
+                j = producer.get(tensors[0].name)
+                width = None if j is None else (raw[j]["mod"].out_channels if isinstance(raw[j]["mod"], nn.Conv2d)
+                                                else raw[j]["mod"].out_features)
+                if j is None or raw[j]["bn"] or mod.num_features != width:
+                    raise ValueError(f"{node.target}: a BatchNorm that does not follow one conv or linear layer "
+                                     f"directly, channel for channel (after a sum, a flatten, or a second one) cannot "
+                                     f"be aligned; {fix}")
+                raw[j]["bn"] = tuple(f"{node.target}.{k}" for k in ("weight", "bias", "running_mean", "running_var")
+                                     if getattr(mod, k, None) is not None)
+            elif isinstance(mod, nn.Flatten):
+                if mod.start_dim != 1 or mod.end_dim != -1:
+                    raise ValueError(f"{node.target}: only a flatten from dim 1 to the end keeps channels apart; {fix}")
+            elif not isinstance(mod, _PASS_THROUGH):
+                raise ValueError(f"{node.target} ({type(mod).__name__}) is a layer alignment cannot reorder; {fix}")
+        elif node.op in ("call_function", "call_method") and where in _SUMS:
+            if len(tensors) != 2:
+                raise ValueError(f"{kind}: a sum ({node.name}) of {len(tensors)} tensors cannot be aligned; {fix}")
+            ga, gb = find(group[tensors[0].name]), find(group[tensors[1].name])
+            wa, wb = (None if g == INPUT else raw[g]["mod"] for g in (ga, gb))
+            wa, wb = (None if m is None else m.out_channels if isinstance(m, nn.Conv2d) else m.out_features
+                      for m in (wa, wb))
+            if None not in (wa, wb) and wa != wb:
+                raise ValueError(f"{kind}: {node.name} sums {wa} channels with {wb} (broadcasting); {fix}")
+            parent[max(ga, gb)] = min(ga, gb)  # the input (-1) absorbs any group summed with it
+            group[node.name] = min(ga, gb)
+            flat[node.name] = flat[tensors[0].name] and flat[tensors[1].name]
+            continue
+        elif node.op in ("call_function", "call_method") and where in _FLOW_FUNCTIONS:
+            if where == "flatten":
+                start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
+                end = node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1)
+                if start != 1 or end != -1:
+                    raise ValueError(f"{kind}: {node.name} flattens from dim {start} to {end}; only a flatten from "
+                                     f"dim 1 to the end keeps channels apart; {fix}")
+        else:
+            raise ValueError(f"{kind}: the operation {where} ({node.name}) is one alignment cannot follow; {fix}")
+        if not tensors:
+            raise ValueError(f"{kind}: {node.name} takes no tensor; {fix}")
+        group[node.name] = group[tensors[0].name]
+        flat[node.name] = flat[tensors[0].name] or where == "flatten" or isinstance(
+            modules.get(node.target) if node.op == "call_module" else None, nn.Flatten)
+        if tensors[0].name in producer and where != "flatten" and not (
+                node.op == "call_module" and isinstance(modules[node.target], nn.Flatten)):
+            producer[node.name] = producer[tensors[0].name]
+    if not raw:
+        raise ValueError(f"{kind} has no conv or linear layer to align; {fix}")
+    fixed = {find(INPUT)} | {find(g) for g in output_groups}
+    roots = [find(j) for j in range(len(raw))]
+    decider: Dict[int, int] = {}
+    for j, g in enumerate(roots):
+        decider.setdefault(g, j)
+    width = {g: raw[decider[g]]["mod"].out_channels if isinstance(raw[decider[g]]["mod"], nn.Conv2d)
+             else raw[decider[g]]["mod"].out_features for g in decider}
+    srcs: List[Optional[int]] = []
+    for j, r in enumerate(raw):
+        g_in = find(r["in"])
+        srcs.append(None if g_in == find(INPUT) else decider[g_in])
+    plan: List[Layer] = []
+    for j, r in enumerate(raw):
+        mod, g, src = r["mod"], roots[j], srcs[j]
+        width_in = mod.in_channels if isinstance(mod, nn.Conv2d) else mod.in_features
+        width_out = mod.out_channels if isinstance(mod, nn.Conv2d) else mod.out_features
+        spatial = 1
+        if src is not None:
+            prev_out = width[roots[src]]
+            if isinstance(mod, nn.Linear) and width_in % prev_out == 0:
+                spatial = width_in // prev_out
+            elif width_in != prev_out:
+                raise ValueError(f"{r['name']} takes {width_in} inputs but its input has {prev_out} channels: the "
+                                 f"transport of one cannot reorder the other; {fix}")
+        last = g in fixed
+        lead = decider[g] == j
+        joint = tuple(m for m in range(j + 1, len(raw)) if roots[m] == g and (srcs[m] is None or srcs[m] < j)) \
+            if lead and not last else ()
+        plan.append(Layer(name=r["name"], weight=f"{r['name']}.weight",
+                          bias=f"{r['name']}.bias" if mod.bias is not None else None, bn=r["bn"], out=width_out,
+                          spatial=spatial, last=last, src=src, tie=None if lead or last else decider[g], joint=joint))
+    return plan
+
+
+def shuffled_chain(plan: Sequence[Layer], generator: torch.Generator) -> "Chain":
+    """A chain of random permutations, one per transport the plan allows (tied layers share one).
+
+    Applied with :func:`apply_chain` it reorders a network's hidden units without changing its
+    function: the tests' and benchmarks' stand-in for a client that learnt the same units elsewhere.
+    """
+    P: List[Optional[torch.Tensor]] = []
+    for layer in plan:
+        if layer.last:
+            P.append(None)
+        elif layer.tie is not None:
+            P.append(P[layer.tie])
+        else:
+            P.append(torch.eye(layer.out)[torch.randperm(layer.out, generator=generator)])
+    return Chain(P=P)
 
 
 # ------------------------------------------------------------------------------------------ transports
@@ -156,7 +332,7 @@ def unit_distance(a: torch.Tensor, b: torch.Tensor, a_weight: Optional[torch.Ten
 
 
 def transport(a: torch.Tensor, b: torch.Tensor, *, method: str = "sinkhorn", reg: float = 0.05,
-              max_iter: int = 200, where: str = "", a_weight: Optional[torch.Tensor] = None,
+              max_iter: int = 200, tol: float = 1e-6, where: str = "", a_weight: Optional[torch.Tensor] = None,
               b_weight: Optional[torch.Tensor] = None, extra: Optional[torch.Tensor] = None,
               extra_weight: float = 1.0) -> Transport:
     """The coupling of A's units (rows of ``a``) to B's (rows of ``b``).
@@ -167,7 +343,8 @@ def transport(a: torch.Tensor, b: torch.Tensor, *, method: str = "sinkhorn", reg
 
     The ground cost is divided by its mean, so ``reg`` is relative to a typical distance between
     two units and means the same on every layer (a maximum would let one outlying unit set it).
-    Sinkhorn runs in the log domain; if it returns non-finite values the layer keeps its order
+    Sinkhorn runs in the log domain until its marginals are within ``tol`` (POT's ``stopThr``) or
+    for ``max_iter`` iterations; if it returns non-finite values the layer keeps its order
     (identity) with a warning, never silent NaNs.
     """
     if method not in ALIGN_METHODS or method == "none":
@@ -195,9 +372,11 @@ def transport(a: torch.Tensor, b: torch.Tensor, *, method: str = "sinkhorn", reg
 
         if reg <= 0:
             raise ValueError(f"Sinkhorn needs reg > 0, got {reg}; try 0.05 (the cost is scaled to mean 1)")
+        if not 0 < tol < 5e-2:
+            raise ValueError(f"Sinkhorn's tol must be in (0, 0.05), got {tol}; the default is 1e-6, 1e-3 is faster")
         u = torch.full((n,), 1.0 / n, dtype=torch.float64)
         # torch tensors in, so POT's torch backend runs the log-domain loop (about 10x numpy's here)
-        T = ot.sinkhorn(u, u, Cn, reg, method="sinkhorn_log", numItermax=max_iter, stopThr=1e-6, warn=False)
+        T = ot.sinkhorn(u, u, Cn, reg, method="sinkhorn_log", numItermax=max_iter, stopThr=tol, warn=False)
         P = (T * n).double()
         err = max(float((P.sum(1) - 1).abs().max()), float((P.sum(0) - 1).abs().max()))  # relative marginal error
         if not bool(torch.isfinite(P).all()):
@@ -239,7 +418,8 @@ PART_COSTS = ("weighted", "masked")
 
 
 def align_chain(state: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor], plan: Sequence[Layer], *,
-                method: str = "sinkhorn", reg: float = 0.05, max_iter: int = 200, mask: Optional[Masks] = None,
+                method: str = "sinkhorn", reg: float = 0.05, max_iter: int = 200, tol: float = 1e-6,
+                mask: Optional[Masks] = None,
                 ref_mask: Optional[Masks] = None, part_cost: str = "weighted",
                 bank_costs: Optional[Mapping[str, torch.Tensor]] = None, sba_weight: float = 1.0,
                 quality: bool = False, where: str = "") -> Chain:
@@ -254,21 +434,30 @@ def align_chain(state: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tenso
     """
     check_choice("part_cost", part_cost, PART_COSTS)
     chain = Chain(P=[])
-    prev: Optional[torch.Tensor] = None
     for layer in plan:
         if layer.last:
             chain.P.append(None)
-            break
-        a, b = unit_matrix(state, layer, prev), unit_matrix(ref, layer, None)
+            continue
+        if layer.tie is not None:  # writes into a residual sum whose order an earlier layer decided
+            chain.P.append(chain.P[layer.tie])
+            continue
+        members = [layer] + [plan[m] for m in layer.joint]
+
+        def units(tensors, aligned):
+            return torch.cat([unit_matrix(tensors, m, chain.P[m.src] if aligned and m.src is not None else None)
+                              for m in members], 1)
+
+        a, b = units(state, True), units(ref, False)
         wa = wb = None
         if mask is not None:
-            ma, mb = unit_matrix(mask, layer, prev), unit_matrix(ref_mask, layer, None)
+            ma, mb = units(mask, True), units(ref_mask, False)
             if part_cost == "masked":
                 a, b = a * ma, b * mb
             else:
                 wa, wb = ma, mb
-        extra = bank_costs.get(layer.name) if bank_costs else None
-        t = transport(a, b, method=method, reg=reg, max_iter=max_iter, where=f"{where} {layer.name}".strip(),
+        extras = [bank_costs[m.name] for m in members if bank_costs and m.name in bank_costs]
+        extra = sum(extras[1:], extras[0]) if extras else None
+        t = transport(a, b, method=method, reg=reg, max_iter=max_iter, tol=tol, where=f"{where} {layer.name}".strip(),
                       a_weight=wa, b_weight=wb, extra=extra, extra_weight=sba_weight)
         if quality:
             exact = transport(a, b, method="hungarian", a_weight=wa, b_weight=wb, extra=extra,
@@ -277,7 +466,6 @@ def align_chain(state: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tenso
         chain.P.append(t.P)
         chain.costs.append(t.cost)
         chain.entropies.append(t.entropy)
-        prev = t.P
     return chain
 
 
@@ -287,12 +475,10 @@ def apply_chain(tensors: Mapping[str, torch.Tensor], plan: Sequence[Layer], chai
     Keys outside the plan (``num_batches_tracked``) pass through unchanged.
     """
     out = dict(tensors)
-    prev: Optional[torch.Tensor] = None
     for layer, P in zip(plan, chain.P):
         if layer.weight not in tensors:
-            prev = P
             continue
-        w = align_inputs(tensors[layer.weight], prev, layer)
+        w = align_inputs(tensors[layer.weight], chain.P[layer.src] if layer.src is not None else None, layer)
         if P is not None:
             Pt = P.to(w.dtype).t()
             w = (Pt @ w.reshape(layer.out, -1)).reshape(w.shape)
@@ -300,7 +486,6 @@ def apply_chain(tensors: Mapping[str, torch.Tensor], plan: Sequence[Layer], chai
                 if key in tensors:
                     out[key] = Pt @ tensors[key]
         out[layer.weight] = w
-        prev = P
     return out
 
 

@@ -31,7 +31,7 @@ class Fused:
 
 def fuse(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float], *, plan: Sequence[Layer],
          parts: Sequence[Mapping[str, Mapping[str, torch.Tensor]]], ref: int, method: str = "sinkhorn",
-         reg: float = 0.05, max_iter: int = 200, part_cost: str = "weighted",
+         reg: float = 0.05, max_iter: int = 200, tol: float = 1e-6, part_cost: str = "weighted",
          banks: Optional[Sequence[Mapping[str, torch.Tensor]]] = None, sba_weight: float = 1.0,
          quality: bool = False, names: Optional[Sequence[int]] = None) -> Fused:
     """Align every client's parts to client ``ref``'s and average them.
@@ -75,10 +75,10 @@ def fuse(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float],
             chains = {p: whole for p in cut}
         else:
             sba = dict(bank_costs=_sba(banks[k], banks[ref], plan), sba_weight=sba_weight) if banks else {}
-            whole = align_chain(state, states[ref], plan, method=method, reg=reg, max_iter=max_iter,
+            whole = align_chain(state, states[ref], plan, method=method, reg=reg, max_iter=max_iter, tol=tol,
                                 quality=quality, where=f"client {names[k]}", **sba)
             chains = {p: whole if p in ("rest", "whole") else
-                      align_chain(state, states[ref], plan, method=method, reg=reg, max_iter=max_iter,
+                      align_chain(state, states[ref], plan, method=method, reg=reg, max_iter=max_iter, tol=tol,
                                   mask=cut[p], ref_mask=parts[ref][p], part_cost=part_cost,
                                   where=f"client {names[k]} {p}", **sba)
                       for p in cut}
