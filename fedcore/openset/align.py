@@ -44,6 +44,13 @@ ALIGN_METHODS = ("sinkhorn", "hungarian", "none")
 _PASS_THROUGH = (nn.ReLU, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.Flatten, nn.Dropout, nn.Identity)
 
 
+def _widths(mod: nn.Module) -> Tuple[int, int]:
+    """(inputs, outputs) of a conv or linear layer: channels or features."""
+    if isinstance(mod, nn.Conv2d):
+        return mod.in_channels, mod.out_channels
+    return mod.in_features, mod.out_features
+
+
 @dataclass(frozen=True)
 class Layer:
     """One alignable layer: its state keys, its width and how its inputs follow the previous layer.
@@ -98,8 +105,7 @@ def layer_plan(model: nn.Module) -> List[Layer]:
     prev_out = None
     for j, r in enumerate(raw):
         mod = r["mod"]
-        width_in = mod.in_channels if isinstance(mod, nn.Conv2d) else mod.in_features
-        width_out = mod.out_channels if isinstance(mod, nn.Conv2d) else mod.out_features
+        width_in, width_out = _widths(mod)
         spatial = 1
         if prev_out is not None:
             if isinstance(mod, nn.Linear) and width_in % prev_out == 0:
@@ -186,9 +192,7 @@ def _graph_plan(model: nn.Module) -> List[Layer]:
                 continue
             if isinstance(mod, (nn.BatchNorm1d, nn.BatchNorm2d)):
                 j = producer.get(tensors[0].name)
-                width = None if j is None else (raw[j]["mod"].out_channels if isinstance(raw[j]["mod"], nn.Conv2d)
-                                                else raw[j]["mod"].out_features)
-                if j is None or raw[j]["bn"] or mod.num_features != width:
+                if j is None or raw[j]["bn"] or mod.num_features != _widths(raw[j]["mod"])[1]:
                     raise ValueError(f"{node.target}: a BatchNorm that does not follow one conv or linear layer "
                                      f"directly, channel for channel (after a sum, a flatten, or a second one) cannot "
                                      f"be aligned; {fix}")
@@ -203,9 +207,7 @@ def _graph_plan(model: nn.Module) -> List[Layer]:
             if len(tensors) != 2:
                 raise ValueError(f"{kind}: a sum ({node.name}) of {len(tensors)} tensors cannot be aligned; {fix}")
             ga, gb = find(group[tensors[0].name]), find(group[tensors[1].name])
-            wa, wb = (None if g == INPUT else raw[g]["mod"] for g in (ga, gb))
-            wa, wb = (None if m is None else m.out_channels if isinstance(m, nn.Conv2d) else m.out_features
-                      for m in (wa, wb))
+            wa, wb = (None if g == INPUT else _widths(raw[g]["mod"])[1] for g in (ga, gb))
             if None not in (wa, wb) and wa != wb:
                 raise ValueError(f"{kind}: {node.name} sums {wa} channels with {wb} (broadcasting); {fix}")
             parent[max(ga, gb)] = min(ga, gb)  # the input (-1) absorbs any group summed with it
@@ -223,11 +225,10 @@ def _graph_plan(model: nn.Module) -> List[Layer]:
             raise ValueError(f"{kind}: the operation {where} ({node.name}) is one alignment cannot follow; {fix}")
         if not tensors:
             raise ValueError(f"{kind}: {node.name} takes no tensor; {fix}")
+        flattens = where == "flatten" or node.op == "call_module" and isinstance(modules[node.target], nn.Flatten)
         group[node.name] = group[tensors[0].name]
-        flat[node.name] = flat[tensors[0].name] or where == "flatten" or isinstance(
-            modules.get(node.target) if node.op == "call_module" else None, nn.Flatten)
-        if tensors[0].name in producer and where != "flatten" and not (
-                node.op == "call_module" and isinstance(modules[node.target], nn.Flatten)):
+        flat[node.name] = flat[tensors[0].name] or flattens
+        if tensors[0].name in producer and not flattens:
             producer[node.name] = producer[tensors[0].name]
     if not raw:
         raise ValueError(f"{kind} has no conv or linear layer to align; {fix}")
@@ -236,8 +237,7 @@ def _graph_plan(model: nn.Module) -> List[Layer]:
     decider: Dict[int, int] = {}
     for j, g in enumerate(roots):
         decider.setdefault(g, j)
-    width = {g: raw[decider[g]]["mod"].out_channels if isinstance(raw[decider[g]]["mod"], nn.Conv2d)
-             else raw[decider[g]]["mod"].out_features for g in decider}
+    width = {g: _widths(raw[j]["mod"])[1] for g, j in decider.items()}
     srcs: List[Optional[int]] = []
     for j, r in enumerate(raw):
         g_in = find(r["in"])
@@ -245,8 +245,7 @@ def _graph_plan(model: nn.Module) -> List[Layer]:
     plan: List[Layer] = []
     for j, r in enumerate(raw):
         mod, g, src = r["mod"], roots[j], srcs[j]
-        width_in = mod.in_channels if isinstance(mod, nn.Conv2d) else mod.in_features
-        width_out = mod.out_channels if isinstance(mod, nn.Conv2d) else mod.out_features
+        width_in, width_out = _widths(mod)
         spatial = 1
         if src is not None:
             prev_out = width[roots[src]]
