@@ -1,16 +1,16 @@
 """The Prefect tasks that run on Ray workers, and the paths and inputs they share with the flows.
 
 Kept apart from ``flows.federation`` so that a Ray worker unpickling a task imports only
-Prefect, torch and fedcore: no MLflow, no matplotlib (about 2 s less per fresh worker).
+Prefect, torch and fedcore: no MLflow, no matplotlib (about 2 s less per fresh worker). What
+plain Ray tasks run (a block of arrivals, a round's client step) is lighter still: ``flows.worker``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Tuple
+from typing import Any, Dict, List, Mapping, Tuple
 
 import numpy as np
 import torch
@@ -20,66 +20,14 @@ from prefect.cache_policies import NO_CACHE
 
 from fedcore.adapt import GRADIENT_METHODS
 from fedcore.data import Partition
-from fedcore.engine import (ArrivalConfig, ModelSpec, RoundData, ServerState, iter_arrivals, run_arrivals, run_now,
-                            run_rounds, train_step)
+from fedcore.engine import ModelSpec, RoundData, run_arrivals, run_rounds
 from fedcore.tensors import to_tensor
 from fedcore.train import ClientUpdate
 from flows import config as C
 from flows import integrity
+from flows.worker import _train_step_or_fail
 
 # ------------------------------------------------------------------------------------ tasks
-
-
-def _maybe_fail(fault_marker: str | None = None, crash_marker: str | None = None) -> None:
-    """Injected faults for tests, on the first attempt only (a marker file remembers it).
-
-    ``fault_marker``: the step raises (Prefect retries the task). ``crash_marker``: the worker
-    process kills itself by PID with SIGKILL mid-task, as a dying node would (Ray reruns the task).
-    """
-    if crash_marker and not Path(crash_marker).exists():
-        import os
-        import signal
-
-        Path(crash_marker).parent.mkdir(parents=True, exist_ok=True)
-        Path(crash_marker).write_text(f"worker {os.getpid()} killed once\n")
-        os.kill(os.getpid(), signal.SIGKILL)
-    if fault_marker and not Path(fault_marker).exists():
-        Path(fault_marker).parent.mkdir(parents=True, exist_ok=True)
-        Path(fault_marker).write_text("failed once\n")
-        raise RuntimeError(f"injected fault ({fault_marker}); Prefect should retry this task")
-
-
-@contextlib.contextmanager
-def torch_threads(threads: int):
-    """Torch uses ``threads`` threads (the CPUs Ray gave the task) inside, and the worker's own count after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def arrival_pass(*, partition: Partition, spec: ModelSpec, cfg: ArrivalConfig, start: ServerState, stop_at: int,
-                 threads: int = 1, faults: Mapping[int, Mapping[str, str]] | None = None
-                 ) -> Iterator[ServerState]:
-    """What a Ray worker runs for a block of arrivals: the plain loop from ``start`` up to ``stop_at``.
-
-    A Ray generator: each arrival's state (its record is the last of ``state.records``) streams
-    back to the driver as soon as it exists, while the worker goes on with the next client; the
-    driver checkpoints and logs it. Arrivals are sequential, so the worker uses ``threads`` CPUs.
-    ``faults``: arrival -> injected-fault markers (:func:`_maybe_fail`; tests), fired as that
-    arrival's adaptation starts.
-    """
-    faults = faults or {}
-
-    def submit(fn, **kw):
-        _maybe_fail(**faults.get(kw["arrival"], {}))
-        return run_now(fn, **kw)
-
-    with torch_threads(threads):
-        for _, st, _ in iter_arrivals(partition, spec, cfg, start, submit=submit, stop_at=stop_at):
-            yield st
 
 
 RERUN_WARNING = "client step re-run by Ray after its worker died: attempt %d"
@@ -111,14 +59,6 @@ def run_cell_task(cfg_dict: Dict[str, Any], method: str, aggregator: str, seed: 
                        stop_after=cfg.flow.stop_after)
     return {"method": method, "aggregator": aggregator, "seed": seed, "form": acfg.form, "result": res,
             "seconds": time.perf_counter() - t0, "started_ms": started_ms, "ended_ms": int(time.time() * 1000)}
-
-
-def _train_step_or_fail(*, fault_marker: str | None = None, crash_marker: str | None = None, threads: int = 1,
-                        **kw) -> ClientUpdate:
-    """What the Ray worker runs for a driver-side client task (the injected faults fire in the worker)."""
-    _maybe_fail(fault_marker, crash_marker)
-    with torch_threads(threads):
-        return train_step(**kw)
 
 
 @task(name="train-round", cache_policy=NO_CACHE)

@@ -157,10 +157,10 @@ def test_pretrain_passes_its_settings_to_the_trainer_and_refuses_a_misspelt_one(
 
 
 def test_a_round_client_step_runs_with_the_cpus_it_was_given_and_gives_them_back(monkeypatch):
-    from flows import tasks
+    from flows import worker
 
     seen = []
-    monkeypatch.setattr(tasks, "train_step", lambda **kw: seen.append(torch.get_num_threads()) or "update")
+    monkeypatch.setattr(worker, "train_step", lambda **kw: seen.append(torch.get_num_threads()) or "update")
     before = torch.get_num_threads()
-    assert tasks._train_step_or_fail(threads=3) == "update"
+    assert worker._train_step_or_fail(threads=3) == "update"
     assert seen == [3] and torch.get_num_threads() == before

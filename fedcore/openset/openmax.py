@@ -38,7 +38,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from scipy.stats import weibull_min
 
 from fedcore.openset.metrics import _as_numpy, _logits
 
@@ -82,6 +81,14 @@ def pairwise_distance(z: np.ndarray, centres: np.ndarray, *, distance: str = "eu
     cos = np.divide(z @ centres.T, denom, out=np.zeros_like(euclid), where=denom > 0)
     return euclid / EUCOS_EUCLIDEAN_SCALE + np.clip(1.0 - cos, 0.0, 2.0)
 
+
+
+def _weibull():
+    """``scipy.stats.weibull_min``, imported on first use: scipy.stats costs 1.5 s to import, and every Ray
+    worker imports this module (through the round strategies) whether or not it scores with OpenMax."""
+    from scipy.stats import weibull_min
+
+    return weibull_min
 
 class OpenMax:
     """OpenMax unknown scorer over a classifier's logits.
@@ -187,7 +194,7 @@ class OpenMax:
                                  "than 2 distinct nonzero distances to its MAV, too few for a Weibull fit; fit on "
                                  "more training samples, train the model longer, or score with MSP "
                                  "(fedcore.openset.msp_score) instead")
-            shape[k], _, scale[k] = weibull_min.fit(tail, floc=0)
+            shape[k], _, scale[k] = _weibull().fit(tail, floc=0)
         self.mav_, self.shape_, self.scale_, self.alpha_ = mav, shape, scale, alpha
         return self
 
@@ -220,7 +227,7 @@ class OpenMax:
         d = np.asarray(distances, dtype=np.float64)
         if d.ndim != 2 or d.shape[1] != len(self.shape_):
             raise ValueError(f"distances must be (N, {len(self.shape_)}), got {d.shape}")
-        return weibull_min.cdf(d, self.shape_[None, :], loc=0.0, scale=self.scale_[None, :])
+        return _weibull().cdf(d, self.shape_[None, :], loc=0.0, scale=self.scale_[None, :])
 
     def predict_proba(self, logits: Any) -> np.ndarray:
         """OpenMax probabilities: the C known classes, then the unknown class in the last column.

@@ -1,0 +1,79 @@
+"""What plain Ray tasks run on a worker: a block of arrivals, a round's client step.
+
+Kept apart from ``flows.tasks`` (Prefect tasks, config and paths) so that a fresh Ray worker
+unpickling one of these imports torch and fedcore only: no Prefect, no OmegaConf, no MLflow.
+A worker that starts cold pays its imports before its first arrival (9 s with Prefect on this
+2-core machine, against 4 s without: ``python -X importtime -c "import flows.worker"``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Iterator, Mapping
+
+import torch
+
+from fedcore.data import Partition
+from fedcore.engine import ArrivalConfig, ModelSpec, ServerState, iter_arrivals, run_now, train_step
+from fedcore.train import ClientUpdate
+
+
+def _maybe_fail(fault_marker: str | None = None, crash_marker: str | None = None) -> None:
+    """Injected faults for tests, on the first attempt only (a marker file remembers it).
+
+    ``fault_marker``: the step raises (Prefect retries the task). ``crash_marker``: the worker
+    process kills itself by PID with SIGKILL mid-task, as a dying node would (Ray reruns the task).
+    """
+    if crash_marker and not Path(crash_marker).exists():
+        import os
+        import signal
+
+        Path(crash_marker).parent.mkdir(parents=True, exist_ok=True)
+        Path(crash_marker).write_text(f"worker {os.getpid()} killed once\n")
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault_marker and not Path(fault_marker).exists():
+        Path(fault_marker).parent.mkdir(parents=True, exist_ok=True)
+        Path(fault_marker).write_text("failed once\n")
+        raise RuntimeError(f"injected fault ({fault_marker}); Prefect should retry this task")
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int):
+    """Torch uses ``threads`` threads (the CPUs Ray gave the task) inside, and the worker's own count after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def arrival_pass(*, partition: Partition, spec: ModelSpec, cfg: ArrivalConfig, start: ServerState, stop_at: int,
+                 threads: int = 1, faults: Mapping[int, Mapping[str, str]] | None = None
+                 ) -> Iterator[ServerState]:
+    """What a Ray worker runs for a block of arrivals: the plain loop from ``start`` up to ``stop_at``.
+
+    A Ray generator: each arrival's state (its record is the last of ``state.records``) streams
+    back to the driver as soon as it exists, while the worker goes on with the next client; the
+    driver checkpoints and logs it. Arrivals are sequential, so the worker uses ``threads`` CPUs.
+    ``faults``: arrival -> injected-fault markers (:func:`_maybe_fail`; tests), fired as that
+    arrival's adaptation starts.
+    """
+    faults = faults or {}
+
+    def submit(fn, **kw):
+        _maybe_fail(**faults.get(kw["arrival"], {}))
+        return run_now(fn, **kw)
+
+    with torch_threads(threads):
+        for _, st, _ in iter_arrivals(partition, spec, cfg, start, submit=submit, stop_at=stop_at):
+            yield st
+
+
+def _train_step_or_fail(*, fault_marker: str | None = None, crash_marker: str | None = None, threads: int = 1,
+                        **kw) -> ClientUpdate:
+    """What the Ray worker runs for a driver-side client task (the injected faults fire in the worker)."""
+    _maybe_fail(fault_marker, crash_marker)
+    with torch_threads(threads):
+        return train_step(**kw)
