@@ -72,7 +72,7 @@ class Stopwatch:
         return s
 
 
-PAIRS = 3
+PAIRS = 5
 
 
 def main(overrides: list[str]) -> None:

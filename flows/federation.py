@@ -49,9 +49,10 @@ def _runner(cfg: DictConfig):
     return runtime.make_task_runner(address=cfg.flow.ray_address, num_cpus=int(cfg.flow.num_cpus), root=C.ROOT)
 
 
-def _driver_runner(cfg: DictConfig):
+def _driver_runner(cfg: DictConfig, *, warm_workers: int | None = None):
     """For sub-second client steps: Prefect tasks in driver threads whose bodies run the step on Ray."""
-    return runtime.make_driver_runner(address=cfg.flow.ray_address, num_cpus=int(cfg.flow.num_cpus), root=C.ROOT)
+    return runtime.make_driver_runner(address=cfg.flow.ray_address, num_cpus=int(cfg.flow.num_cpus), root=C.ROOT,
+                                      warm_workers=warm_workers)
 
 
 def _gpus(cfg: DictConfig) -> float:
@@ -219,56 +220,76 @@ def _faults(cfg: DictConfig, folder: Path) -> Dict[str, Any]:
 class ArrivalPasses:
     """The driver's side of a sequential-arrival flow: the run's state, and the blocks of arrivals that advance it.
 
-    A block (a pass over the clients, cut at ``flow.stop_after``) runs on one Ray worker as a
-    generator (:func:`flows.tasks.arrival_pass`): the worker holds the data and the model between
-    arrivals and sends each arrival's state back as it is done; here each one is checkpointed and
-    handed to ``on_arrival`` (logs and MLflow). If the worker dies, the block goes on from the last
-    state received, on a new worker; an error the block raises fails it, and the Prefect task
-    that runs it retries it from that same state. Either way the metrics are those of an
+    Every arrival still to run (up to ``flow.stop_after``) runs on one Ray worker as one generator
+    (:func:`flows.worker.arrival_pass`), started by :meth:`start` as soon as the state is known, so
+    that the worker computes while the driver opens its MLflow run and Prefect tasks. The worker
+    holds the data and the model between arrivals and sends each arrival's state back as it is
+    done. A block (a pass over the clients) is one Prefect task that takes its arrivals from that
+    stream (:meth:`run`); the worker does not wait between blocks. Each state is checkpointed and
+    handed to ``on_arrival`` (logs and MLflow). If the worker dies, the stream goes on from the last
+    state received, on a new worker; an error the stream raises fails the block, and the Prefect
+    retry starts a new stream from that same state. Either way the metrics are those of an
     uninterrupted run (arrivals are seeded by index, and a state holds everything that follows).
     """
 
     def __init__(self, st: ServerState, *, partition: Partition, spec: ModelSpec, acfg, checkpoint_dir: Path,
                  threads: int, num_gpus: float, on_arrival: Callable[[Dict[str, Any], ServerState, Any], None],
-                 faults: Mapping[str, Any] | None = None, max_restarts: int = 3) -> None:
+                 faults: Mapping[str, Any] | None = None, max_restarts: int = 3, stop_after: int | None = None
+                 ) -> None:
         self.st, self.spec, self.acfg, self.checkpoint_dir = st, spec, acfg, checkpoint_dir
         self.threads, self.num_gpus, self.on_arrival, self.max_restarts = threads, num_gpus, on_arrival, max_restarts
         self.num_clients = len(partition.targets)
-        self.partition = runtime.put(partition)  # to the object store once per run; each block gets the reference
+        total = len(acfg.schedule(self.num_clients))
+        self.last = total if stop_after is None else min(int(stop_after), total)
+        self.partition = runtime.put(partition)  # to the object store once per run; a new stream gets the reference
         self.faults: Dict[int, Dict[str, str]] = {}
         for kind, (at, folder) in (faults or {}).items():
             self.faults.setdefault(int(at), {})[f"{kind}_marker"] = str(folder / f"{kind}-{at}.marker")
+        self._stream = None
 
-    def blocks(self, stop_after: int | None) -> List[Tuple[int, int, int]]:
+    def blocks(self) -> List[Tuple[int, int, int]]:
         """``(pass, first, end)`` of each block still to run: a pass over the clients, cut at ``stop_after``."""
         K = self.num_clients
-        total = len(self.acfg.schedule(K))
-        last = total if stop_after is None else min(int(stop_after), total)
-        return [(p, max(p * K, self.st.done), min((p + 1) * K, last)) for p in range(-(-total // K))
-                if min((p + 1) * K, last) > max(p * K, self.st.done)]
+        return [(p, max(p * K, self.st.done), min((p + 1) * K, self.last)) for p in range(-(-self.last // K))
+                if min((p + 1) * K, self.last) > max(p * K, self.st.done)]
+
+    def start(self) -> None:
+        """The generator of every arrival from ``st.done`` to the last, on a Ray worker (once; again after a failure)."""
+        from flows.worker import arrival_pass
+
+        if self._stream is None and self.st.done < self.last:
+            self._stream = runtime.ray_stream(arrival_pass, num_cpus=self.threads, num_gpus=self.num_gpus,
+                                              partition=self.partition, spec=self.spec, cfg=self.acfg, start=self.st,
+                                              stop_at=self.last, threads=self.threads, faults=self.faults)
 
     def run(self, end: int, logger) -> int:
-        """Arrivals ``st.done`` .. ``end`` - 1 on a Ray worker; returns how many are done."""
+        """Take arrivals ``st.done`` .. ``end`` - 1 from the worker's stream; returns how many are done."""
         import ray
-
-        from flows.tasks import arrival_pass
 
         attempt = 1
         while self.st.done < end:
-            stream = runtime.ray_stream(arrival_pass, num_cpus=self.threads, num_gpus=self.num_gpus,
-                                        partition=self.partition, spec=self.spec, cfg=self.acfg, start=self.st,
-                                        stop_at=end, threads=self.threads, faults=self.faults)
+            self.start()
             try:
-                for ref in stream:
-                    self._accept(ray.get(ref))
+                while self.st.done < end:
+                    self._accept(ray.get(next(self._stream)))
             except runtime.worker_deaths() as exc:
+                self._stream = None
                 attempt += 1
                 if attempt > 1 + self.max_restarts:
                     raise
-                logger.warning("the Ray worker running arrivals %d-%d died (%s); they go on from the state after "
-                               "arrival %d on a new worker: attempt %d", self.st.done, end - 1, type(exc).__name__,
-                               self.st.done - 1, attempt)
+                logger.warning("the Ray worker running arrivals %d-%d died (%s); they go on from arrival %d on a "
+                               "new worker: attempt %d", self.st.done, self.last - 1, type(exc).__name__,
+                               self.st.done, attempt)
+            except BaseException:
+                self.close()  # an error raised in the stream ends it; a retry starts a new one from self.st
+                raise
         return self.st.done
+
+    def close(self) -> None:
+        """Stop the stream (a run cut short, or failed); the state received so far stays."""
+        if self._stream is not None:
+            runtime.ray_cancel([self._stream])
+            self._stream = None
 
     def _accept(self, st: ServerState) -> None:
         if st.done != self.st.done + 1 or st.fingerprint != self.st.fingerprint:
@@ -293,7 +314,8 @@ def arrival(cfg: DictConfig) -> ArrivalsResult:
     check_checkpoints(arrival_checkpoints(cfg), resume=bool(cfg.flow.resume))  # likewise
     params = ui.arrival_parameters(cfg)
 
-    @flow(name="sequential-arrival", task_runner=_driver_runner(cfg), log_prints=True,
+    # one worker runs every arrival, in sequence: warming a second would take a core from the first
+    @flow(name="sequential-arrival", task_runner=_driver_runner(cfg, warm_workers=1), log_prints=True,
           flow_run_name=lambda: run_label(params["method"], params["aggregator"], params["privacy"], params["seed"]))
     def sequential_arrival(variant: str | None, system: str | None, data: str, model: str, method: str,
                            aggregator: str, privacy: str, seed: int, resume: bool,
@@ -323,29 +345,34 @@ def arrival(cfg: DictConfig) -> ArrivalsResult:
             if bar is not None:
                 bar.update(1)
 
-        with _start_experiment_run(cfg, acfg, spec):
-            log = tracking.BackgroundArrivalLog()  # MLflow writes overlap the worker's next arrivals
-            try:
-                # Arrivals are sequential: the worker running them may use every CPU of a node.
-                passes = ArrivalPasses(st, partition=partition, spec=spec, acfg=acfg, checkpoint_dir=ckpt,
-                                       threads=min(int(cfg.flow.num_cpus), runtime.largest_node_cpus()),
-                                       num_gpus=_gpus(cfg), on_arrival=on_arrival, faults=_faults(cfg, ckpt))
-                task = arrival_pass_task.with_options(retries=int(cfg.flow.retries),
-                                                      retry_delay_seconds=float(cfg.flow.retry_delay_seconds))
-                for p, first, end in passes.blocks(cfg.flow.stop_after):
-                    task.with_options(task_run_name=f"pass-{p}-arrivals-{first:03d}-{end - 1:03d}").submit(
-                        passes=passes, end=end).result()
-            except BaseException:
-                log.close(raise_errors=False)  # the run's own error is the one to report
-                raise
-            finally:
-                if bar is not None:
-                    bar.close()
-            log.close()
-            if passes.st.done < len(schedule):
-                raise RunInterrupted(f"stopped after arrival {passes.st.done} as asked; resume to continue")
-            res = arrivals_result(passes.st, schedule)
-            _log_experiment(cfg, acfg, res, spec=spec, partition=partition, live=True)
+        # Arrivals are sequential: the worker running them may use every CPU of a node. Their stream
+        # starts before the MLflow run is set up, so that the two overlap.
+        passes = ArrivalPasses(st, partition=partition, spec=spec, acfg=acfg, checkpoint_dir=ckpt,
+                               threads=min(int(cfg.flow.num_cpus), runtime.largest_node_cpus()),
+                               num_gpus=_gpus(cfg), on_arrival=on_arrival, faults=_faults(cfg, ckpt),
+                               stop_after=cfg.flow.stop_after)
+        passes.start()
+        try:
+            with _start_experiment_run(cfg, acfg, spec):
+                log = tracking.BackgroundArrivalLog()  # MLflow writes overlap the worker's next arrivals
+                try:
+                    task = arrival_pass_task.with_options(retries=int(cfg.flow.retries),
+                                                          retry_delay_seconds=float(cfg.flow.retry_delay_seconds))
+                    for p, first, end in passes.blocks():
+                        task.with_options(task_run_name=f"pass-{p}-arrivals-{first:03d}-{end - 1:03d}").submit(
+                            passes=passes, end=end).result()
+                except BaseException:
+                    log.close(raise_errors=False)  # the run's own error is the one to report
+                    raise
+                log.close()
+                if passes.st.done < len(schedule):
+                    raise RunInterrupted(f"stopped after arrival {passes.st.done} as asked; resume to continue")
+                res = arrivals_result(passes.st, schedule)
+                _log_experiment(cfg, acfg, res, spec=spec, partition=partition, live=True)
+        finally:
+            passes.close()
+            if bar is not None:
+                bar.close()
         return res
 
     try:

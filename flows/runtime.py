@@ -4,9 +4,9 @@ With no Prefect API URL set, every Ray worker would start its own temporary Pref
 (~170 MB and 5-6 s each). We start one temporary server here in the driver, or use the URL the
 user exported, and pass it to the workers through Ray's ``runtime_env``.
 
-Start-up is overlapped: the temporary server boots on a thread while Ray starts, and each
-local Ray worker then imports the task module (torch, Prefect, fedcore) before the first real
-task arrives.
+Start-up is overlapped: the temporary server boots on a thread while Ray starts, and the local
+Ray workers a flow will use then import the worker code (torch and fedcore: ``flows.worker``)
+before the first real task arrives.
 """
 
 from __future__ import annotations
@@ -148,7 +148,8 @@ def make_task_runner(*, address: str | None, num_cpus: int, root: Path):
     return RayTaskRunner(address=address, init_kwargs=start_ray(address=address, num_cpus=num_cpus, root=root))
 
 
-def make_driver_runner(*, address: str | None, num_cpus: int, root: Path, max_workers: int = 16):
+def make_driver_runner(*, address: str | None, num_cpus: int, root: Path, max_workers: int = 16,
+                       warm_workers: int | None = None):
     """Prefect tasks in driver threads whose bodies call Ray (see :func:`ray_call`); Ray started as above.
 
     A Prefect task on ``RayTaskRunner`` costs about 230 ms of fixed overhead here (settings
@@ -157,7 +158,7 @@ def make_driver_runner(*, address: str | None, num_cpus: int, root: Path, max_wo
     """
     from prefect.task_runners import ThreadPoolTaskRunner
 
-    start_ray(address=address, num_cpus=num_cpus, root=root)
+    start_ray(address=address, num_cpus=num_cpus, root=root, warm_workers=warm_workers)
     return ThreadPoolTaskRunner(max_workers=max_workers)
 
 
@@ -293,8 +294,12 @@ def put(value: Any) -> Any:
     return ray.put(value)
 
 
-def start_ray(*, address: str | None, num_cpus: int, root: Path) -> Dict[str, Any]:
-    """Start (or join) Ray with the Prefect API URL in every worker's environment; returns the init kwargs."""
+def start_ray(*, address: str | None, num_cpus: int, root: Path, warm_workers: int | None = None) -> Dict[str, Any]:
+    """Start (or join) Ray with the Prefect API URL in every worker's environment; returns the init kwargs.
+
+    A Ray started here gets ``warm_workers`` workers (default: one per CPU) that import the worker
+    code while the flow sets itself up; a flow that runs one task at a time asks for one.
+    """
     import ray
 
     url, wait = _prefect_api()
@@ -317,7 +322,7 @@ def start_ray(*, address: str | None, num_cpus: int, root: Path) -> Dict[str, An
                 ray.init(address=address, **kwargs)
             _OWN_RAY = True
             if not address:
-                _prewarm_workers(num_cpus)
+                _prewarm_workers(num_cpus if warm_workers is None else warm_workers)
         if wait() != url:  # the server had to move: tell the workers
             ray.shutdown()
             kwargs = init_kwargs(os.environ["PREFECT_API_URL"])
@@ -334,7 +339,8 @@ _OWN_RAY = False  # whether make_task_runner started the Ray in this process (el
 
 
 def _warm() -> None:
-    import flows.tasks  # noqa: F401 - torch, Prefect and fedcore, once per worker process
+    import flows.worker  # noqa: F401 - torch and fedcore, once per worker process
+    import torch._dynamo  # noqa: F401 - torch.optim imports it at a process's first optimizer: 1 s, paid here
 
 
 def _prewarm_workers(n: int) -> None:

@@ -33,9 +33,25 @@ def runs_of(cfg, name):
     return client, [r for r in client.search_runs([exp.experiment_id]) if r.info.run_name == name]
 
 
-def test_arrival_flow_logs_lineage_metrics_artifacts_and_model(tiny):
+def count_streams(monkeypatch) -> list:
+    """The Ray generators the arrival flow starts (one per worker that runs arrivals), counted."""
+    from flows import runtime
+
+    started, real = [], runtime.ray_stream
+
+    def counted(fn, /, **kw):
+        started.append(kw["start"].done)
+        return real(fn, **kw)
+
+    monkeypatch.setattr(runtime, "ray_stream", counted)
+    return started
+
+
+def test_arrival_flow_logs_lineage_metrics_artifacts_and_model(tiny, monkeypatch):
     cfg = cfg_for(tiny, "flow.experiment=arrival-test")
+    streams = count_streams(monkeypatch)
     res = F.arrival(cfg)
+    assert streams == [0]  # one worker runs both passes: it does not stop at a pass's end
     A = len(res.records)
     client, parents = runs_of(cfg, "bpa+ugsa-s0")
     run = parents[0]
@@ -87,13 +103,18 @@ def test_arrival_flow_logs_lineage_metrics_artifacts_and_model(tiny):
     assert link.type == "markdown" and run.info.run_id in link.data and "mlflow ui --backend-store-uri" in link.data
 
 
-def test_failed_and_killed_client_tasks_are_rerun_and_metrics_unchanged(tiny):
+def test_failed_and_killed_client_tasks_are_rerun_and_metrics_unchanged(tiny, monkeypatch):
     """Arrival 2 raises once (Prefect retries its pass from the last state); the Ray worker is killed by PID as
     arrival 1 starts (the pass goes on from the last state on a new worker)."""
     clean = F.arrival(cfg_for(tiny, "flow.experiment=retry-clean", "aggregator=fedavg"))
     cfg = cfg_for(tiny, "flow.experiment=retry-fault", "aggregator=fedavg", "flow.inject_fault=2",
                   "flow.inject_crash=1", "paths.checkpoints=" + str(tiny["tmp"] / "ckpt-fault"))
+    streams = count_streams(monkeypatch)
     faulty = F.arrival(cfg)
+    # One stream from the start; one after the killed worker, again from the start (a worker sends an arrival's
+    # state once it has begun the next, and it died beginning arrival 1); one for the retry, from arrival 1 (the
+    # fault fired beginning arrival 2).
+    assert streams == [0, 0, 1], streams
     assert list(Path(cfg.paths.checkpoints).rglob("fault-2.marker")), "the injected fault never fired"
     assert list(Path(cfg.paths.checkpoints).rglob("crash-1.marker")), "the worker was never killed"
     assert faulty.summary == clean.summary
