@@ -112,7 +112,7 @@ def client_task_submit(data):
     from prefect.cache_policies import NO_CACHE
 
     from flows import runtime
-    from flows.tasks import _train_step_or_fail
+    from flows.worker import _train_step_or_fail
 
     @task(name="train-client", cache_policy=NO_CACHE)
     def client_task(**kw):

@@ -273,7 +273,7 @@ class ArrivalPasses:
                 while self.st.done < end:
                     self._accept(ray.get(next(self._stream)))
             except runtime.worker_deaths() as exc:
-                self._stream = None
+                self.close()  # a stream whose object was lost may still hold its worker
                 attempt += 1
                 if attempt > 1 + self.max_restarts:
                     raise
@@ -347,12 +347,13 @@ def arrival(cfg: DictConfig) -> ArrivalsResult:
 
         # Arrivals are sequential: the worker running them may use every CPU of a node. Their stream
         # starts before the MLflow run is set up, so that the two overlap.
-        passes = ArrivalPasses(st, partition=partition, spec=spec, acfg=acfg, checkpoint_dir=ckpt,
-                               threads=min(int(cfg.flow.num_cpus), runtime.largest_node_cpus()),
-                               num_gpus=_gpus(cfg), on_arrival=on_arrival, faults=_faults(cfg, ckpt),
-                               stop_after=cfg.flow.stop_after)
-        passes.start()
+        passes = None
         try:
+            passes = ArrivalPasses(st, partition=partition, spec=spec, acfg=acfg, checkpoint_dir=ckpt,
+                                   threads=min(int(cfg.flow.num_cpus), runtime.largest_node_cpus()),
+                                   num_gpus=_gpus(cfg), on_arrival=on_arrival, faults=_faults(cfg, ckpt),
+                                   stop_after=cfg.flow.stop_after)
+            passes.start()
             with _start_experiment_run(cfg, acfg, spec):
                 log = tracking.BackgroundArrivalLog()  # MLflow writes overlap the worker's next arrivals
                 try:
@@ -370,7 +371,8 @@ def arrival(cfg: DictConfig) -> ArrivalsResult:
                 res = arrivals_result(passes.st, schedule)
                 _log_experiment(cfg, acfg, res, spec=spec, partition=partition, live=True)
         finally:
-            passes.close()
+            if passes is not None:
+                passes.close()
             if bar is not None:
                 bar.close()
         return res

@@ -145,7 +145,9 @@ def make_task_runner(*, address: str | None, num_cpus: int, root: Path):
     """prefect-ray's runner: a local Ray with ``num_cpus`` CPUs, or the cluster at ``address``."""
     from prefect_ray import RayTaskRunner
 
-    return RayTaskRunner(address=address, init_kwargs=start_ray(address=address, num_cpus=num_cpus, root=root))
+    # its workers run Prefect tasks (flows.tasks), so they warm up with Prefect too
+    return RayTaskRunner(address=address, init_kwargs=start_ray(address=address, num_cpus=num_cpus, root=root,
+                                                                warm_module="flows.tasks"))
 
 
 def make_driver_runner(*, address: str | None, num_cpus: int, root: Path, max_workers: int = 16,
@@ -294,11 +296,13 @@ def put(value: Any) -> Any:
     return ray.put(value)
 
 
-def start_ray(*, address: str | None, num_cpus: int, root: Path, warm_workers: int | None = None) -> Dict[str, Any]:
+def start_ray(*, address: str | None, num_cpus: int, root: Path, warm_workers: int | None = None,
+              warm_module: str = "flows.worker") -> Dict[str, Any]:
     """Start (or join) Ray with the Prefect API URL in every worker's environment; returns the init kwargs.
 
-    A Ray started here gets ``warm_workers`` workers (default: one per CPU) that import the worker
-    code while the flow sets itself up; a flow that runs one task at a time asks for one.
+    A Ray started here gets ``warm_workers`` workers (default: one per CPU) that import
+    ``warm_module`` (the code their tasks will run) while the flow sets itself up; a flow that runs
+    one task at a time asks for one.
     """
     import ray
 
@@ -322,7 +326,7 @@ def start_ray(*, address: str | None, num_cpus: int, root: Path, warm_workers: i
                 ray.init(address=address, **kwargs)
             _OWN_RAY = True
             if not address:
-                _prewarm_workers(num_cpus if warm_workers is None else warm_workers)
+                _prewarm_workers(num_cpus if warm_workers is None else warm_workers, warm_module)
         if wait() != url:  # the server had to move: tell the workers
             ray.shutdown()
             kwargs = init_kwargs(os.environ["PREFECT_API_URL"])
@@ -338,17 +342,19 @@ _WARMING: List[Any] = []
 _OWN_RAY = False  # whether make_task_runner started the Ray in this process (else someone else owns it)
 
 
-def _warm() -> None:
-    import flows.worker  # noqa: F401 - torch and fedcore, once per worker process
+def _warm(module: str) -> None:
+    import importlib
+
+    importlib.import_module(module)  # torch and fedcore (and Prefect, for flows.tasks), once per worker process
     import torch._dynamo  # noqa: F401 - torch.optim imports it at a process's first optimizer: 1 s, paid here
 
 
-def _prewarm_workers(n: int) -> None:
+def _prewarm_workers(n: int, module: str = "flows.worker") -> None:
     """One import task per local worker, started now: it overlaps the flow's own set-up."""
     import ray
 
     remote = ray.remote(num_cpus=1)(_warm)
-    _WARMING[:] = [remote.remote() for _ in range(max(1, n))]
+    _WARMING[:] = [remote.remote(module) for _ in range(max(1, n))]
 
 
 @contextlib.contextmanager
