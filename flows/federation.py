@@ -95,9 +95,9 @@ def pretrain(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> Pa
             ui.link_runs()
             mlflow.set_tags({**tracking.lineage_tags(seed=pcfg.seed, prepared=prepared_path(cfg),
                                                      partition_dir=partition_dir(cfg)), "stage": "pretrain"})
-            # the round-based systems' grids are not this run's settings
+            # the round-based systems' grids and the variants' definitions are not this run's settings
             mlflow.log_params(tracking.flatten({k: v for k, v in C.to_dict(cfg).items()
-                                                if k not in ("sweep", *C.ROUND_SYSTEMS)}))
+                                                if k not in ("sweep", *ui.NOT_ARRIVAL)}))
             log = tracking.BackgroundRoundLog()  # MLflow writes overlap the next round
 
             def on_round(record, state):
@@ -183,8 +183,10 @@ def _start_experiment_run(cfg: DictConfig, acfg, spec: ModelSpec, *, started_ms:
     form = "" if acfg.form == "plain" else f" {acfg.form}"
     run = tracking.start_run(f"{acfg.method}+{acfg.aggregator}{form}-s{acfg.seed}", started_ms=started_ms)
     ui.link_runs(run)
+    # this run's settings only: not the other systems' grids, nor the variants' definitions (the
+    # variant chosen is already laid over the root config)
     params = {k: v for k, v in C.to_dict(cfg).items() if k not in ("sweep", "method", "aggregator", "privacy",
-                                                                  "private")}
+                                                                  "private", *ui.NOT_ARRIVAL)}
     params.update({"method": {"name": acfg.method, **acfg.method_params},
                    "aggregator": {"name": acfg.aggregator, **acfg.aggregator_params}, "seed": acfg.seed,
                    "privacy": {"form": acfg.form, **acfg.privacy}})
@@ -195,7 +197,7 @@ def _start_experiment_run(cfg: DictConfig, acfg, spec: ModelSpec, *, started_ms:
         params["privacy"]["gate_noise_multiplier"] = pcfg.gate_noise_multiplier
     mlflow.log_params(tracking.flatten(params))
     mlflow.set_tags({**tracking.lineage_tags(seed=acfg.seed, prepared=prepared_path(cfg),
-                                             partition_dir=partition_dir(cfg),
+                                             partition_dir=partition_dir(cfg), reads=[source_model_path(cfg)],
                                              extra={"method": acfg.method, "aggregator": acfg.aggregator,
                                                     "privacy_form": acfg.form,
                                                     "config_fingerprint": acfg.fingerprint(),
@@ -468,7 +470,8 @@ def audit(cfg: DictConfig) -> List[Dict[str, Any]]:
     rows = []
     with mlflow.start_run(run_name="privacy-audit"):
         mlflow.set_tags({**tracking.lineage_tags(seed=int(cfg.seed), prepared=prepared_path(cfg),
-                                                 partition_dir=partition_dir(cfg)), "stage": "audit",
+                                                 partition_dir=partition_dir(cfg), reads=[source_model_path(cfg)]),
+                         "stage": "audit",
                          "source_model": source_model_path(cfg).name})
         mlflow.log_params(tracking.flatten({"audit": C.to_dict(cfg)["audit"], "delta": dp["delta"], "clip_norm": clip}))
         for i, (form, pspec) in enumerate(settings):

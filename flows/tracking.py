@@ -116,13 +116,26 @@ def git_commit() -> str:
         return "unknown"
 
 
-def dvc_lock_hashes() -> Dict[str, str]:
-    """md5s DVC recorded for each stage output (dvc.lock), so a run names the exact data it used."""
-    return {f"dvc.{o.stage.replace('@', ':')}.{Path(o.path).name}": o.md5 for o in integrity.lock_outs(ROOT)}
+def dvc_lock_hashes(reads: Iterable[Path], *, root: Path = ROOT) -> Dict[str, str]:
+    """md5s DVC recorded (``dvc.lock``) for the stage outputs a run reads, so it names the exact data it used.
+
+    ``reads``: the files and folders the run reads. An output counts if it is one of them, lies
+    inside one, or holds one (a partition folder, a file in it). Outputs of stages the run does
+    not read (other systems' grids, other cells) are not its lineage: the lock holds hundreds.
+    """
+    want = [Path(p).resolve() for p in reads if p is not None]
+    tags = {}
+    for o in integrity.lock_outs(root):
+        path = (root / o.path).resolve()
+        if any(path == w or path in w.parents or w in path.parents for w in want):
+            tags[f"dvc.{o.stage.replace('@', ':')}.{path.name}"] = o.md5
+    return tags
 
 
-def lineage_tags(*, seed: int, prepared: Path | None, partition_dir: Path, extra: Mapping[str, str] = ()
-                 ) -> Dict[str, str]:
+def lineage_tags(*, seed: int, prepared: Path | None, partition_dir: Path, reads: Iterable[Path] = (),
+                 extra: Mapping[str, str] = ()) -> Dict[str, str]:
+    """Where a run's inputs came from: the commit, the seed, the data's and partition's sha256s, and
+    the ``dvc.lock`` md5s of the stage outputs it reads (``prepared``, ``partition_dir`` and ``reads``)."""
     tags = {"git_commit": git_commit(), "seed": str(seed)}
     if prepared is not None and prepared.is_file():
         tags["data_sha256"] = file_sha256(prepared)
@@ -130,7 +143,7 @@ def lineage_tags(*, seed: int, prepared: Path | None, partition_dir: Path, extra
     if manifest.is_file():
         tags["partition_manifest_sha256"] = file_sha256(manifest)
         tags["partition_manifest"] = str(manifest.relative_to(ROOT) if manifest.is_relative_to(ROOT) else manifest)
-    tags.update(dvc_lock_hashes())
+    tags.update(dvc_lock_hashes([prepared, partition_dir, *reads]))
     tags.update(dict(extra))
     return tags
 

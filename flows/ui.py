@@ -19,7 +19,7 @@ from flows import config as C
 from flows.tracking import flatten
 
 # Everything a round-based run does not read, and the round-based systems' grids an arrival run does not.
-_NOT_ARRIVAL = (*C.ROUND_SYSTEMS, *C.VARIANT_SYSTEMS, "trainer", "strategy")
+NOT_ARRIVAL = (*C.ROUND_SYSTEMS, *C.VARIANT_SYSTEMS, "trainer", "strategy")
 _RUN_BLOCKS = ("seed", "device", "flow", "paths")
 
 
@@ -34,7 +34,7 @@ def _model(cfg: DictConfig) -> str:
 
 
 def _arrival_config(cfg: DictConfig, *, drop: tuple = ()) -> Dict[str, str]:
-    return flatten({k: v for k, v in C.to_dict(cfg).items() if k not in (*_NOT_ARRIVAL, *drop)})
+    return flatten({k: v for k, v in C.to_dict(cfg).items() if k not in (*NOT_ARRIVAL, *drop)})
 
 
 def arrival_parameters(cfg: DictConfig) -> Dict[str, Any]:

@@ -58,6 +58,9 @@ def test_arrival_flow_logs_lineage_metrics_artifacts_and_model(tiny, monkeypatch
     assert run.data.params["method.name"] == "bpa" and run.data.params["aggregator.gamma"] == "0.5"
     for tag in ("git_commit", "seed", "data_sha256", "partition_manifest_sha256", "config_fingerprint"):
         assert run.data.tags.get(tag), tag
+    # this run's settings, not the other systems' grids or the variants' definitions
+    assert not [k for k in run.data.params if k.split(".")[0] in (*C.ROUND_SYSTEMS, *C.VARIANT_SYSTEMS)]
+    assert run.data.params["data.name"] == "digits"
     hist = client.get_metric_history(run.info.run_id, "online_acc")
     assert sorted(m.step for m in hist) == list(range(A))
     assert run.data.metrics["final_avg_online_acc"] == pytest.approx(res.summary["avg_online_acc"])

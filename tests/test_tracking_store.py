@@ -135,3 +135,21 @@ def test_unknown_register_mode_or_champion_metric_fails_before_any_work():
     assert model_registry.model_name(C.compose(["variant=private"])) == "dptta-mnist5k"
     assert model_registry.model_name(C.compose(["variant=cifar10"])) == "bpfedctta-cifar10"
     assert model_registry.model_name(C.compose(["flow.register=none"])) is None
+
+
+def test_lineage_names_the_dvc_outputs_a_run_reads_and_no_others(tmp_path):
+    outs = {"prepare@mnist": "data/prepared/mnist.npz", "partition@mnist": "data/partitions/mnist",
+            "pretrain@mnist": "models/source-mnist.pt", "pretrain@cifar10": "models/source-cifar10.pt",
+            "fedpad@default": "results/fedpad/default"}
+    lock = {"schema": "2.0", "stages": {s: {"outs": [{"path": p, "md5": f"md5-{s}"}]} for s, p in outs.items()}}
+    (tmp_path / "dvc.lock").write_text(json.dumps(lock))  # JSON is YAML
+    reads = [tmp_path / "data/prepared/mnist.npz",
+             tmp_path / "data/partitions/mnist/client_003.npz",  # a file inside an output folder
+             tmp_path / "models/source-mnist.pt", None]
+    tags = tracking.dvc_lock_hashes(reads, root=tmp_path)
+    assert tags == {"dvc.prepare:mnist.mnist.npz": "md5-prepare@mnist", "dvc.partition:mnist.mnist": "md5-partition@mnist",
+                    "dvc.pretrain:mnist.source-mnist.pt": "md5-pretrain@mnist"}
+    # a folder the run reads names the outputs inside it
+    assert tracking.dvc_lock_hashes([tmp_path / "models"], root=tmp_path) == {
+        "dvc.pretrain:mnist.source-mnist.pt": "md5-pretrain@mnist", "dvc.pretrain:cifar10.source-cifar10.pt": "md5-pretrain@cifar10"}
+    assert tracking.dvc_lock_hashes([tmp_path / "elsewhere"], root=tmp_path) == {}
