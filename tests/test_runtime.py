@@ -45,11 +45,12 @@ def test_task_module_is_light_for_ray_workers():
 
 def test_worker_module_is_lighter_still_for_plain_ray_tasks():
     """Arrivals and round clients run as plain Ray tasks from flows.worker: a fresh worker imports torch and
-    fedcore for them, not Prefect, OmegaConf or scipy.stats (together about 3.5 s of a cold worker's start)."""
+    fedcore for them, not Prefect, OmegaConf, scipy.stats or the corruptions' image libraries (together about
+    4 s of a cold worker's start)."""
     import subprocess
     import sys
 
-    heavy = ("mlflow", "matplotlib", "ray", "prefect", "omegaconf", "scipy.stats")
+    heavy = ("mlflow", "matplotlib", "ray", "prefect", "omegaconf", "scipy.stats", "scipy.ndimage", "cv2", "skimage")
     probe = f"import sys, flows.worker; print(sorted(m for m in {heavy!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", probe], cwd=C.ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -6,12 +6,21 @@ from pathlib import Path
 
 import numpy as np
 
-from fedcore.data.corruptions import CORRUPTION_NAMES, corrupt
 from fedcore.data.partition import Partition, build_partition, sha256_arrays, sha256_file
 from fedcore.data.sources import LOADERS, ImageSet, load_dataset
 
 __all__ = ["CORRUPTION_NAMES", "corrupt", "Partition", "build_partition", "ImageSet", "load_dataset",
            "LOADERS", "save_prepared", "load_prepared", "sha256_arrays", "sha256_file"]
+
+
+def __getattr__(name: str):
+    # the corruptions on first use: OpenCV, scikit-image and scipy.ndimage are 0.4 s of import that a
+    # process reading partitions (a Ray worker) never needs
+    if name in ("CORRUPTION_NAMES", "corrupt"):
+        from fedcore.data import corruptions
+
+        return getattr(corruptions, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def save_prepared(data: ImageSet, path: str | Path) -> str:

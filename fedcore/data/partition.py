@@ -14,7 +14,6 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 
-from fedcore.data.corruptions import CORRUPTION_NAMES, corrupt
 from fedcore.data.sources import ImageSet
 
 STREAM_ORDERS = ("shuffled", "class_sorted")
@@ -191,6 +190,10 @@ def make_target_clients(
     seed: int,
 ) -> List[TargetClient]:
     """Build one target client per corruption, each with its own stream and hold-out draw."""
+    # here, not at the top: OpenCV, scikit-image and scipy.ndimage cost every process that only reads
+    # partitions (a Ray worker) 0.4 s of import
+    from fedcore.data.corruptions import CORRUPTION_NAMES, corrupt
+
     unknown = [c for c in corruptions if c not in CORRUPTION_NAMES]
     if unknown:
         raise ValueError(f"unknown corruption(s) {unknown}; valid names are: {', '.join(CORRUPTION_NAMES)}")
