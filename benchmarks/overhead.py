@@ -5,11 +5,15 @@
 
 Needs the default experiment's inputs (`make run` or `dvc repro pretrain@mnist`). Prints wall time
 and peak resident memory (driver plus every Ray/Prefect process it spawned) of each, and the
-ratios, for the flow started cold and with its services (Prefect server, Ray) already up.
+ratios, for the flow started cold and with its services (Prefect server, Ray) already up; the CPU
+time a cold start costs, summed over every process; and back-to-back pairs with the services up, each
+pair timing the flow as it is and the flow with its MLflow calls stubbed out (orchestration alone:
+Prefect, Ray and the checkpoints), so that the two costs are told apart.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -52,6 +56,31 @@ class PeakRSS:
         self._t.join()
 
 
+def cpu_seconds() -> float:
+    """User + system CPU time of this process and every live process it spawned (Ray's, Prefect's)."""
+    me, total = psutil.Process(), 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+@contextlib.contextmanager
+def without_mlflow(F, tracking):
+    """The arrival flow with its MLflow calls stubbed out: the run, the per-arrival records, the final logging."""
+    saved = F._start_experiment_run, F._log_experiment, tracking.log_arrival
+    F._start_experiment_run = lambda *a, **kw: contextlib.nullcontext()
+    F._log_experiment = lambda *a, **kw: None
+    tracking.log_arrival = lambda *a, **kw: None
+    try:
+        yield
+    finally:
+        F._start_experiment_run, F._log_experiment, tracking.log_arrival = saved
+
+
 class Stopwatch:
     """Wraps ``obj.name`` so that the seconds spent in it add up in ``self.seconds``."""
 
@@ -80,7 +109,7 @@ def main(overrides: list[str]) -> None:
 
     from fedcore.engine import run_arrivals
     from flows import federation as F
-    from flows import runtime
+    from flows import runtime, tracking
 
     cifar = "--cifar" in overrides
     variant = ["variant=cifar10"] if cifar else []
@@ -103,13 +132,13 @@ def main(overrides: list[str]) -> None:
             plain_walls.append(time.perf_counter() - t0)
     t_plain = float(np.mean(plain_walls))
     print(f"plain loop: {' / '.join(f'{w:.1f}' for w in plain_walls)} s after one warm-up run; the baseline is their mean")
-    rows = [("plain fedcore loop", t_plain, mem.peak, None, None)]
+    rows = [("plain fedcore loop", t_plain, mem.peak, None, None, None)]
     final_logging = Stopwatch(F, "_log_experiment")
     started: list = []
     real_initial_state = F.initial_state
 
     def marked_initial_state(*a, **kw):  # start-up ends when the flow, its services up, takes its first state
-        started.append(time.perf_counter())
+        started.append((time.perf_counter(), cpu_seconds()))
         return real_initial_state(*a, **kw)
 
     F.initial_state = marked_initial_state
@@ -117,9 +146,10 @@ def main(overrides: list[str]) -> None:
     def flowed(label: str) -> None:
         started.clear()
         with PeakRSS() as m:
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), cpu_seconds()
             res = F.arrival(cfg)
-            rows.append((label, time.perf_counter() - t, m.peak, final_logging.reset(), started[0] - t))
+            rows.append((label, time.perf_counter() - t, m.peak, final_logging.reset(), started[0][0] - t,
+                         started[0][1] - cpu))
         if res.summary != plain.summary:
             raise SystemExit(f"{label}: the flow's metrics differ from the plain loop's: {res.summary} != {plain.summary}")
 
@@ -137,7 +167,7 @@ def main(overrides: list[str]) -> None:
     flowed("flow, Prefect + Ray up, warm workers")
     # This machine's speed drifts by 20-40% over minutes, as much as the effect measured: time the
     # deployment case (services up, warm workers) also as back-to-back pairs, one ratio per pair.
-    pairs = []
+    pairs, bare = [], []
     for _ in range(PAIRS):
         t0 = time.perf_counter()
         run_arrivals(partition, spec, source, acfg)
@@ -146,19 +176,28 @@ def main(overrides: list[str]) -> None:
         F.arrival(cfg)
         pairs.append((time.perf_counter() - t0) / base)
         final_logging.reset()
+        with without_mlflow(F, tracking):
+            t0 = time.perf_counter()
+            F.arrival(cfg)
+            bare.append((time.perf_counter() - t0) / base)
     ray.shutdown()
     runtime.stop_prefect_api()
 
-    print(f"{'':40s}{'wall s':>9s}{'ratio':>8s}{'start-up s':>12s}{'final log s':>13s}{'per arrival s':>15s}"
-          f"{'peak RSS MiB':>15s}{'RSS ratio':>11s}")
-    for label, t, rss, fin, start in rows:
-        extra = (f"{start:12.1f}{fin:13.1f}{(t - start - fin - t_plain) / A:15.3f}" if fin is not None
-                 else f"{'':12s}{'':13s}{'':15s}")
+    print(f"{'':40s}{'wall s':>9s}{'ratio':>8s}{'start-up s':>12s}{'CPU-s':>8s}{'final log s':>13s}"
+          f"{'per arrival s':>15s}{'peak RSS MiB':>15s}{'RSS ratio':>11s}")
+    for label, t, rss, fin, start, start_cpu in rows:
+        extra = (f"{start:12.1f}{start_cpu:8.1f}{fin:13.1f}{(t - start - fin - t_plain) / A:15.3f}" if fin is not None
+                 else f"{'':12s}{'':8s}{'':13s}{'':15s}")
         print(f"{label:40s}{t:9.1f}{t / t_plain:8.2f}{extra}{rss / 2**20:15.0f}{rss / rows[0][2]:11.2f}")
     print("per arrival s: the flow's wall time over the plain loop's, start-up and final logging excluded, per arrival")
+    print("CPU-s: the CPU time every process (this one, Prefect's, Ray's) spent until the flow took its first "
+          f"state; on {psutil.cpu_count()} cores it takes at least CPU-s / {psutil.cpu_count()} of wall, "
+          "however the start-up overlaps")
     if pairs:
-        print(f"paired (Prefect + Ray up, warm workers; plain loop then flow, {len(pairs)} pairs): wall ratio "
-              + ", ".join(f"{r:.2f}" for r in pairs) + f" (median {np.median(pairs):.2f})")
+        print(f"paired (Prefect + Ray up, warm workers; plain loop, then the flow, then the flow without MLflow; "
+              f"{len(pairs)} triples): wall ratio "
+              + ", ".join(f"{r:.2f}" for r in pairs) + f" (median {np.median(pairs):.2f}); without MLflow "
+              + ", ".join(f"{r:.2f}" for r in bare) + f" (median {np.median(bare):.2f})")
     print("targets: warm (Prefect + Ray up, warm workers) <= 1.15; cold <= 1.6")
     print("every flow run's metrics equal the plain loop's")
 
