@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import queue
 import re
 import subprocess
@@ -116,19 +117,28 @@ def git_commit() -> str:
         return "unknown"
 
 
-def dvc_lock_hashes(reads: Iterable[Path], *, root: Path = ROOT) -> Dict[str, str]:
+def dvc_lock_hashes(reads: Iterable[Path | None], *, root: Path | None = None) -> Dict[str, str]:
     """md5s DVC recorded (``dvc.lock``) for the stage outputs a run reads, so it names the exact data it used.
 
-    ``reads``: the files and folders the run reads. An output counts if it is one of them, lies
-    inside one, or holds one (a partition folder, a file in it). Outputs of stages the run does
-    not read (other systems' grids, other cells) are not its lineage: the lock holds hundreds.
+    ``reads``: the files and folders the run reads (absolute, or relative to ``root``). An output
+    counts if it is one of them, lies inside one, or holds one (a partition folder, a file in it).
+    Outputs of stages the run does not read (other systems' grids, other cells) are not its
+    lineage: the lock holds hundreds. Paths are compared as written, links not followed: with
+    DVC's ``symlink`` cache type an output resolves into the cache.
     """
-    want = [Path(p).resolve() for p in reads if p is not None]
+    if isinstance(reads, (str, Path)):
+        raise TypeError("reads is a list of paths, not one path")
+    root = ROOT if root is None else root
+
+    def normal(p) -> Path:
+        return Path(os.path.abspath(Path(root) / p))
+
+    want = [normal(p) for p in reads if p is not None]
     tags = {}
     for o in integrity.lock_outs(root):
-        path = (root / o.path).resolve()
+        path = normal(o.path)
         if any(path == w or path in w.parents or w in path.parents for w in want):
-            tags[f"dvc.{o.stage.replace('@', ':')}.{path.name}"] = o.md5
+            tags[f"dvc.{o.stage.replace('@', ':')}.{Path(o.path).name}"] = o.md5
     return tags
 
 

@@ -17,6 +17,7 @@ from mlflow.tracking import MlflowClient
 
 from flows import config as C
 from flows import federation as F
+from flows import tracking
 
 from .conftest import prefect_artifacts, prefect_flow_run, prefect_logs, prefect_task_runs, tiny_overrides
 
@@ -50,7 +51,11 @@ def count_streams(monkeypatch) -> list:
 def test_arrival_flow_logs_lineage_metrics_artifacts_and_model(tiny, monkeypatch):
     cfg = cfg_for(tiny, "flow.experiment=arrival-test")
     streams = count_streams(monkeypatch)
+    reads, real_hashes = [], tracking.dvc_lock_hashes
+    monkeypatch.setattr(tracking, "dvc_lock_hashes", lambda paths, **kw: reads.extend(paths) or real_hashes(paths, **kw))
     res = F.arrival(cfg)
+    # the lineage names the data, the partition and the source model the run read
+    assert {F.prepared_path(cfg), F.partition_dir(cfg), F.source_model_path(cfg)} <= set(reads)
     assert streams == [0]  # one worker runs both passes: it does not stop at a pass's end
     A = len(res.records)
     client, parents = runs_of(cfg, "bpa+ugsa-s0")

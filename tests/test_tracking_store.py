@@ -153,3 +153,33 @@ def test_lineage_names_the_dvc_outputs_a_run_reads_and_no_others(tmp_path):
     assert tracking.dvc_lock_hashes([tmp_path / "models"], root=tmp_path) == {
         "dvc.pretrain:mnist.source-mnist.pt": "md5-pretrain@mnist", "dvc.pretrain:cifar10.source-cifar10.pt": "md5-pretrain@cifar10"}
     assert tracking.dvc_lock_hashes([tmp_path / "elsewhere"], root=tmp_path) == {}
+    # relative to the root; links not followed (DVC's symlink cache type points outputs into the cache)
+    assert tracking.dvc_lock_hashes(["data/partitions/mnist"], root=tmp_path) == {
+        "dvc.partition:mnist.mnist": "md5-partition@mnist"}
+    cache = tmp_path / "cache" / "ab12"
+    cache.parent.mkdir()
+    cache.write_bytes(b"weights")
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models/source-mnist.pt").symlink_to(cache)
+    assert tracking.dvc_lock_hashes([tmp_path / "models/source-mnist.pt"], root=tmp_path) == {
+        "dvc.pretrain:mnist.source-mnist.pt": "md5-pretrain@mnist"}
+    with pytest.raises(TypeError, match="list of paths"):
+        tracking.dvc_lock_hashes(tmp_path / "models/source-mnist.pt", root=tmp_path)
+
+
+@pytest.mark.parametrize("overrides, stages", [
+    ([], {"prepare:mnist", "partition:mnist", "pretrain:mnist"}),
+    (["variant=cifar10"], {"prepare:cifar10", "partition:cifar10", "pretrain:cifar10"}),
+    (["variant=private"], {"prepare:mnist", "partition:mnist", "pretrain:private"}),
+])
+def test_an_arrival_runs_lineage_in_the_real_lock_is_its_data_partition_and_source_model(overrides, stages):
+    """What an arrival run reads (the paths its flow passes) against the project's own dvc.lock, where
+    the outputs are folders: exactly the three stages upstream of it."""
+    from flows import config as C
+    from flows import tasks as T
+
+    cfg = C.compose(overrides)
+    tags = tracking.dvc_lock_hashes([T.prepared_path(cfg), T.partition_dir(cfg), T.source_model_path(cfg)])
+    assert {k.split(".")[1] for k in tags} == stages
+    rounds = tracking.dvc_lock_hashes([C.domains_dir(cfg, "fedpad", "quick")])
+    assert list(rounds) == ["dvc.partition_domains:quick.quick"]
