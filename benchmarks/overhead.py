@@ -6,9 +6,10 @@
 Needs the default experiment's inputs (`make run` or `dvc repro pretrain@mnist`). Prints wall time
 and peak resident memory (driver plus every Ray/Prefect process it spawned) of each, and the
 ratios, for the flow started cold and with its services (Prefect server, Ray) already up; the CPU
-time a cold start costs, summed over every process; and back-to-back pairs with the services up, each
-pair timing the flow as it is and the flow with its MLflow calls stubbed out (orchestration alone:
-Prefect, Ray and the checkpoints), so that the two costs are told apart.
+time a cold start costs, summed over the processes; and back-to-back triples with the services up,
+each timing the plain loop, the flow as it is, and the flow with its MLflow calls stubbed out (the
+orchestration and the files it writes: Prefect, Ray, checkpoints, plots), so that the costs are told
+apart.
 """
 
 from __future__ import annotations
@@ -56,29 +57,44 @@ class PeakRSS:
         self._t.join()
 
 
-def cpu_seconds() -> float:
-    """User + system CPU time of this process and every live process it spawned (Ray's, Prefect's)."""
-    me, total = psutil.Process(), 0.0
+def cpu_times() -> dict:
+    """CPU time (user + system, reaped children's included) of this process and every live process it
+    spawned (Ray's, Prefect's), by pid."""
+    me, out = psutil.Process(), {}
     for p in [me, *me.children(recursive=True)]:
         try:
             t = p.cpu_times()
-            total += t.user + t.system
+            out[p.pid] = t.user + t.system + t.children_user + t.children_system
         except psutil.Error:
             pass
-    return total
+    return out
+
+
+def cpu_spent(before: dict) -> float:
+    """CPU-s spent since ``before`` (:func:`cpu_times`) by the processes alive now; one that ended in
+    between is not counted, so this is a lower bound."""
+    return sum(max(0.0, t - before.get(pid, 0.0)) for pid, t in cpu_times().items())
 
 
 @contextlib.contextmanager
-def without_mlflow(F, tracking):
-    """The arrival flow with its MLflow calls stubbed out: the run, the per-arrival records, the final logging."""
-    saved = F._start_experiment_run, F._log_experiment, tracking.log_arrival
-    F._start_experiment_run = lambda *a, **kw: contextlib.nullcontext()
-    F._log_experiment = lambda *a, **kw: None
-    tracking.log_arrival = lambda *a, **kw: None
+def without_mlflow(F, tracking, model_registry):
+    """The arrival flow with every MLflow call stubbed out, and nothing else: no tracking set-up, no run,
+    no per-arrival records, no logged metrics, files or model, no registration. The plots, tables and
+    checkpoints are still written."""
+    import mlflow
+
+    patches = [(F, "_start_experiment_run", lambda *a, **kw: contextlib.nullcontext()),
+               (tracking, "setup", lambda *a, **kw: None), (tracking, "log_arrival", lambda *a, **kw: None),
+               (tracking, "log_files", lambda *a, **kw: None), (tracking, "log_model", lambda *a, **kw: "models:/x"),
+               (mlflow, "log_metrics", lambda *a, **kw: None), (model_registry, "model_name", lambda cfg: None)]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    for obj, name, stub in patches:
+        setattr(obj, name, stub)
     try:
         yield
     finally:
-        F._start_experiment_run, F._log_experiment, tracking.log_arrival = saved
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
 
 
 class Stopwatch:
@@ -109,7 +125,7 @@ def main(overrides: list[str]) -> None:
 
     from fedcore.engine import run_arrivals
     from flows import federation as F
-    from flows import runtime, tracking
+    from flows import model_registry, runtime, tracking
 
     cifar = "--cifar" in overrides
     variant = ["variant=cifar10"] if cifar else []
@@ -135,23 +151,29 @@ def main(overrides: list[str]) -> None:
     rows = [("plain fedcore loop", t_plain, mem.peak, None, None, None)]
     final_logging = Stopwatch(F, "_log_experiment")
     started: list = []
+    started_cpu: dict = {}
     real_initial_state = F.initial_state
 
     def marked_initial_state(*a, **kw):  # start-up ends when the flow, its services up, takes its first state
-        started.append((time.perf_counter(), cpu_seconds()))
+        started.append((time.perf_counter(), cpu_spent(started_cpu)))
         return real_initial_state(*a, **kw)
 
     F.initial_state = marked_initial_state
 
+    def same(label: str, res) -> None:
+        if res.summary != plain.summary:
+            raise SystemExit(f"{label}: the flow's metrics differ from the plain loop's: {res.summary} != {plain.summary}")
+
     def flowed(label: str) -> None:
         started.clear()
         with PeakRSS() as m:
-            t, cpu = time.perf_counter(), cpu_seconds()
+            started_cpu.clear()
+            started_cpu.update(cpu_times())
+            t = time.perf_counter()
             res = F.arrival(cfg)
             rows.append((label, time.perf_counter() - t, m.peak, final_logging.reset(), started[0][0] - t,
-                         started[0][1] - cpu))
-        if res.summary != plain.summary:
-            raise SystemExit(f"{label}: the flow's metrics differ from the plain loop's: {res.summary} != {plain.summary}")
+                         started[0][1]))
+        same(label, res)
 
     # 1. Nothing running: the flow starts a temporary Prefect server and a local Ray.
     flowed("flow, cold (starts Prefect + Ray)")
@@ -167,19 +189,18 @@ def main(overrides: list[str]) -> None:
     flowed("flow, Prefect + Ray up, warm workers")
     # This machine's speed drifts by 20-40% over minutes, as much as the effect measured: time the
     # deployment case (services up, warm workers) also as back-to-back pairs, one ratio per pair.
+    F.initial_state = real_initial_state
     pairs, bare = [], []
-    for _ in range(PAIRS):
+    for i in range(PAIRS):
         t0 = time.perf_counter()
         run_arrivals(partition, spec, source, acfg)
         base = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        F.arrival(cfg)
-        pairs.append((time.perf_counter() - t0) / base)
-        final_logging.reset()
-        with without_mlflow(F, tracking):
-            t0 = time.perf_counter()
-            F.arrival(cfg)
-            bare.append((time.perf_counter() - t0) / base)
+        for with_mlflow in ((True, False) if i % 2 == 0 else (False, True)):  # alternate which runs nearer the loop
+            with (contextlib.nullcontext() if with_mlflow else without_mlflow(F, tracking, model_registry)):
+                t0 = time.perf_counter()
+                same("paired flow", F.arrival(cfg))
+                (pairs if with_mlflow else bare).append((time.perf_counter() - t0) / base)
+            final_logging.reset()
     ray.shutdown()
     runtime.stop_prefect_api()
 
@@ -190,11 +211,12 @@ def main(overrides: list[str]) -> None:
                  else f"{'':12s}{'':8s}{'':13s}{'':15s}")
         print(f"{label:40s}{t:9.1f}{t / t_plain:8.2f}{extra}{rss / 2**20:15.0f}{rss / rows[0][2]:11.2f}")
     print("per arrival s: the flow's wall time over the plain loop's, start-up and final logging excluded, per arrival")
-    print("CPU-s: the CPU time every process (this one, Prefect's, Ray's) spent until the flow took its first "
-          f"state; on {psutil.cpu_count()} cores it takes at least CPU-s / {psutil.cpu_count()} of wall, "
-          "however the start-up overlaps")
+    print("CPU-s: the CPU time the processes (this one, Prefect's, Ray's) spent until the flow took its first "
+          f"state (a lower bound: one that ended before is not counted); on {psutil.cpu_count()} cores it takes "
+          f"at least CPU-s / {psutil.cpu_count()} of wall, however the start-up overlaps")
     if pairs:
-        print(f"paired (Prefect + Ray up, warm workers; plain loop, then the flow, then the flow without MLflow; "
+        print(f"paired (Prefect + Ray up, warm workers; plain loop, then the flow and the flow without MLflow, "
+              f"in turn first; "
               f"{len(pairs)} triples): wall ratio "
               + ", ".join(f"{r:.2f}" for r in pairs) + f" (median {np.median(pairs):.2f}); without MLflow "
               + ", ".join(f"{r:.2f}" for r in bare) + f" (median {np.median(bare):.2f})")
