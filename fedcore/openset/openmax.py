@@ -82,13 +82,13 @@ def pairwise_distance(z: np.ndarray, centres: np.ndarray, *, distance: str = "eu
     return euclid / EUCOS_EUCLIDEAN_SCALE + np.clip(1.0 - cos, 0.0, 2.0)
 
 
-
 def _weibull():
     """``scipy.stats.weibull_min``, imported on first use: scipy.stats costs 1.5 s to import, and every Ray
     worker imports this module (through the round strategies) whether or not it scores with OpenMax."""
     from scipy.stats import weibull_min
 
     return weibull_min
+
 
 class OpenMax:
     """OpenMax unknown scorer over a classifier's logits.
