@@ -324,9 +324,13 @@ def _stress(cfg, protocol: str = "bpfedctta") -> None:
 
 
 def _stress_report(cfg, protocol: str = "bpfedctta") -> None:
+    """The report of every cell that ran; for a protocol with an lr × passes grid, that grid at a glance."""
+    from flows import stress_grid
     from flows.stress import report
 
     print(report(cfg, protocol))
+    if protocol in stress_grid.PROTOCOLS:
+        print(stress_grid.write(cfg, protocol))
 
 
 STAGES = {"stress": _stress, "stress_report": _stress_report,

@@ -185,3 +185,103 @@ def test_a_plain_method_is_paired_with_the_source_run_under_its_own_aggregator()
     cell = {"source+none": {}, "source+ugsa": {}, "tent+ugsa": {}, "tent+ugsa+clip": {}, "tent+fedavg": {}}
     assert sorted(S.privacy_pairs(cell)) == [("tent+fedavg", "source+none"), ("tent+fedavg", "source+ugsa"),
                                              ("tent+ugsa", "source+ugsa"), ("tent+ugsa+clip", "tent+ugsa")]
+
+
+# ------------------------------------------------------------------------------------ the lr x passes grid
+def test_the_grid_is_the_cells_that_set_only_lr_and_passes(cfg):
+    from flows import stress_grid as G
+
+    cells = G.grid_cells(cfg)
+
+    assert len(cells) == 12 and cells[(0.1, 3)] == "lr1e-1-p3" and cells[(0.001, 10)] == "lr1e-3-p10"
+    assert not {"sorted-lr1e-1-p3", "bs16-lr1e-2-p3", "ugsa-none-b1"} & set(cells.values()), \
+        "a stream, batch size or gate setting is not a point of the lr x passes grid"
+    assert len(G.grid_cells(cfg, "cifar10")) == 1 and G.grid_cells(cfg, "dptta")
+
+
+def test_the_grid_tabulates_each_cell_and_maps_its_gap_to_bn_paired_by_seed(cfg, tmp_path):
+    # Arrange: two grid cells and one ablation cell ran; tent+sequential collapses at lr 0.1, and at
+    # lr 0.01 BN ran seed 2 only, so the gap pairs that seed alone
+    from flows import stress_grid as G
+
+    root = tmp_path / "stress"
+    _write_private_cell(root / "lr1e-1-p3", {"bn+none": [0.76, 0.76, 0.76], "tent+sequential": [0.2, 0.6, 0.4],
+                                             "bpa+ugsa": [0.77, 0.76, 0.75]})
+    _write_private_cell(root / "lr1e-2-p1", {"tent+sequential": [0.75, 0.75, 0.74]})
+    summary = json.loads((root / "lr1e-2-p1" / "summary.json").read_text())
+    summary["bn+none+s2"] = dict(summary["tent+sequential+s2"], final_avg_holdout_acc=0.70)
+    (root / "lr1e-2-p1" / "summary.json").write_text(json.dumps(summary))
+    _write_private_cell(root / "lr3e-2-p3", {"tent+sequential": [0.7, 0.7, 0.7]})
+    _write_private_cell(root / "ugsa-none-b1", {"bn+none": [0.1, 0.1, 0.1], "tent+sequential": [0.1, 0.1, 0.1]})
+    c = OmegaConf.merge(cfg, {"bpfedctta": {"stress": {"results": str(root)}}})
+
+    # Act
+    data = G.collect(c)
+    text = G.write(c)
+
+    # Assert
+    assert sorted(data["tent+sequential"]) == [(0.01, 1), (0.03, 3), (0.1, 3)], "the ablation cell is off the grid"
+    assert G.gap(data, "tent+sequential", (0.1, 3)) == pytest.approx(-0.36)
+    assert G.gap(data, "bpa+ugsa", (0.1, 3)) == pytest.approx(0.0, abs=1e-12)
+    assert G.gap(data, "tent+sequential", (0.01, 1)) == pytest.approx(0.04), "seed 2 only: 0.74 - 0.70"
+    assert G.gap(data, "tent+sequential", (0.03, 3)) is None, "no reference in that cell"
+    assert G.gap(data, "tent+sequential", (0.03, 1)) is None and G.gap(data, "bpa+ugsa", (0.01, 1)) is None
+    assert "3 of 12 grid cells ran" in text and "Not run: lr1e-3-p1, lr1e-3-p3" in text
+    assert "| 0.1 | 3 | 0.760 ± 0.000 | 0.400 ± 0.163 | not in the cell | not in the cell | not in the cell | " \
+           "not in the cell | 0.760 ± 0.008 |" in text
+    assert "| 0.01 | 1 | 0.700 ± 0.000 | 0.747 ± 0.005 | not in the cell |" in text
+    assert "| 0.03 | 10 | not run | not run |" in text
+    assert G._label(data, "tent+sequential", (0.03, 3), set(G.ran(c)))[1] == "no bn+none"
+    assert G._label(data, "tent+sequential", (0.03, 10), set(G.ran(c)))[1] == "not run"
+    md, png = G.paths(c)
+    assert md.read_text() == text and md.name == "stress_grid.md" and md.parent == tmp_path
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_grid_is_written_before_any_grid_cell_ran(cfg, tmp_path):
+    from flows import stress_grid as G
+
+    _write_private_cell(tmp_path / "stress" / "ugsa-none-b1", {"bn+none": [0.7], "tent+ugsa": [0.6]})
+    c = OmegaConf.merge(cfg, {"bpfedctta": {"stress": {"results": str(tmp_path / "stress")}}})
+
+    text = G.write(c)
+
+    assert "0 of 12 grid cells ran" in text and G.paths(c)[1].is_file(), "the stage declares both files"
+
+
+def test_bad_grid_cells_name_the_fix(cfg):
+    from flows import stress_grid as G
+
+    def with_cells(**cells):
+        bad = cfg.copy()
+        OmegaConf.set_struct(bad, False)
+        bad.bpfedctta.stress.cells = cells
+        return bad
+
+    with pytest.raises(ValueError, match="'lr1e-2-p3' and 'again' are the same point"):
+        G.grid_cells(with_cells(**{"lr1e-2-p3": {"lr": 0.01, "passes": 3}, "again": {"lr": 1e-2, "passes": 3}}))
+    with pytest.raises(ValueError, match="cell 'x' sets lr 'fast'; it must be a number"):
+        G.grid_cells(with_cells(x={"lr": "fast", "passes": 3}))
+    with pytest.raises(ValueError, match=r"cell 'x' sets passes 2.5; it must be a whole number"):
+        G.grid_cells(with_cells(x={"lr": 0.1, "passes": 2.5}))
+    with pytest.raises(ValueError, match="declares no cell that sets only lr and passes"):
+        G.write(with_cells(x={"lr": 0.1, "passes": 3, "stream": "class_sorted"}))
+    with pytest.raises(ValueError, match="'dptta' has no lr × passes grid; those that do: bpfedctta"):
+        G.write(cfg, "dptta")
+
+
+def test_the_report_stage_draws_the_grid_only_for_the_protocols_that_declare_one(cfg, tmp_path):
+    from flows.stages import _stress_report
+
+    for block, system, name, cell in (("stress", "bpfedctta", "bpfedctta", "lr1e-1-p3"),
+                                      ("stress_cifar", "bpfedctta", "cifar10", "lr1e-1-p1"),
+                                      ("stress", "dptta", "dptta", "lr1e-1-p3")):
+        root = tmp_path / system / block
+        _write_cell(root / cell, [0.1, 0.2, 0.3])
+        _stress_report(OmegaConf.merge(cfg, {system: {block: {"results": str(root)}}}), name)
+
+    assert (tmp_path / "bpfedctta" / "stress_grid.png").is_file()
+    assert (tmp_path / "bpfedctta" / "stress_grid.md").is_file()
+    assert (tmp_path / "bpfedctta" / "stress_cifar_report.md").is_file()
+    assert not list(tmp_path.rglob("stress_cifar_grid.*")), "the CIFAR report stage declares no grid"
+    assert (tmp_path / "dptta" / "stress_report.md").is_file() and not list((tmp_path / "dptta").glob("*grid*"))
