@@ -272,7 +272,8 @@ def report(cfg: DictConfig, name: str = "bpfedctta") -> str:
              f"Cells run: {len(ran)} of {len(cell_names(cfg, name))} ({', '.join(ran)}). "
              f"Mean ± std over seeds; gaps are {proto.gaps}, paired by seed "
              "(p: paired t-test, nan when a gap cannot vary or with one seed).", ""]
-    pooled: Dict[str, List[float]] = {}
+    # per comparison, block by block over the cells holding both rows (an ablation cell holds few rows)
+    pooled: Dict[str, Tuple[List[float], List[float], List[str]]] = {}
     summary: Dict[str, Dict] = {}
     for c in ran:
         cell = load_cell(root / c)
@@ -290,10 +291,12 @@ def report(cfg: DictConfig, name: str = "bpfedctta") -> str:
             lines += _pair_rows(cell, [(proto.target, o) for o in proto.against if o in cell],
                                 label=lambda t, o: o)
             lines.append("")
-            common = sorted(set.intersection(*(set(cell[m]) for m in (proto.target, *proto.against) if m in cell)))
-            for m in (proto.target, *proto.against):
-                if m in cell:
-                    pooled.setdefault(m, []).extend(cell[m][s]["final_avg_holdout_acc"] for s in common)
+            for other in (o for o in proto.against if o in cell):
+                mine, theirs, cells = pooled.setdefault(other, ([], [], []))
+                seeds = sorted(set(cell[proto.target]) & set(cell[other]))
+                mine.extend(cell[proto.target][s]["final_avg_holdout_acc"] for s in seeds)
+                theirs.extend(cell[other][s]["final_avg_holdout_acc"] for s in seeds)
+                cells.append(c)
         elif not proto.target:
             pairs = sorted(privacy_pairs(cell), key=lambda p: (_sweep_order(p[0], name), _sweep_order(p[1], name)))
             if pairs:
@@ -302,13 +305,14 @@ def report(cfg: DictConfig, name: str = "bpfedctta") -> str:
                 lines.append("")
         lines.append(f"![online accuracy per arrival]({c}/online_by_method.png)")
         lines.append("")
-    target = proto.target
-    if target and target in pooled and len(pooled[target]) >= 2:
+    testable = {o: v for o, v in pooled.items() if len(v[0]) >= 2}
+    if testable:
         lines += ["## Pooled over cells × seeds (final hold-out accuracy, Wilcoxon signed-rank)", "",
-                  f"| {proto.target_label} against | blocks | mean gap | wins | p |", "|---|---|---|---|---|"]
-        usable = {m: v for m, v in pooled.items() if len(v) == len(pooled[target])}
-        for t in wilcoxon_against(usable, target):
-            lines.append(f"| {t.other} | {t.n} | {t.mean_gap:+.3f} | {t.wins}/{t.n} | {t.p_value:.3f} |")
+                  "Each comparison pools the cells that hold both rows, seed by seed.", "",
+                  f"| {proto.target_label} against | cells | blocks | mean gap | wins | p |", "|---|---|---|---|---|---|"]
+        for other, (mine, theirs, cells) in testable.items():
+            (t,) = wilcoxon_against({proto.target: mine, other: theirs}, proto.target)
+            lines.append(f"| {other} | {len(cells)} | {t.n} | {t.mean_gap:+.3f} | {t.wins}/{t.n} | {t.p_value:.3f} |")
         lines.append("")
     text = "\n".join(lines).replace("](", f"]({root.name}/")
     report_md, summary_json = report_paths(cfg, name)

@@ -73,6 +73,7 @@ def test_report_pairs_by_seed_and_pools_cells(cfg, tmp_path):
     root = tmp_path / "stress"
     _write_cell(root / "lr1e-1-p3", [0.10, 0.20, 0.30])
     _write_cell(root / "lr1e-2-p3", [-0.05, 0.05, 0.0])
+    _write_private_cell(root / "ugsa-none-b1", {"bpa+ugsa": [0.7, 0.7, 0.7], "tent+ugsa": [0.6, 0.6, 0.65]})
     c = OmegaConf.merge(cfg, {"bpfedctta": {"stress": {"results": str(root)}}})
 
     # Act
@@ -84,9 +85,11 @@ def test_report_pairs_by_seed_and_pools_cells(cfg, tmp_path):
     from scipy.stats import ttest_rel
     assert t["gap"] == pytest.approx(0.2) and t["wins"] == 3 and t["n"] == 3
     assert t["p"] == pytest.approx(ttest_rel([0.6, 0.7, 0.8], [0.5, 0.5, 0.5]).pvalue)
-    assert f"Cells run: 2 of {len(S.cell_names(c))}" in text
+    assert f"Cells run: 3 of {len(S.cell_names(c))}" in text
     assert "| tent+sequential | +0.200 | 3/3 |" in text
-    assert "| tent+sequential | 6 | +0.100 | 4/6 |" in text, "pooled over 2 cells x 3 seeds"
+    assert "| tent+sequential | 2 | 6 | +0.100 | 4/6 |" in text, \
+        "pooled over the 2 cells x 3 seeds that hold it; the ablation cell, which lacks it, adds no blocks"
+    assert "| tent+ugsa | 1 | 3 | +0.083 | 3/3 |" in text, "the ablation cell is pooled where it holds both rows"
     report_md, summary_json = S.report_paths(c)
     assert report_md.read_text() == text
     assert json.loads(summary_json.read_text())["lr1e-1-p3"]["bpa+ugsa"]["final_avg_holdout_acc"] == pytest.approx(0.7)
