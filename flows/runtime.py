@@ -258,6 +258,20 @@ def ray_as_completed(refs: List[Any], *, on_rerun: Callable[[int, int], None] | 
         yield index[done[0]], value
 
 
+def ray_settle(refs: List[Any]) -> None:
+    """Wait until every task in ``refs`` has finished, whatever its outcome, without fetching results.
+
+    A round whose client step raised waits for its other steps rather than cancelling them:
+    ``ray.cancel`` racing a task that is just completing can fail a check inside Ray's core worker
+    (``it != submissible_tasks_.end()``) and abort the whole driver process, which CI saw once
+    (2026-12-02). The other steps are sub-second to minutes, and Prefect's retry reruns the round.
+    """
+    import ray
+
+    if refs:
+        ray.wait(list(refs), num_returns=len(refs))
+
+
 def ray_cancel(refs: List[Any]) -> None:
     """Cancel Ray tasks that have not finished (finished ones are left alone)."""
     import ray

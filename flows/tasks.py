@@ -69,8 +69,9 @@ def train_round_task(*, calls: List[Dict[str, Any]], names: List[str], num_gpus:
     The clients train in parallel on the Ray workers; each one's completion is logged (the Prefect
     UI shows the round's progress client by client). A client whose worker dies is rerun by Ray,
     and a warning on this task run says so;
-    a client step that raises fails the round task, the round's other steps are cancelled, and a
-    Prefect retry reruns the round (same seeds and inputs, so the same updates).
+    a client step that raises fails the round task once the round's other steps have finished (they
+    are not cancelled: see ``runtime.ray_settle``), and a Prefect retry reruns the round (same seeds
+    and inputs, so the same updates). An interrupt cancels them.
     Array and state arguments may be Ray ObjectRefs (put once, resolved by Ray on the worker).
     ``markers``: injected faults by call index (tests). ``threads``: CPUs (and torch threads) per
     client step: 1, except for a run with a single client (the CIFAR variant's source pretraining).
@@ -93,7 +94,10 @@ def train_round_task(*, calls: List[Dict[str, Any]], names: List[str], num_gpus:
             out[j] = upd
             logger.info("%s done (%d/%d): %d examples, train loss %.4f", names[j], n, len(refs), upd.num_examples,
                         upd.metrics.get("train_loss", float("nan")))
-    except BaseException:
+    except Exception:
+        runtime.ray_settle(refs)
+        raise
+    except BaseException:  # an interrupt: stop now
         runtime.ray_cancel(refs)
         raise
     return out

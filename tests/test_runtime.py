@@ -1,5 +1,7 @@
 """Placement settings derived from the config (no Ray started here)."""
 
+import pytest
+
 from flows import config as C
 from flows import federation as F
 from flows.runtime import ray_init_kwargs
@@ -113,3 +115,38 @@ def test_a_ray_the_caller_started_is_left_running_and_ours_binds_loopback():
         assert ray.is_initialized()
     finally:
         ray.shutdown()
+
+
+@pytest.mark.parametrize("error, settled", [(RuntimeError("client step failed"), True), (KeyboardInterrupt(), False)])
+def test_a_failed_client_step_lets_the_rounds_other_steps_finish_and_an_interrupt_cancels_them(
+        monkeypatch, error, settled):
+    # Arrange: three client steps; the first finishes, then the next one's error arrives
+    import logging
+    from types import SimpleNamespace
+
+    import prefect
+
+    from flows import runtime, tasks
+
+    refs, seen = [], {"settle": [], "cancel": []}
+
+    def start(fn, **kw):
+        refs.append(object())
+        return refs[-1]
+
+    def as_completed(rs, on_rerun=None):
+        yield 0, SimpleNamespace(num_examples=4, metrics={"train_loss": 0.1})
+        raise error
+
+    monkeypatch.setattr(runtime, "ray_start", start)
+    monkeypatch.setattr(runtime, "ray_as_completed", as_completed)
+    monkeypatch.setattr(runtime, "ray_settle", lambda rs: seen["settle"].append(list(rs)))
+    monkeypatch.setattr(runtime, "ray_cancel", lambda rs: seen["cancel"].append(list(rs)))
+    monkeypatch.setattr(prefect, "get_run_logger", lambda: logging.getLogger("test"))
+
+    # Act
+    with pytest.raises(type(error)):
+        tasks.train_round_task.fn(calls=[{}, {}, {}], names=["c0", "c1", "c2"])
+
+    # Assert: ray.cancel racing a completing task can abort the driver inside Ray's core worker
+    assert seen == ({"settle": [refs], "cancel": []} if settled else {"settle": [], "cancel": [refs]})
