@@ -11,6 +11,7 @@ laid over the root config.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -91,8 +92,17 @@ def _validate_run(cfg: DictConfig) -> None:
         raise ValueError(f"sweep.noise_source={source!r}; valid values are: {', '.join(NOISE_SOURCES)}, or null "
                          "for each form's own privacy.noise_source")
     forms = list(cfg.sweep.get("privacy", None) or []) if "sweep" in cfg else []
+    seen: Dict[str, str] = {}
     for form in forms:  # a bad sweep form fails here, before any stage starts work
-        PrivacyConfig.from_dict(privacy_form(cfg, str(form)))
+        settings = privacy_form(cfg, str(form))
+        try:
+            PrivacyConfig.from_dict(settings)
+        except ValueError as exc:
+            raise ValueError(f"sweep.privacy form {form!r}: {exc}") from None
+        same = seen.setdefault(json.dumps(settings, sort_keys=True), str(form))
+        if same != str(form):  # both would write one run folder
+            raise ValueError(f"sweep.privacy lists {same!r} and {form!r}, which are the same setting "
+                             "(C = 1 is the default clip norm); list it once")
 
 
 def model_spec(cfg: DictConfig) -> ModelSpec:
@@ -114,27 +124,40 @@ def pretrain_config(cfg: DictConfig) -> RoundConfig:
 
 
 def privacy_form(cfg: DictConfig, form: str | None) -> Dict[str, Any]:
-    """The privacy settings of a form: ``plain``, ``clip``, ``dp0``, ``dp`` or ``dp-eps<e>`` (dp with epsilon e).
+    """The privacy settings of a form: ``<mode>[-eps<e>][-c<C>]``.
 
-    ``None`` means the selected ``privacy`` group as configured. A named form is a sweep cell: its
-    dp settings take the grid's ``sweep.noise_source`` when that is set (research grids say
-    ``seeded``, so that DVC reruns them bit for bit).
+    ``<mode>`` is ``plain``, ``clip``, ``dp0`` or ``dp``; ``-eps<e>`` sets dp's epsilon (``dp-eps5``);
+    ``-c<C>`` sets the clip norm of any form that clips (``clip-c5``, ``dp-eps10-c0.3``), the axis
+    the DP-TTA paper cross-validates. ``None`` means the selected ``privacy`` group as configured. A
+    named form is a sweep cell: its dp settings take the grid's ``sweep.noise_source`` when that is
+    set (research grids say ``seeded``, so that DVC reruns them bit for bit).
     """
     if form is None:
         return dict(OmegaConf.to_container(cfg.privacy, resolve=True)) if "privacy" in cfg else {}
-    name, _, eps = form.partition("-eps")
+    name, *settings = form.split("-")
     own = "privacy" in cfg and _form_name(cfg.privacy) == name
     base = cfg.privacy if own else _group("privacy", name)
     out = dict(OmegaConf.to_container(base, resolve=True))
-    if eps:
-        if name != "dp":
-            raise ValueError(f"privacy form {form!r}: only dp takes -eps<e>; valid forms are: plain, clip, dp0, dp, "
-                             "dp-eps<e>")
+    grammar = "valid forms are: plain, clip[-c<C>], dp0[-c<C>], dp[-eps<e>][-c<C>] (e.g. dp-eps5-c0.5)"
+    seen = set()
+    for setting in settings:
+        key = "eps" if setting.startswith("eps") else "c" if setting.startswith("c") else None
+        if key is None or key in seen:
+            raise ValueError(f"privacy form {form!r}: cannot read {setting!r}; {grammar}")
+        seen.add(key)
+        if key == "eps" and name != "dp":
+            raise ValueError(f"privacy form {form!r}: only dp takes -eps<e>; {grammar}")
+        if key == "c" and name == "plain":
+            raise ValueError(f"privacy form {form!r}: plain does not clip, so it takes no -c<C>; {grammar}")
+        text = setting[len(key):]
         try:
-            out["epsilon"] = float(eps)
+            value = float(text)
         except ValueError:
-            raise ValueError(f"privacy form {form!r}: {eps!r} is not a number (e.g. dp-eps5)") from None
-        out["noise_multiplier"] = None
+            raise ValueError(f"privacy form {form!r}: {text!r} is not a number (e.g. dp-eps5, clip-c0.5)") from None
+        if key == "eps":
+            out["epsilon"], out["noise_multiplier"] = value, None
+        else:
+            out["clip_norm"] = value
     source = cfg.sweep.get("noise_source", None) if "sweep" in cfg else None
     if source is not None and out.get("mode") == "dp":
         out["noise_source"] = str(source)

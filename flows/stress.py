@@ -175,12 +175,25 @@ def online_curves(folder: Path, name: str = "bpfedctta") -> Dict[str, np.ndarray
 
 
 def _sweep_order(key: str, name: str = "bpfedctta") -> tuple:
-    """A ``method+aggregator[+form]`` key in the sweep's order: method, aggregator, form (unknown last)."""
+    """A ``method+aggregator[+form]`` key in the sweep's order: method, aggregator, form (unknown last).
+
+    A form with a clip norm (``clip-c5``) sorts beside its form without one, by clip norm (C = 1 unnamed).
+    """
     parts = key.split("+")
     parts += ["plain"] * (3 - len(parts))
-    rank = lambda v, order: (order.index(v) if v in order else len(order), v)  # noqa: E731
     order = protocol(name).order + (("plain",),) * (3 - len(protocol(name).order))
-    return sum((rank(v, o) for v, o in zip(parts, order)), ())
+    return sum((_rank(v, o) for v, o in zip(parts, order)), ())
+
+
+def _rank(value: str, order: Sequence[str]) -> tuple:
+    base, clip = value, 1.0
+    if value not in order and "-c" in value:
+        head, _, tail = value.rpartition("-c")
+        try:
+            base, clip = head, float(tail)
+        except ValueError:
+            pass
+    return (order.index(base) if base in order else len(order), clip, value)
 
 
 def plot_cell(folder: Path, *, title: str, name: str = "bpfedctta") -> Path:

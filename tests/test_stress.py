@@ -184,6 +184,16 @@ def test_the_private_report_pairs_plain_with_source_and_each_form_with_plain(cfg
     assert S.plot_cell(root / "lr1e-1-p3", title="t", name="dptta").stat().st_size > 0
 
 
+def test_a_clip_norm_axis_sorts_by_clip_norm_beside_its_form_and_pairs_with_plain():
+    keys = ["tent+sequential+dp-eps10", "tent+sequential+clip-c15", "tent+sequential+clip", "tent+sequential",
+            "tent+sequential+clip-c5", "tent+sequential+clip-c0.3", "source+sequential", "tent+sequential+dp-eps10-c5"]
+    assert sorted(keys, key=lambda k: S._sweep_order(k, "dptta")) == [
+        "source+sequential", "tent+sequential", "tent+sequential+clip-c0.3", "tent+sequential+clip",
+        "tent+sequential+clip-c5", "tent+sequential+clip-c15", "tent+sequential+dp-eps10",
+        "tent+sequential+dp-eps10-c5"], "numerically (c15 after c5), not as strings"
+    assert ("tent+sequential+clip-c5", "tent+sequential") in S.privacy_pairs({k: {} for k in keys})
+
+
 def test_a_plain_method_is_paired_with_the_source_run_under_its_own_aggregator():
     cell = {"source+none": {}, "source+ugsa": {}, "tent+ugsa": {}, "tent+ugsa+clip": {}, "tent+fedavg": {}}
     assert sorted(S.privacy_pairs(cell)) == [("tent+fedavg", "source+none"), ("tent+fedavg", "source+ugsa"),

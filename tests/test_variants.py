@@ -333,3 +333,28 @@ def test_the_private_variant_names_the_default_partition_stage_when_its_partitio
     over = ["variant=private", f"paths.partitions={tmp_path}/q", f"dptta.variants.private.paths.models={tmp_path}/m"]
     assert main(["pretrain", *over]) == 2
     assert "dvc repro partition@mnist` (or `python -m flows.stages partition variant=mnist`)" in capsys.readouterr().err
+
+
+def test_a_form_names_its_clip_norm_and_a_run_names_it_back():
+    """The paper cross-validates C: ``-c<C>`` sets it on any form that clips; C = 1 stays unnamed."""
+    cfg = C.compose(["variant=private"])
+    assert C.privacy_form(cfg, "clip-c5")["clip_norm"] == 5.0 and C.privacy_form(cfg, "clip")["clip_norm"] == 1.0
+    dp = C.privacy_form(cfg, "dp-eps10-c0.5")
+    assert (dp["mode"], dp["epsilon"], dp["clip_norm"], dp["noise_multiplier"]) == ("dp", 10.0, 0.5, None)
+    for form, name in [("clip-c5", "clip-c5"), ("clip-c0.3", "clip-c0.3"), ("dp0-c5", "dp0-c5"),
+                       ("dp-eps10-c0.5", "dp-eps10-c0.5"), ("clip-c1", "clip"), ("clip", "clip"), ("plain", "plain")]:
+        assert C.arrival_config(cfg, method="tent", form=form).form == name, form
+
+
+@pytest.mark.parametrize("form, match", [
+    ("plain-c5", "plain does not clip"), ("clip-x3", "cannot read 'x3'"), ("dp-c1-c2", "cannot read 'c2'"),
+    ("clip-cfive", "'five' is not a number"), ("clip-eps5", "only dp takes -eps"), ("clip-c0", "form 'clip-c0': clip norm C must be a finite number > 0"),
+])
+def test_a_bad_clip_norm_in_a_form_names_the_grammar(form, match):
+    with pytest.raises(ValueError, match=match):
+        C.compose([f"dptta.variants.private.sweep.privacy=[plain,{form}]"])
+
+
+def test_two_forms_that_are_one_setting_are_refused():
+    with pytest.raises(ValueError, match="lists 'clip' and 'clip-c1', which are the same setting"):
+        C.compose(["dptta.variants.private.sweep.privacy=[plain,clip,clip-c1]"])

@@ -84,17 +84,20 @@ class ArrivalConfig:
 
     @property
     def form(self) -> str:
-        """plain | clip | dp0 | dp-eps<ε> | dp-sigma<σ>: the privacy form, for names and tables.
+        """plain | clip | dp0 | dp-eps<ε> | dp-sigma<σ>, then ``-c<C>`` when the clip norm is not 1.
 
-        ``clip`` is the paper's clip-only form (each method's plain form, per-sample gradients
-        clipped); ``dp0`` is the private form at σ = 0. Neither has a guarantee.
+        The privacy form, for names and tables. ``clip`` is the paper's clip-only form (each
+        method's plain form, per-sample gradients clipped); ``dp0`` is the private form at σ = 0.
+        Neither has a guarantee.
         """
         p = self.privacy_config()
         if p.mode == "off":
             return "plain"
         if p.mode in ("clip", "dp0"):
-            return p.mode
-        return f"dp-eps{p.epsilon:g}" if p.noise_multiplier is None else f"dp-sigma{p.noise_multiplier:g}"
+            name = p.mode
+        else:
+            name = f"dp-eps{p.epsilon:g}" if p.noise_multiplier is None else f"dp-sigma{p.noise_multiplier:g}"
+        return name if p.clip_norm == 1.0 else f"{name}-c{p.clip_norm:g}"
 
     def fingerprint(self) -> str:
         d = asdict(self)
