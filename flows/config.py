@@ -11,7 +11,6 @@ laid over the root config.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -92,17 +91,7 @@ def _validate_run(cfg: DictConfig) -> None:
         raise ValueError(f"sweep.noise_source={source!r}; valid values are: {', '.join(NOISE_SOURCES)}, or null "
                          "for each form's own privacy.noise_source")
     forms = list(cfg.sweep.get("privacy", None) or []) if "sweep" in cfg else []
-    seen: Dict[str, str] = {}
-    for form in forms:  # a bad sweep form fails here, before any stage starts work
-        settings = privacy_form(cfg, str(form))
-        try:
-            PrivacyConfig.from_dict(settings)
-        except ValueError as exc:
-            raise ValueError(f"sweep.privacy form {form!r}: {exc}") from None
-        same = seen.setdefault(json.dumps(settings, sort_keys=True), str(form))
-        if same != str(form):  # both would write one run folder
-            raise ValueError(f"sweep.privacy lists {same!r} and {form!r}, which are the same setting "
-                             "(C = 1 is the default clip norm); list it once")
+    check_forms(cfg, forms)  # a bad sweep form fails here, before any stage starts work
 
 
 def model_spec(cfg: DictConfig) -> ModelSpec:
@@ -134,7 +123,7 @@ def privacy_form(cfg: DictConfig, form: str | None) -> Dict[str, Any]:
     """
     if form is None:
         return dict(OmegaConf.to_container(cfg.privacy, resolve=True)) if "privacy" in cfg else {}
-    name, *settings = form.split("-")
+    name, *settings = _form_parts(form)
     own = "privacy" in cfg and _form_name(cfg.privacy) == name
     base = cfg.privacy if own else _group("privacy", name)
     out = dict(OmegaConf.to_container(base, resolve=True))
@@ -143,7 +132,8 @@ def privacy_form(cfg: DictConfig, form: str | None) -> Dict[str, Any]:
     for setting in settings:
         key = "eps" if setting.startswith("eps") else "c" if setting.startswith("c") else None
         if key is None or key in seen:
-            raise ValueError(f"privacy form {form!r}: cannot read {setting!r}; {grammar}")
+            hint = "; a fixed σ is set by privacy.noise_multiplier" if setting.startswith("sigma") else ""
+            raise ValueError(f"privacy form {form!r}: cannot read {setting!r}; {grammar}{hint}")
         seen.add(key)
         if key == "eps" and name != "dp":
             raise ValueError(f"privacy form {form!r}: only dp takes -eps<e>; {grammar}")
@@ -153,7 +143,9 @@ def privacy_form(cfg: DictConfig, form: str | None) -> Dict[str, Any]:
         try:
             value = float(text)
         except ValueError:
-            raise ValueError(f"privacy form {form!r}: {text!r} is not a number (e.g. dp-eps5, clip-c0.5)") from None
+            why = ("'-' separates settings, so a value cannot be negative" if not text else
+                   f"{text!r} is not a number (e.g. dp-eps5, clip-c0.5)")
+            raise ValueError(f"privacy form {form!r}: {why}") from None
         if key == "eps":
             out["epsilon"], out["noise_multiplier"] = value, None
         else:
@@ -162,6 +154,31 @@ def privacy_form(cfg: DictConfig, form: str | None) -> Dict[str, Any]:
     if source is not None and out.get("mode") == "dp":
         out["noise_source"] = str(source)
     return out
+
+
+def _form_parts(form: str) -> List[str]:
+    """``dp-eps1e-05-c5`` -> ``["dp", "eps1e-05", "c5"]``: '-' separates settings, except in an exponent."""
+    parts: List[str] = []
+    for token in form.split("-"):
+        if parts and len(parts) > 1 and parts[-1][-1:] == "e" and parts[-1][-2:-1].isdigit() and token.isdigit():
+            parts[-1] += f"-{token}"
+        else:
+            parts.append(token)
+    return parts
+
+
+def check_forms(cfg: DictConfig, forms, where: str = "sweep.privacy") -> None:
+    """Every form in ``forms`` is valid, and no two run under one name (they would share a run folder)."""
+    names: Dict[str, str] = {}
+    for form in forms:
+        settings = privacy_form(cfg, str(form))
+        try:
+            name = PrivacyConfig.from_dict(settings).name
+        except ValueError as exc:
+            raise ValueError(f"{where} form {form!r}: {exc}") from None
+        same = names.setdefault(name, str(form))
+        if same != str(form):
+            raise ValueError(f"{where} lists {same!r} and {form!r}, which both run as {name!r}; list it once")
 
 
 def _form_name(privacy: DictConfig) -> str:

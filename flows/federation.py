@@ -404,8 +404,12 @@ def sweep(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> List[
         logger = get_run_logger()
         tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
         cells = sweep_cells(cfg)
+        # each cell's config by the name its run carries (fails before any work on a bad cell); a result is
+        # matched back through this, never by reading its form's name as a setting
+        acfgs = {}
         for m, a, f, s in cells:
-            C.arrival_config(cfg, method=m, aggregator=a, seed=s, form=f)  # fail before any work on a bad cell
+            acfg = C.arrival_config(cfg, method=m, aggregator=a, seed=s, form=f)
+            acfgs[(m, a, acfg.form, s)] = acfg
         cfg_dict = C.to_dict(cfg)
         with runtime.task_resources(num_gpus=_gpus(cfg)):
             futures = [run_cell_task.with_options(retries=int(cfg.flow.retries)).submit(
@@ -418,8 +422,7 @@ def sweep(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> List[
             done = tqdm(done, total=len(futures), desc=f"sweep on {cfg.data.name}", unit="cell")
         for i, fut in enumerate(done, 1):
             res = fut.result()
-            acfg = C.arrival_config(cfg, method=res["method"], aggregator=res["aggregator"], seed=res["seed"],
-                                    form=res["form"])
+            acfg = acfgs[(res["method"], res["aggregator"], res["form"], res["seed"])]
             with _start_experiment_run(cfg, acfg, spec, started_ms=res["started_ms"]) as run:
                 _log_experiment(cfg, acfg, res["result"], spec=spec, partition=partition, live=False)
                 mlflow.log_metric("run_seconds", res["seconds"])
@@ -430,8 +433,7 @@ def sweep(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> List[
                         s["final_avg_holdout_acc"], s["forgetting"], res["seconds"])
             results.append({"method": res["method"], "aggregator": res["aggregator"], "form": res["form"],
                             "seed": res["seed"], "summary": s, "seconds": res["seconds"]})
-        order = {(m, a, C.arrival_config(cfg, method=m, aggregator=a, seed=s, form=f).form, s): i
-                 for i, (m, a, f, s) in enumerate(cells)}
+        order = {key: i for i, key in enumerate(acfgs)}
         return sorted(results, key=lambda r: order[(r["method"], r["aggregator"], r["form"], r["seed"])])
 
     try:

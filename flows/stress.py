@@ -193,7 +193,7 @@ def _rank(value: str, order: Sequence[str]) -> tuple:
             base, clip = head, float(tail)
         except ValueError:
             pass
-    return (order.index(base) if base in order else len(order), clip, value)
+    return (order.index(base) if base in order else len(order), base, clip, value)
 
 
 def plot_cell(folder: Path, *, title: str, name: str = "bpfedctta") -> Path:
@@ -346,5 +346,6 @@ def check(cfg: DictConfig, cells: Sequence[str] | None = None, name: str = "bpfe
 
     for cell in cells or cell_names(cfg, name):
         ccfg = cell_config(cfg, cell, name)
+        C.check_forms(ccfg, list(ccfg.sweep.privacy), where=f"stress cell {cell!r}: privacy")
         for m, a, f, s in sweep_cells(ccfg):
             C.arrival_config(ccfg, method=m, aggregator=a, form=f, seed=s)

@@ -192,6 +192,16 @@ def test_a_clip_norm_axis_sorts_by_clip_norm_beside_its_form_and_pairs_with_plai
         "tent+sequential+clip-c5", "tent+sequential+clip-c15", "tent+sequential+dp-eps10",
         "tent+sequential+dp-eps10-c5"], "numerically (c15 after c5), not as strings"
     assert ("tent+sequential+clip-c5", "tent+sequential") in S.privacy_pairs({k: {} for k in keys})
+    beside = ["tent+ugsa+dp-eps3", "tent+ugsa+dp-eps2-c5", "tent+ugsa+dp-eps2"]
+    assert sorted(beside, key=lambda k: S._sweep_order(k, "dptta")) == [
+        "tent+ugsa+dp-eps2", "tent+ugsa+dp-eps2-c5", "tent+ugsa+dp-eps3"], "a form beside its own base"
+
+
+def test_a_cell_listing_one_form_twice_is_refused(cfg):
+    c = OmegaConf.create(OmegaConf.to_container(cfg))
+    c.dptta.stress.cells["lr1e-3-p3"] = {"lr": 0.001, "passes": 3, "privacy": ["plain", "clip", "clip-c1.0"]}
+    with pytest.raises(ValueError, match="stress cell 'lr1e-3-p3': privacy lists 'clip' and 'clip-c1.0'"):
+        S.check(c, name="dptta")
 
 
 def test_a_plain_method_is_paired_with_the_source_run_under_its_own_aggregator():

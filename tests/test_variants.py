@@ -348,13 +348,36 @@ def test_a_form_names_its_clip_norm_and_a_run_names_it_back():
 
 @pytest.mark.parametrize("form, match", [
     ("plain-c5", "plain does not clip"), ("clip-x3", "cannot read 'x3'"), ("dp-c1-c2", "cannot read 'c2'"),
-    ("clip-cfive", "'five' is not a number"), ("clip-eps5", "only dp takes -eps"), ("clip-c0", "form 'clip-c0': clip norm C must be a finite number > 0"),
+    ("clip-cfive", "'five' is not a number"), ("clip-eps5", "only dp takes -eps"),
+    ("clip-c-1", "cannot be negative"), ("dp-sigma2", "privacy.noise_multiplier"), ("clip-c0", "form 'clip-c0': clip norm C must be a finite number > 0"),
 ])
 def test_a_bad_clip_norm_in_a_form_names_the_grammar(form, match):
     with pytest.raises(ValueError, match=match):
         C.compose([f"dptta.variants.private.sweep.privacy=[plain,{form}]"])
 
 
-def test_two_forms_that_are_one_setting_are_refused():
-    with pytest.raises(ValueError, match="lists 'clip' and 'clip-c1', which are the same setting"):
-        C.compose(["dptta.variants.private.sweep.privacy=[plain,clip,clip-c1]"])
+@pytest.mark.parametrize("forms, match", [
+    ("[plain,clip,clip-c1]", "lists 'clip' and 'clip-c1', which both run as 'clip'"),
+    ("[clip-c5,clip-c5.0]", "lists 'clip-c5' and 'clip-c5.0', which both run as 'clip-c5'"),
+    ("[clip-c0.1234567,clip-c0.1234568]", "both run as 'clip-c0.123457'"),
+    ("[dp-eps10-c0.5,dp-c0.5-eps10]", "both run as 'dp-eps10-c0.5'"),
+])
+def test_two_forms_that_run_under_one_name_are_refused(forms, match):
+    with pytest.raises(ValueError, match=match):
+        C.compose([f"dptta.variants.private.sweep.privacy={forms}"])
+
+
+def test_a_bare_form_takes_the_configured_groups_settings_and_its_run_says_so():
+    """``privacy=clip privacy.clip_norm=5``: the sweep's ``clip`` runs at C = 5, named ``clip-c5``."""
+    cfg = C.compose(["privacy=clip", "privacy.clip_norm=5"])
+    assert C.arrival_config(cfg, method="tent", form="clip").form == "clip-c5"
+    assert C.arrival_config(cfg, method="tent", form="clip-c1").form == "clip"
+    with pytest.raises(ValueError, match="lists 'clip' and 'clip-c5', which both run as 'clip-c5'"):
+        C.compose(["privacy=clip", "privacy.clip_norm=5", "sweep.privacy=[clip,clip-c5]"])
+
+
+@pytest.mark.parametrize("form", ["dp-eps1e-05", "clip-c5e-05", "dp-eps1e-05-c2.5e-03", "dp-eps0.3-c15"])
+def test_every_run_name_reads_back_as_its_own_setting(form):
+    cfg = C.compose(["variant=private"])
+    name = C.arrival_config(cfg, method="tent", form=form).form
+    assert C.privacy_form(cfg, name) == C.privacy_form(cfg, form), (form, name)

@@ -84,20 +84,12 @@ class ArrivalConfig:
 
     @property
     def form(self) -> str:
-        """plain | clip | dp0 | dp-eps<ε> | dp-sigma<σ>, then ``-c<C>`` when the clip norm is not 1.
+        """The privacy form's name (:attr:`PrivacyConfig.name`), for names and tables.
 
-        The privacy form, for names and tables. ``clip`` is the paper's clip-only form (each
-        method's plain form, per-sample gradients clipped); ``dp0`` is the private form at σ = 0.
-        Neither has a guarantee.
+        ``clip`` is the paper's clip-only form (each method's plain form, per-sample gradients
+        clipped); ``dp0`` is the private form at σ = 0. Neither has a guarantee.
         """
-        p = self.privacy_config()
-        if p.mode == "off":
-            return "plain"
-        if p.mode in ("clip", "dp0"):
-            name = p.mode
-        else:
-            name = f"dp-eps{p.epsilon:g}" if p.noise_multiplier is None else f"dp-sigma{p.noise_multiplier:g}"
-        return name if p.clip_norm == 1.0 else f"{name}-c{p.clip_norm:g}"
+        return self.privacy_config().name
 
     def fingerprint(self) -> str:
         d = asdict(self)

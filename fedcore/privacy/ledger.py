@@ -101,6 +101,21 @@ class PrivacyConfig:
                            backend=self.backend, noise_source=self.noise_source)
 
     @property
+    def name(self) -> str:
+        """plain | clip | dp0 | dp-eps<ε> | dp-sigma<σ>, then ``-c<C>`` when C is not 1: the form's name.
+
+        Runs, MLflow tags and tables carry it; two settings with one name would share a run folder, so a
+        sweep refuses them (``flows.config.check_forms``).
+        """
+        if self.mode == "off":
+            return "plain"
+        if self.mode in ("clip", "dp0"):
+            name = self.mode
+        else:
+            name = f"dp-eps{self.epsilon:g}" if self.noise_multiplier is None else f"dp-sigma{self.noise_multiplier:g}"
+        return name if self.clip_norm == 1.0 else f"{name}-c{self.clip_norm:g}"
+
+    @property
     def accounted(self) -> bool:
         return self.mode == "dp"
 
