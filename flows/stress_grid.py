@@ -17,7 +17,7 @@ table and paired tests.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List, Mapping, Tuple
+from typing import Dict, List, Tuple
 
 import numpy as np
 from omegaconf import DictConfig
