@@ -155,6 +155,28 @@ def test_client_uncertainty_and_holdouts_use_the_stream_batch_statistics(tiny):
     assert at_16 != at_512, "the fixture must separate the two batch sizes"
 
 
+def test_the_arrival_loop_scores_holdouts_at_the_stream_batch_size(tiny):
+    """The loop passes the stream's batch size on to the hold-out scoring (the step alone is tested above)."""
+    from fedcore.evaluate import accuracy
+
+    part, spec = tiny["partition"], tiny["spec"]
+    source = spec.build()
+    source.load_state_dict(tiny["source"])
+
+    # Act: BN under `none` keeps θ_G⁽⁰⁾, so every hold-out is the source model's, scored with batch statistics
+    res = run_arrivals(part, spec, tiny["source"],
+                       cfg(method="bn", aggregator="none", passes=1, batch_size=16, stream="as_partitioned"))
+
+    # Assert
+    for rec in res.records:
+        holdout = part.targets[rec["client_id"]]
+        assert rec["holdout_acc_client"] == accuracy(source, holdout.holdout_x, holdout.holdout_y, batch_stats=True,
+                                                     batch_size=16)
+    assert any(accuracy(source, t.holdout_x, t.holdout_y, batch_stats=True, batch_size=16)
+               != accuracy(source, t.holdout_x, t.holdout_y, batch_stats=True, batch_size=64)
+               for t in part.targets), "the fixture must separate the stream's batch size from the default"
+
+
 def test_stream_order_is_drawn_per_seed_and_arrival(tiny):
     from fedcore.engine.arrivals import stream_order
 
