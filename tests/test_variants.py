@@ -157,6 +157,7 @@ CIFAR10 = {**DEFAULT,
                  'lr_schedule': 'cosine',
                  'channels_last': True},
     'adapt': {'passes': 1, 'batch_size': 64, 'order': None, 'stream': 'shuffled'},
+    'sweep': {**DEFAULT['sweep'], 'seeds': [0, 1, 2]},
 }
 PRIVATE = {**DEFAULT,
     'paths': {'data_root': '../shared/data',
