@@ -1,0 +1,61 @@
+"""The diagnostics whose figures the docs quote: they must measure what they say they do."""
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from fedcore.engine import ArrivalConfig, run_arrivals
+from fedcore.privacy import calibrate_sigma
+from flows import config as C
+
+
+def load(name):
+    path = Path(__file__).resolve().parents[1] / "diagnostics" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"diagnostics_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def gate_cost():
+    return load("gate_cost")
+
+
+def test_gate_cost_modes_differ_in_the_gradient_noise_and_nothing_else(gate_cost):
+    cfg = gate_cost.cell_config(C.compose([]), gate_cost.CELL, "dptta")
+    private, exact = (gate_cost.arrival_config(cfg, method="tent", seed=1, epsilon=1.0, setting="none-b1", mode=m)
+                      for m in gate_cost.MODES)
+    assert private.aggregator_params["normalizer"] == "none" and private.aggregator_params["beta"] == 1.0
+    assert private.method_params["lr"] == 0.01 and private.passes == 3 and private.seed == 1
+    assert private.privacy_config().noise_source == "seeded"
+    # private: sigma leaves the gate's mu = 1/z of the budget; exact: sigma takes all of it
+    uses = private.uses_per_arrival
+    assert private.privacy_config().sigma(uses) == pytest.approx(calibrate_sigma(1.0, 1e-6, uses=uses, reserved_mu=0.1))
+    assert exact.privacy_config().sigma(uses) == pytest.approx(calibrate_sigma(1.0, 1e-6, uses=uses))
+    assert exact.privacy_config().sigma(uses) < private.privacy_config().sigma(uses)
+    assert dataclasses.replace(exact, privacy=private.privacy) == private
+
+
+@pytest.mark.parametrize("bad", ["history", "median-b1", "none-bx"])
+def test_gate_cost_refuses_a_setting_it_cannot_read(gate_cost, bad):
+    with pytest.raises((SystemExit, ValueError)):
+        gate_cost.parse_setting(bad)
+
+
+def test_gate_cost_exact_mode_releases_the_gate_statistic_unnoised(gate_cost, tiny_gn):
+    """With σ ≈ 0, exact mode merges as the noiseless private form (dp0) does; private mode noises σ_k."""
+    inputs = (tiny_gn["partition"], tiny_gn["spec"], tiny_gn["source"])
+    dp = {"mode": "dp", "noise_multiplier": 1e-9, "delta": 1e-6, "gate_noise_multiplier": 1.0,
+          "noise_source": "seeded"}
+    acfg = ArrivalConfig(method="tent", method_params={"lr": 0.05}, aggregator="ugsa",
+                         aggregator_params={"normalizer": "none", "beta": 1.0}, passes=1, batch_size=32, privacy=dp)
+    dp0 = [r["sigma"] for r in run_arrivals(*inputs, dataclasses.replace(acfg, privacy={"mode": "dp0"})).records]
+    exact = [r["sigma"] for r in gate_cost.run_one(inputs, acfg, "exact").records]
+    private = [r["sigma"] for r in gate_cost.run_one(inputs, acfg, "private").records]
+    assert exact == pytest.approx(dp0, abs=1e-5)
+    assert min(abs(p - d) for p, d in zip(private, dp0)) > 1e-4
+    with pytest.raises(ValueError, match="unknown mode"):
+        gate_cost.run_one(inputs, acfg, "noiseless")
