@@ -17,7 +17,7 @@ The gap private − exact is the accuracy the gate's privacy costs. Each setting
 normaliser and β: ``history-b0.2`` is the shipped default, ``none-b1`` the reading under which the
 gate moves the merge most (docs/bpfedctta.md, UGSA's β). Prints, per setting and method, the final
 average hold-out and average online accuracy of each mode (mean ± std over the seeds) and the
-paired gap with a paired t-test.
+paired gap with a paired t-test, then every method-seed pair pooled per setting.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 from unittest import mock
 
 import numpy as np
-from scipy.stats import ttest_rel
+from scipy.stats import ttest_rel, wilcoxon
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -121,6 +121,10 @@ def main(argv=None) -> None:
 
 
 def table(runs, settings, methods) -> str:
+    """Per setting and method: each mode's mean ± std over seeds (population std, as the stress report),
+    the paired gap private − exact, the seeds where private is above and a paired t-test; then, per
+    setting, every method-seed pair pooled: mean ± std of the gaps, pairs below / above, and a
+    Wilcoxon signed-rank test."""
     def values(setting, method, mode, key):
         rows = sorted((r for r in runs if (r["setting"], r["method"], r["mode"]) == (setting, method, mode)),
                       key=lambda r: r["seed"])
@@ -128,19 +132,28 @@ def table(runs, settings, methods) -> str:
 
     lines = []
     for key, label in METRICS:
-        lines += ["", f"{label} (mean ± std over seeds, population std as the stress report; gap private − exact, seeds where private is above, "
-                      "paired t-test p)", "",
+        lines += ["", f"{label}: mean ± std over seeds; gap private − exact, seeds where private is above, "
+                      "paired t-test p", "",
                   "| setting | method | private | exact | gap | above | p |", "|---|---|---|---|---|---|---|"]
+        pooled = {}
         for setting in settings:
             for method in methods:
                 p, e = values(setting, method, "private", key), values(setting, method, "exact", key)
                 d = p - e
+                pooled.setdefault(setting, []).extend(d)
                 pval = float(ttest_rel(p, e).pvalue) if len(d) > 1 and np.any(d != d[0]) else math.nan
                 lines.append(f"| {setting} | {method} | {p.mean():.3f} ± {p.std():.3f} | "
                              f"{e.mean():.3f} ± {e.std():.3f} | {d.mean():+.4f} | "
                              f"{int((d > 0).sum())}/{len(d)} | {pval:.3g} |")
+        lines += ["", f"{label}, every method-seed pair: gap mean ± std, pairs below / above / level, "
+                      "Wilcoxon signed-rank p", ""]
+        for setting, gaps in pooled.items():
+            d = np.array(gaps)
+            pval = float(wilcoxon(d).pvalue) if np.any(d != 0) else math.nan
+            lines.append(f"- {setting}: {d.mean():+.4f} ± {d.std():.4f} over {len(d)} pairs, "
+                         f"{int((d < 0).sum())} below / {int((d > 0).sum())} above / {int((d == 0).sum())} level, "
+                         f"p = {pval:.3g}")
     return "\n".join(lines)
-
 
 if __name__ == "__main__":
     main()

@@ -37,6 +37,32 @@ def test_gate_cost_modes_differ_in_the_gradient_noise_and_nothing_else(gate_cost
     assert exact.privacy_config().sigma(uses) == pytest.approx(calibrate_sigma(1.0, 1e-6, uses=uses))
     assert exact.privacy_config().sigma(uses) < private.privacy_config().sigma(uses)
     assert dataclasses.replace(exact, privacy=private.privacy) == private
+    assert private.privacy["noise_multiplier"] is None  # calibrated from epsilon, with the gate's share reserved
+    assert {k for k in exact.privacy if exact.privacy[k] != private.privacy[k]} == {"noise_multiplier"}
+
+
+def test_gate_cost_private_mode_is_the_shipped_cell(gate_cost):
+    """Under the shipped reading the private runs are the stress cell's DP runs, config for config."""
+    cfg = gate_cost.cell_config(C.compose([]), gate_cost.CELL, "dptta")
+    for method in ("tent", "sar", "bpa"):
+        shipped = C.arrival_config(cfg, method=method, aggregator="ugsa", seed=2, form="dp-eps1")
+        assert gate_cost.arrival_config(cfg, method=method, seed=2, epsilon=1.0, setting="history-b0.2",
+                                        mode="private") == shipped
+
+
+def test_gate_cost_table_pairs_by_seed_and_pools_per_setting(gate_cost):
+    runs = [{"setting": "none-b1", "method": m, "seed": s, "mode": mode,
+             "final_avg_holdout_acc": 0.5 + 0.1 * s - (0.01 * (s + 1) if mode == "private" else 0),
+             "avg_online_acc": 0.7 + (0.001 if mode == "private" and s == 0 else 0)}
+            for m in ("tent", "bpa") for s in (2, 0, 1) for mode in ("exact", "private")]
+    text = gate_cost.table(runs, ["none-b1"], ["tent", "bpa"])
+    # hold-out: private is 0.01, 0.02, 0.03 below exact in seeds 0, 1, 2 (listed out of order): paired
+    # t = -0.02 / (0.01 / sqrt 3), p = 0.074 on 2 df; six pairs all below: Wilcoxon's exact p = 2 / 2**6
+    assert "| none-b1 | tent | 0.580 ± 0.073 | 0.600 ± 0.082 | -0.0200 | 0/3 | 0.0742 |" in text
+    assert "- none-b1: -0.0200 ± 0.0082 over 6 pairs, 6 below / 0 above / 0 level, p = 0.0312" in text
+    # online: one seed above, two level
+    assert "| none-b1 | bpa | 0.700 ± 0.000 | 0.700 ± 0.000 | +0.0003 | 1/3 | 0.423 |" in text
+    assert "- none-b1: +0.0003 ± 0.0005 over 6 pairs, 0 below / 2 above / 4 level, p = 0.5" in text
 
 
 @pytest.mark.parametrize("bad", ["history", "median-b1", "none-bx"])
