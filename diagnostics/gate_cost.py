@@ -36,6 +36,7 @@ from scipy.stats import ttest_rel, wilcoxon
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fedcore.aggregate import UGSA_NORMALIZERS  # noqa: E402
 from fedcore.engine import run_arrivals  # noqa: E402
 from fedcore.privacy import calibrate_sigma, gate_noise_std  # noqa: E402
 from flows import config as C  # noqa: E402
@@ -50,9 +51,9 @@ METRICS = (("final_avg_holdout_acc", "final hold-out"), ("avg_online_acc", "onli
 def parse_setting(name: str) -> tuple:
     """``<normalizer>-b<beta>``, e.g. ``history-b0.2``."""
     normalizer, sep, beta = name.partition("-b")
-    if not sep or normalizer not in ("history", "mean", "none"):
-        raise SystemExit(f"bad setting {name!r}: write <normalizer>-b<beta> with normalizer history, mean or none, "
-                         "e.g. history-b0.2")
+    if not sep or normalizer not in UGSA_NORMALIZERS:
+        raise SystemExit(f"bad setting {name!r}: write <normalizer>-b<beta> with normalizer "
+                         f"{', '.join(UGSA_NORMALIZERS)}, e.g. history-b0.2")
     return normalizer, float(beta)
 
 
@@ -90,14 +91,13 @@ def main(argv=None) -> None:
         parse_setting(s)
     cfg = cell_config(C.compose(overrides), CELL, "dptta")
     inputs = load_inputs(cfg)
-    probe = arrival_config(cfg, method=args.methods[0], seed=args.seeds[0], epsilon=args.epsilon,
-                           setting=args.settings[0], mode="private")
-    pcfg = probe.privacy_config()
+    private, exact = (arrival_config(cfg, method=args.methods[0], seed=args.seeds[0], epsilon=args.epsilon,
+                                     setting=args.settings[0], mode=m) for m in MODES)
+    pcfg = private.privacy_config()
     n = min(len(t.stream_y) for t in inputs[0].targets)
     print(f"ε = {args.epsilon:g} per arrival, δ = {pcfg.delta:g}, z = {pcfg.gate_noise_multiplier:g}: σ = "
-          f"{pcfg.sigma(probe.uses_per_arrival):.3f} private, "
-          f"{calibrate_sigma(pcfg.epsilon, pcfg.delta, uses=probe.uses_per_arrival, method=pcfg.calibration):.3f} "
-          f"exact; gate noise std {gate_noise_std(num_classes=inputs[1].num_classes, n=n, noise_multiplier=pcfg.gate_noise_multiplier):.3f} "
+          f"{pcfg.sigma(private.uses_per_arrival):.3f} private, "
+          f"{exact.privacy_config().sigma(exact.uses_per_arrival):.3f} exact; gate noise std {gate_noise_std(num_classes=inputs[1].num_classes, n=n, noise_multiplier=pcfg.gate_noise_multiplier):.3f} "
           f"nats at n = {n}", flush=True)
     runs = []
     total = len(args.settings) * len(args.methods) * len(args.seeds) * len(MODES)
