@@ -2,17 +2,34 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
-from omegaconf import OmegaConf
+import yaml
+from omegaconf import DictConfig, OmegaConf
 
-from flows.config import PARAMS, compose
+from flows.config import PARAMS, ROOT, compose
 
 HEADER = "# Generated from conf/ by `make params`: edit conf/, not this file.\n"
 
 
+def check_stage_keys(cfg: DictConfig, dvc_yaml: str) -> None:
+    """Refuse a stage key that DVC cannot address: every ``foreach: ${a.b}`` stage names its params
+    ``a.b.<key>``, and DVC splits that path at each dot, so ``cell-c0.1`` would be read as
+    ``cell-c0`` then ``1`` and the stage would fail only when run."""
+    for name, stage in (yaml.safe_load(dvc_yaml).get("stages") or {}).items():
+        ref = re.fullmatch(r"\$\{([\w.]+)\}", str(stage.get("foreach", "")) if isinstance(stage, dict) else "")
+        node = OmegaConf.select(cfg, ref.group(1)) if ref else None
+        bad = [str(k) for k in (node or {}) if "." in str(k)]
+        if bad:
+            raise ValueError(f"{ref.group(1)} has keys with a dot: {bad}; DVC reads a dot in stage {name!r}'s "
+                             f"params path as a separator. Rename them without dots (e.g. c0.1 -> c1e-1) in conf/")
+
+
 def render() -> str:
-    return HEADER + OmegaConf.to_yaml(compose([], lay_variant=False))
+    cfg = compose([], lay_variant=False)
+    check_stage_keys(cfg, (ROOT / "dvc.yaml").read_text())
+    return HEADER + OmegaConf.to_yaml(cfg)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from flows import config as C
-from flows.params import render
+from flows.params import check_stage_keys, render
 
 
 @pytest.mark.parametrize("group,option", [(g, p.stem) for g in ("data", "model", "method", "aggregator", "flow")
@@ -43,6 +43,17 @@ def test_every_round_system_grid_and_method_builds(system):
 
 def test_params_yaml_is_conf_composed():
     assert C.PARAMS.read_text() == render(), "params.yaml is stale: run `make params`"
+
+
+def test_a_stage_key_with_a_dot_is_refused_by_make_params():
+    """DVC splits ``dptta.stress.cells.<key>`` at every dot, so such a cell only failed when run."""
+    dvc_yaml = (C.ROOT / "dvc.yaml").read_text()
+    cfg = C.compose([])
+    check_stage_keys(cfg, dvc_yaml)
+    OmegaConf.set_struct(cfg, False)
+    cfg.dptta.stress.cells["dp-c0.1"] = {"lr": 0.01}
+    with pytest.raises(ValueError, match=r"dptta.stress.cells has keys with a dot: \['dp-c0.1'\].*stress_private"):
+        check_stage_keys(cfg, dvc_yaml)
 
 
 def test_params_file_and_overrides_agree():
