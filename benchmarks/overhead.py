@@ -204,12 +204,14 @@ def main(overrides: list[str]) -> None:
     ray.shutdown()
     runtime.stop_prefect_api()
 
-    print(f"{'':40s}{'wall s':>9s}{'ratio':>8s}{'start-up s':>12s}{'CPU-s':>8s}{'final log s':>13s}"
+    print(f"{'':40s}{'wall s':>9s}{'ratio':>8s}{'start-up s':>12s}{'after it':>10s}{'CPU-s':>8s}{'final log s':>13s}"
           f"{'per arrival s':>15s}{'peak RSS MiB':>15s}{'RSS ratio':>11s}")
     for label, t, rss, fin, start, start_cpu in rows:
-        extra = (f"{start:12.1f}{start_cpu:8.1f}{fin:13.1f}{(t - start - fin - t_plain) / A:15.3f}" if fin is not None
-                 else f"{'':12s}{'':8s}{'':13s}{'':15s}")
+        extra = (f"{start:12.1f}{(t - start) / t_plain:10.2f}{start_cpu:8.1f}{fin:13.1f}"
+                 f"{(t - start - fin - t_plain) / A:15.3f}" if fin is not None
+                 else f"{'':12s}{'':10s}{'':8s}{'':13s}{'':15s}")
         print(f"{label:40s}{t:9.1f}{t / t_plain:8.2f}{extra}{rss / 2**20:15.0f}{rss / rows[0][2]:11.2f}")
+    print("after it: the ratio with the fixed start-up (the column before it) taken out of the flow's wall time")
     print("per arrival s: the flow's wall time over the plain loop's, start-up and final logging excluded, per arrival")
     print("CPU-s: the CPU time the processes (this one, Prefect's, Ray's) spent until the flow took its first "
           f"state (a lower bound: one that ended before is not counted); on {psutil.cpu_count()} cores it takes "
