@@ -18,9 +18,10 @@ def check_stage_keys(cfg: DictConfig, dvc_yaml: str) -> None:
     ``a.b.<key>``, and DVC splits that path at each dot, so ``cell-c0.1`` would be read as
     ``cell-c0`` then ``1`` and the stage would fail only when run."""
     for name, stage in (yaml.safe_load(dvc_yaml).get("stages") or {}).items():
-        ref = re.fullmatch(r"\$\{([\w.]+)\}", str(stage.get("foreach", "")) if isinstance(stage, dict) else "")
-        node = OmegaConf.select(cfg, ref.group(1)) if ref else None
-        bad = [str(k) for k in (node or {}) if "." in str(k)]
+        ref = re.fullmatch(r"\$\{([\w.]+)\}", str(stage.get("foreach", "")))
+        if not ref:
+            continue
+        bad = [str(k) for k in OmegaConf.select(cfg, ref.group(1)) or {} if "." in str(k)]
         if bad:
             raise ValueError(f"{ref.group(1)} has keys with a dot: {bad}; DVC reads a dot in stage {name!r}'s "
                              f"params path as a separator. Rename them without dots (e.g. c0.1 -> c1e-1) in conf/")
