@@ -6,7 +6,9 @@
 Needs the default experiment's inputs (`make run` or `dvc repro pretrain@mnist`). Prints wall time
 and peak resident memory (driver plus every Ray/Prefect process it spawned) of each, and the
 ratios, for the flow started cold and with its services (Prefect server, Ray) already up; the CPU
-time a cold start costs, summed over the processes; and back-to-back triples with the services up,
+time a cold start costs, summed over the processes; every fixed cost (the services' start-up, the
+worker's start and imports, the first arrival's one-off costs) in seconds, and each flow's ratio
+without it; and back-to-back triples with the services up,
 each timing the plain loop, the flow as it is, and the flow with its MLflow calls stubbed out (the
 orchestration and the files it writes: Prefect, Ray, checkpoints, plots), so that the costs are told
 apart.
@@ -148,7 +150,7 @@ def main(overrides: list[str]) -> None:
             plain_walls.append(time.perf_counter() - t0)
     t_plain = float(np.mean(plain_walls))
     print(f"plain loop: {' / '.join(f'{w:.1f}' for w in plain_walls)} s after one warm-up run; the baseline is their mean")
-    rows = [("plain fedcore loop", t_plain, mem.peak, None, None, None)]
+    rows = [("plain fedcore loop", t_plain, mem.peak, None, None, None, None)]
     final_logging = Stopwatch(F, "_log_experiment")
     started: list = []
     started_cpu: dict = {}
@@ -159,6 +161,14 @@ def main(overrides: list[str]) -> None:
         return real_initial_state(*a, **kw)
 
     F.initial_state = marked_initial_state
+    received: list = []
+    real_accept = F.ArrivalPasses._accept
+
+    def marked_accept(self, st):  # the first arrival's state reaches the driver: the worker has started too
+        received.append(time.perf_counter())
+        return real_accept(self, st)
+
+    F.ArrivalPasses._accept = marked_accept
 
     def same(label: str, res) -> None:
         if res.summary != plain.summary:
@@ -166,13 +176,14 @@ def main(overrides: list[str]) -> None:
 
     def flowed(label: str) -> None:
         started.clear()
+        received.clear()
         with PeakRSS() as m:
             started_cpu.clear()
             started_cpu.update(cpu_times())
             t = time.perf_counter()
             res = F.arrival(cfg)
             rows.append((label, time.perf_counter() - t, m.peak, final_logging.reset(), started[0][0] - t,
-                         started[0][1]))
+                         started[0][1], received[0] - t))
         same(label, res)
 
     # 1. Nothing running: the flow starts a temporary Prefect server and a local Ray.
@@ -189,7 +200,7 @@ def main(overrides: list[str]) -> None:
     flowed("flow, Prefect + Ray up, warm workers")
     # This machine's speed drifts by 20-40% over minutes, as much as the effect measured: time the
     # deployment case (services up, warm workers) also as back-to-back pairs, one ratio per pair.
-    F.initial_state = real_initial_state
+    F.initial_state, F.ArrivalPasses._accept = real_initial_state, real_accept
     pairs, bare = [], []
     for i in range(PAIRS):
         t0 = time.perf_counter()
@@ -204,14 +215,19 @@ def main(overrides: list[str]) -> None:
     ray.shutdown()
     runtime.stop_prefect_api()
 
-    print(f"{'':40s}{'wall s':>9s}{'ratio':>8s}{'start-up s':>12s}{'after it':>10s}{'CPU-s':>8s}{'final log s':>13s}"
-          f"{'per arrival s':>15s}{'peak RSS MiB':>15s}{'RSS ratio':>11s}")
-    for label, t, rss, fin, start, start_cpu in rows:
-        extra = (f"{start:12.1f}{(t - start) / t_plain:10.2f}{start_cpu:8.1f}{fin:13.1f}"
-                 f"{(t - start - fin - t_plain) / A:15.3f}" if fin is not None
-                 else f"{'':12s}{'':10s}{'':8s}{'':13s}{'':15s}")
+    print(f"{'':40s}{'wall s':>9s}{'ratio':>8s}{'start-up s':>12s}{'after it':>10s}{'CPU-s':>8s}"
+          f"{'all fixed s':>13s}{'after it':>10s}{'final log s':>13s}{'per arrival s':>15s}{'peak RSS MiB':>15s}"
+          f"{'RSS ratio':>11s}")
+    for label, t, rss, fin, start, start_cpu, first in rows:
+        fixed = first - t_plain / A if fin is not None else None
+        extra = (f"{start:12.1f}{(t - start) / t_plain:10.2f}{start_cpu:8.1f}{fixed:13.1f}{(t - fixed) / t_plain:10.2f}"
+                 f"{fin:13.1f}{(t - start - fin - t_plain) / A:15.3f}" if fin is not None
+                 else f"{'':12s}{'':10s}{'':8s}{'':13s}{'':10s}{'':13s}{'':15s}")
         print(f"{label:40s}{t:9.1f}{t / t_plain:8.2f}{extra}{rss / 2**20:15.0f}{rss / rows[0][2]:11.2f}")
-    print("after it: the ratio with the fixed start-up (the column before it) taken out of the flow's wall time")
+    print("start-up s: until the flow, its services up, takes its first state; after it: the ratio with it taken out")
+    print(f"all fixed s: until the first arrival's state reaches the driver, less one plain arrival ({t_plain / A:.2f} s): "
+          "the services' start-up, the worker's start and imports, and its first arrival's one-off costs (these "
+          "do not grow with the workload); after it: the ratio with them taken out")
     print("per arrival s: the flow's wall time over the plain loop's, start-up and final logging excluded, per arrival")
     print("CPU-s: the CPU time the processes (this one, Prefect's, Ray's) spent until the flow took its first "
           f"state (a lower bound: one that ended before is not counted); on {psutil.cpu_count()} cores it takes "
