@@ -85,3 +85,16 @@ def test_gate_cost_exact_mode_releases_the_gate_statistic_unnoised(gate_cost, ti
     assert min(abs(p - d) for p, d in zip(private, dp0)) > 1e-4
     with pytest.raises(ValueError, match="unknown mode"):
         gate_cost.run_one(inputs, acfg, "noiseless")
+
+
+def test_lr_times_c_runs_match_their_recorded_partners_product_and_differ_in_nothing_else():
+    lr_times_c = load("lr_times_c")
+    cfgs = {lr: lr_times_c.cell_config(C.compose([]), cell, "dptta") for lr, cell in lr_times_c.CELLS.items()}
+    for lr, form, partner_lr, partner_form in lr_times_c.PAIRS:
+        mine, theirs = (C.arrival_config(cfgs[r], method="come", aggregator="sequential", seed=2, form=f)
+                        for r, f in ((lr, form), (partner_lr, partner_form)))
+        assert mine.method_params["lr"] == lr and theirs.method_params["lr"] == partner_lr != lr
+        assert mine.privacy["mode"] == theirs.privacy["mode"] == "clip"
+        assert lr * mine.privacy["clip_norm"] == pytest.approx(partner_lr * theirs.privacy["clip_norm"], rel=1e-5)
+        assert mine.privacy["clip_norm"] != theirs.privacy["clip_norm"]
+        assert dataclasses.replace(mine, method_params=theirs.method_params, privacy=theirs.privacy) == theirs

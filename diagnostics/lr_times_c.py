@@ -1,0 +1,73 @@
+"""Do clip-only runs at exactly the same lr · C end alike?
+
+    python diagnostics/lr_times_c.py [--methods come tent] [--seeds 0 1 2] [hydra overrides...]
+
+Needs the private variant's source model (`dvc repro pretrain@private`). With SGD and every sample
+clipped, a step is lr · C times a mean of the samples' unit gradients, so lr and C should act only
+through their product. The stress cells compared lr 0.003 at C = 0.3 with lr 0.01 at C = 0.1
+(docs/dptta.md), whose products differ by 11% (0.0009 and 0.001), and COME ended 0.022 apart. This
+runs each method in the continual setting of those cells (clip-only form, 3 passes) at the two
+partners with the product made exact:
+
+- lr 0.003 at C = 1/3 (lr · C = 0.001), beside lr 0.01 at C = 0.1;
+- lr 0.01 at C = 0.09 (lr · C = 0.0009), beside lr 0.003 at C = 0.3.
+
+and prints each run's final average hold-out accuracy and share of samples clipped, then the
+recorded partner's from `results/stress_private/clipnorm-lr{3e-3,1e-2}-p3/summary.json`
+(`make stress-private`, or `make pull`, first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fedcore.engine import run_arrivals  # noqa: E402
+from flows import config as C  # noqa: E402
+from flows.stress import cell_config  # noqa: E402
+from flows.tasks import load_inputs  # noqa: E402
+
+CELLS = {0.003: "clipnorm-lr3e-3-p3", 0.01: "clipnorm-lr1e-2-p3"}
+# (lr, form run here, lr of the recorded partner, its form)
+PAIRS = ((0.003, "clip-c0.333333", 0.01, "clip-c0.1"), (0.01, "clip-c0.09", 0.003, "clip-c0.3"))
+
+
+def recorded(cell: str) -> dict:
+    path = C.ROOT / "results" / "stress_private" / cell / "summary.json"
+    if not path.exists():
+        raise SystemExit(f"{path} is missing: run `dvc repro stress_private@{cell}` (or `make pull`) first")
+    return json.loads(path.read_text())
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--methods", nargs="+", default=["come", "tent"])
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    args, overrides = ap.parse_known_args(argv)
+    cfgs = {lr: cell_config(C.compose(overrides), cell, "dptta") for lr, cell in CELLS.items()}
+    summaries = {lr: recorded(cell) for lr, cell in CELLS.items()}
+    inputs = load_inputs(cfgs[0.003])
+    for method in args.methods:
+        for lr, form, partner_lr, partner_form in PAIRS:
+            gaps = []
+            for seed in args.seeds:
+                acfg = C.arrival_config(cfgs[lr], method=method, aggregator="sequential", seed=seed, form=form)
+                res = run_arrivals(*inputs, acfg)
+                clipped = float(np.mean([r["clip_fraction"] for r in res.records]))
+                mine = res.summary["final_avg_holdout_acc"]
+                theirs = summaries[partner_lr][f"{method}+sequential+{partner_form}+s{seed}"]["final_avg_holdout_acc"]
+                gaps.append(mine - theirs)
+                print(f"{method}, seed {seed}: lr {lr:g} {form} {mine:.4f} ({clipped:.3f} clipped); "
+                      f"recorded lr {partner_lr:g} {partner_form} {theirs:.4f}", flush=True)
+            print(f"{method}: lr {lr:g} {form} minus lr {partner_lr:g} {partner_form}: "
+                  f"{np.mean(gaps):+.4f} (seeds {', '.join(f'{g:+.4f}' for g in gaps)})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
