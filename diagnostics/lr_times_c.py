@@ -1,6 +1,7 @@
 """Do clip-only runs at exactly the same lr · C end alike?
 
     python diagnostics/lr_times_c.py [--methods come tent] [--seeds 0 1 2] [hydra overrides...]
+    python diagnostics/lr_times_c.py --normalised [--methods come sar] ...
 
 Needs the private variant's source model (`dvc repro pretrain@private`). With SGD and every sample
 clipped, a step is lr · C times a mean of the samples' unit gradients, so lr and C should act only
@@ -15,6 +16,14 @@ partners with the product made exact:
 and prints each run's final average hold-out accuracy and share of samples clipped, then the
 recorded partner's from `results/stress_private/clipnorm-lr{3e-3,1e-2}-p3/summary.json`
 (`make stress-private`, or `make pull`, first).
+
+Runs at equal products still end apart where not every sample is clipped (lr 0.001 or 0.003 at
+C = 1): an unclipped sample's step scales with lr alone. ``--normalised`` tests that reading: both
+runs of each pair scale every sample's non-zero gradient up to norm C before clipping, so that
+every sample is "clipped" and only lr · C can matter:
+
+- lr 0.001 at C = 1 beside lr 0.01 at C = 0.1 (lr · C = 0.001);
+- lr 0.003 at C = 1 beside lr 0.01 at C = 0.3 (lr · C = 0.003).
 """
 
 from __future__ import annotations
@@ -23,19 +32,37 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fedcore.engine import run_arrivals  # noqa: E402
+from fedcore.privacy import dp  # noqa: E402
 from flows import config as C  # noqa: E402
 from flows.stress import cell_config  # noqa: E402
 from flows.tasks import load_inputs  # noqa: E402
 
-CELLS = {0.003: "clipnorm-lr3e-3-p3", 0.01: "clipnorm-lr1e-2-p3"}
+CELLS = {0.001: "lr1e-3-p3", 0.003: "clipnorm-lr3e-3-p3", 0.01: "clipnorm-lr1e-2-p3"}
 # (lr, form run here, lr of the recorded partner, its form)
 PAIRS = ((0.003, "clip-c0.333333", 0.01, "clip-c0.1"), (0.01, "clip-c0.09", 0.003, "clip-c0.3"))
+# (lr, form, lr, form): both run with every sample's gradient scaled up to norm C (--normalised)
+NORMALISED_PAIRS = ((0.001, "clip", 0.01, "clip-c0.1"), (0.003, "clip", 0.01, "clip-c0.3"))
+
+
+def normalised(privatize):
+    """``privatize`` with every sample's non-zero gradient first scaled up to norm ``clip_norm`` (a
+    sample a filter dropped keeps its zero gradient), so that clipping then scales every sample to C."""
+
+    def wrapped(per_sample, *, clip_norm, **kw):
+        norms = dp.flatten_per_sample(per_sample).norm(dim=1)
+        up = torch.where(norms > 0, (clip_norm / norms.clamp_min(1e-30)).clamp(min=1.0), torch.ones_like(norms))
+        return privatize({k: g * up.view(-1, *([1] * (g.dim() - 1))) for k, g in per_sample.items()},
+                         clip_norm=clip_norm, **kw)
+
+    return wrapped
 
 
 def recorded(cell: str) -> dict:
@@ -49,10 +76,13 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--methods", nargs="+", default=["come", "tent"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--normalised", action="store_true", help="the pairs at equal products with every sample at norm C")
     args, overrides = ap.parse_known_args(argv)
     cfgs = {lr: cell_config(C.compose(overrides), cell, "dptta") for lr, cell in CELLS.items()}
-    summaries = {lr: recorded(cell) for lr, cell in CELLS.items()}
     inputs = load_inputs(cfgs[0.003])
+    if args.normalised:
+        return compare_normalised(cfgs, inputs, args.methods, args.seeds)
+    summaries = {lr: recorded(cell) for lr, cell in CELLS.items()}
     for method in args.methods:
         for lr, form, partner_lr, partner_form in PAIRS:
             gaps = []
@@ -66,6 +96,22 @@ def main(argv=None) -> None:
                 print(f"{method}, seed {seed}: lr {lr:g} {form} {mine:.4f} ({clipped:.3f} clipped); "
                       f"recorded lr {partner_lr:g} {partner_form} {theirs:.4f}", flush=True)
             print(f"{method}: lr {lr:g} {form} minus lr {partner_lr:g} {partner_form}: "
+                  f"{np.mean(gaps):+.4f} (seeds {', '.join(f'{g:+.4f}' for g in gaps)})", flush=True)
+
+
+def compare_normalised(cfgs, inputs, methods, seeds) -> None:
+    for method in methods:
+        for pair in NORMALISED_PAIRS:
+            ends = {}
+            for lr, form in (pair[:2], pair[2:]):
+                for seed in seeds:
+                    acfg = C.arrival_config(cfgs[lr], method=method, aggregator="sequential", seed=seed, form=form)
+                    with mock.patch.object(dp, "privatize", normalised(dp.privatize)):
+                        ends[lr, seed] = run_arrivals(*inputs, acfg).summary["final_avg_holdout_acc"]
+                    print(f"{method}, seed {seed}: lr {lr:g} {form}, every sample at norm C: {ends[lr, seed]:.4f}",
+                          flush=True)
+            gaps = [ends[pair[0], s] - ends[pair[2], s] for s in seeds]
+            print(f"{method}, every sample at norm C: lr {pair[0]:g} {pair[1]} minus lr {pair[2]:g} {pair[3]}: "
                   f"{np.mean(gaps):+.4f} (seeds {', '.join(f'{g:+.4f}' for g in gaps)})", flush=True)
 
 

@@ -90,7 +90,7 @@ def test_gate_cost_exact_mode_releases_the_gate_statistic_unnoised(gate_cost, ti
 def test_lr_times_c_runs_match_their_recorded_partners_product_and_differ_in_nothing_else():
     lr_times_c = load("lr_times_c")
     cfgs = {lr: lr_times_c.cell_config(C.compose([]), cell, "dptta") for lr, cell in lr_times_c.CELLS.items()}
-    for lr, form, partner_lr, partner_form in lr_times_c.PAIRS:
+    for lr, form, partner_lr, partner_form in lr_times_c.PAIRS + lr_times_c.NORMALISED_PAIRS:
         mine, theirs = (C.arrival_config(cfgs[r], method="come", aggregator="sequential", seed=2, form=f)
                         for r, f in ((lr, form), (partner_lr, partner_form)))
         assert mine.method_params["lr"] == lr and theirs.method_params["lr"] == partner_lr != lr
@@ -98,3 +98,17 @@ def test_lr_times_c_runs_match_their_recorded_partners_product_and_differ_in_not
         assert lr * mine.privacy["clip_norm"] == pytest.approx(partner_lr * theirs.privacy["clip_norm"], rel=1e-5)
         assert mine.privacy["clip_norm"] != theirs.privacy["clip_norm"]
         assert dataclasses.replace(mine, method_params=theirs.method_params, privacy=theirs.privacy) == theirs
+
+
+def test_lr_times_c_normalised_puts_every_live_sample_at_norm_c_and_leaves_dropped_ones_at_zero():
+    import torch
+
+    from fedcore.privacy import dp
+
+    lr_times_c = load("lr_times_c")
+    per_sample = {"w": torch.tensor([[3.0, 4.0], [0.3, 0.4], [0.0, 0.0]]), "b": torch.zeros(3, 1)}
+    as_is, _ = dp.privatize(per_sample, clip_norm=1.0, noise_multiplier=0.0, batch_size=1.0)
+    scaled, _ = lr_times_c.normalised(dp.privatize)(per_sample, clip_norm=1.0, noise_multiplier=0.0, batch_size=1.0)
+    assert torch.allclose(as_is["w"], torch.tensor([0.9, 1.2]))  # the small sample is not clipped as is
+    assert torch.allclose(scaled["w"], torch.tensor([1.2, 1.6]))  # both live samples at norm 1, the dropped one 0
+    assert torch.equal(scaled["b"], torch.zeros(1))
