@@ -147,7 +147,10 @@ def main(overrides: list[str]) -> None:
     from flows import model_registry, runtime, tracking
 
     cifar = "--cifar" in overrides
-    n_pairs = int(next((o.split("=", 1)[1] for o in overrides if o.startswith("--pairs=")), PAIRS))
+    given = next((o.split("=", 1)[1] for o in overrides if o.startswith("--pairs=")), str(PAIRS))
+    if not given.isdigit():
+        raise SystemExit(f"--pairs takes a whole number of back-to-back triples, e.g. --pairs=20 (got {given!r})")
+    n_pairs = int(given)
     overrides = [o for o in overrides if not o.startswith("--pairs=")]
     variant = ["variant=cifar10"] if cifar else []
     cfg = C.compose(["flow.progress=false", "flow.experiment=benchmark-overhead", *variant]

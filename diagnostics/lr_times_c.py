@@ -82,7 +82,7 @@ def main(argv=None) -> None:
     inputs = load_inputs(cfgs[0.003])
     if args.normalised:
         return compare_normalised(cfgs, inputs, args.methods, args.seeds)
-    summaries = {lr: recorded(cell) for lr, cell in CELLS.items()}
+    summaries = {partner_lr: recorded(CELLS[partner_lr]) for _, _, partner_lr, _ in PAIRS}
     for method in args.methods:
         for lr, form, partner_lr, partner_form in PAIRS:
             gaps = []
@@ -108,8 +108,8 @@ def compare_normalised(cfgs, inputs, methods, seeds) -> None:
                     acfg = C.arrival_config(cfgs[lr], method=method, aggregator="sequential", seed=seed, form=form)
                     with mock.patch.object(dp, "privatize", normalised(dp.privatize)):
                         ends[lr, seed] = run_arrivals(*inputs, acfg).summary["final_avg_holdout_acc"]
-                    print(f"{method}, seed {seed}: lr {lr:g} {form}, every sample at norm C: {ends[lr, seed]:.4f}",
-                          flush=True)
+                    print(f"{method}, seed {seed}: lr {lr:g}, C = {acfg.privacy['clip_norm']:g}, every sample at "
+                          f"norm C: {ends[lr, seed]:.4f}", flush=True)  # its clip_fraction means nothing here
             gaps = [ends[pair[0], s] - ends[pair[2], s] for s in seeds]
             print(f"{method}, every sample at norm C: lr {pair[0]:g} {pair[1]} minus lr {pair[2]:g} {pair[3]}: "
                   f"{np.mean(gaps):+.4f} (seeds {', '.join(f'{g:+.4f}' for g in gaps)})", flush=True)

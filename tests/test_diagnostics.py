@@ -112,3 +112,10 @@ def test_lr_times_c_normalised_puts_every_live_sample_at_norm_c_and_leaves_dropp
     assert torch.allclose(as_is["w"], torch.tensor([0.9, 1.2]))  # the small sample is not clipped as is
     assert torch.allclose(scaled["w"], torch.tensor([1.2, 1.6]))  # both live samples at norm 1, the dropped one 0
     assert torch.equal(scaled["b"], torch.zeros(1))
+    # and the patch the diagnostic applies reaches the clip-only form's gradient
+    from unittest import mock
+
+    clipped = dp.ClippedGradient(clip_norm=1.0)
+    assert torch.allclose(clipped._clip_sum(per_sample, 1.0)["w"], torch.tensor([0.9, 1.2]))
+    with mock.patch.object(dp, "privatize", lr_times_c.normalised(dp.privatize)):
+        assert torch.allclose(clipped._clip_sum(per_sample, 1.0)["w"], torch.tensor([1.2, 1.6]))
