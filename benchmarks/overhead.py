@@ -151,10 +151,9 @@ def main(overrides: list[str]) -> None:
     if not given.isdigit():
         raise SystemExit(f"--pairs takes a whole number of back-to-back triples, e.g. --pairs=20 (got {given!r})")
     n_pairs = int(given)
-    overrides = [o for o in overrides if not o.startswith("--pairs=")]
     variant = ["variant=cifar10"] if cifar else []
     cfg = C.compose(["flow.progress=false", "flow.experiment=benchmark-overhead", *variant]
-                    + [o for o in overrides if o != "--cifar"])
+                    + [o for o in overrides if o != "--cifar" and not o.startswith("--pairs=")])
     if cifar:
         cfg.flow.experiment = "benchmark-overhead-cifar10"
     partition, spec, source = F.load_inputs(cfg)

@@ -65,6 +65,10 @@ def normalised(privatize):
     return wrapped
 
 
+def mean_and_seeds(gaps: list) -> str:
+    return f"{np.mean(gaps):+.4f} (seeds {', '.join(f'{g:+.4f}' for g in gaps)})"
+
+
 def recorded(cell: str) -> dict:
     path = C.ROOT / "results" / "stress_private" / cell / "summary.json"
     if not path.exists():
@@ -78,7 +82,8 @@ def main(argv=None) -> None:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--normalised", action="store_true", help="the pairs at equal products with every sample at norm C")
     args, overrides = ap.parse_known_args(argv)
-    cfgs = {lr: cell_config(C.compose(overrides), cell, "dptta") for lr, cell in CELLS.items()}
+    base = C.compose(overrides)
+    cfgs = {lr: cell_config(base, cell, "dptta") for lr, cell in CELLS.items()}
     inputs = load_inputs(cfgs[0.003])
     if args.normalised:
         return compare_normalised(cfgs, inputs, args.methods, args.seeds)
@@ -95,8 +100,8 @@ def main(argv=None) -> None:
                 gaps.append(mine - theirs)
                 print(f"{method}, seed {seed}: lr {lr:g} {form} {mine:.4f} ({clipped:.3f} clipped); "
                       f"recorded lr {partner_lr:g} {partner_form} {theirs:.4f}", flush=True)
-            print(f"{method}: lr {lr:g} {form} minus lr {partner_lr:g} {partner_form}: "
-                  f"{np.mean(gaps):+.4f} (seeds {', '.join(f'{g:+.4f}' for g in gaps)})", flush=True)
+            print(f"{method}: lr {lr:g} {form} minus lr {partner_lr:g} {partner_form}: {mean_and_seeds(gaps)}",
+                  flush=True)
 
 
 def compare_normalised(cfgs, inputs, methods, seeds) -> None:
@@ -112,7 +117,7 @@ def compare_normalised(cfgs, inputs, methods, seeds) -> None:
                           f"norm C: {ends[lr, seed]:.4f}", flush=True)  # its clip_fraction means nothing here
             gaps = [ends[pair[0], s] - ends[pair[2], s] for s in seeds]
             print(f"{method}, every sample at norm C: lr {pair[0]:g} {pair[1]} minus lr {pair[2]:g} {pair[3]}: "
-                  f"{np.mean(gaps):+.4f} (seeds {', '.join(f'{g:+.4f}' for g in gaps)})", flush=True)
+                  f"{mean_and_seeds(gaps)}", flush=True)
 
 
 if __name__ == "__main__":
