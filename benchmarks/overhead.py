@@ -28,6 +28,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from paired import median_summary  # noqa: E402  (this folder; opacus installs a package named benchmarks)
 from flows import config as C  # noqa: E402
 
 
@@ -122,21 +123,6 @@ class Stopwatch:
 
 PAIRS = 5
 TARGET_WARM = 1.15
-
-
-def median_summary(ratios: list, target: float, *, draws: int = 10_000, seed: int = 0) -> str:
-    """The median of ``ratios``, its 95% bootstrap interval, how many lie above ``target``, and the one-sided
-    Wilcoxon signed-rank p-value that they sit above it (the VM's drift makes single triples vary by
-    +-0.3, so one median of five cannot tell 1.2 from 1.15)."""
-    from scipy.stats import wilcoxon
-
-    r = np.asarray(ratios, dtype=float)
-    meds = np.median(np.random.default_rng(seed).choice(r, size=(draws, r.size)), axis=1)
-    lo, hi = np.quantile(meds, [0.025, 0.975])
-    text = f"median {np.median(r):.3f} (95% bootstrap interval {lo:.3f}-{hi:.3f}), above {target} in {int((r > target).sum())} of {r.size}"
-    if r.size >= 6:
-        text += f", Wilcoxon one-sided p = {wilcoxon(r - target, alternative='greater').pvalue:.3g}"
-    return text
 
 
 def main(overrides: list[str]) -> None:

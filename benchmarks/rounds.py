@@ -2,6 +2,7 @@
 
     python benchmarks/rounds.py            # the issue's workload: LeNet (118k parameters), 4,000 MNIST digits
     python benchmarks/rounds.py --repeat 2 --skip-naive
+    python benchmarks/rounds.py --skip-naive --paired 20   # twenty pairs, each median tested against its target
 
 Every variant runs the same ``fedcore.engine.run_rounds`` loop in this process. The flows run each
 client step on one Ray CPU, so they must give bit-identical weights to the plain loop run with one
@@ -30,7 +31,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from paired import median_summary  # noqa: E402  (this folder; opacus installs a package named benchmarks)
 from fedcore.engine import ModelSpec, RoundConfig, RoundData, run_now, run_rounds, train_step  # noqa: E402
+
+TARGET_TOTAL, TARGET_ROUND = 1.3, 1.10  # issue 13: warm, services up
 
 
 def workload() -> tuple[RoundData, ModelSpec, RoundConfig]:
@@ -216,6 +220,8 @@ def main() -> int:
               + ", ".join(f"{t:.2f}" for t, _ in pairs) + f" (median {np.median([t for t, _ in pairs]):.2f}); "
               "per-round ratio " + ", ".join(f"{r:.2f}" for _, r in pairs)
               + f" (median {np.median([r for _, r in pairs]):.2f})")
+        print(f"total: {median_summary([t for t, _ in pairs], TARGET_TOTAL)}")
+        print(f"per round: {median_summary([r for _, r in pairs], TARGET_ROUND)}")
     print("\nAll flow runs gave bit-identical weights to the one-thread plain loop.")
     return 0
 

@@ -11,9 +11,9 @@ from fedcore.privacy import calibrate_sigma
 from flows import config as C
 
 
-def load(name):
-    path = Path(__file__).resolve().parents[1] / "diagnostics" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"diagnostics_{name}", path)
+def load(name, folder="diagnostics"):
+    path = Path(__file__).resolve().parents[1] / folder / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{folder}_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -119,3 +119,16 @@ def test_lr_times_c_normalised_puts_every_live_sample_at_norm_c_and_leaves_dropp
     assert torch.allclose(clipped._clip_sum(per_sample, 1.0)["w"], torch.tensor([0.9, 1.2]))
     with mock.patch.object(dp, "privatize", lr_times_c.normalised(dp.privatize)):
         assert torch.allclose(clipped._clip_sum(per_sample, 1.0)["w"], torch.tensor([1.2, 1.6]))
+
+
+def test_paired_summary_tells_a_gap_from_noise():
+    median_summary = load("paired", "benchmarks").median_summary  # opacus owns the name `benchmarks`
+
+    above = median_summary([1.30, 1.25, 1.28, 1.35, 1.22, 1.31, 1.27, 1.29], 1.15)
+    straddling = median_summary([1.05, 1.25, 1.10, 1.20, 1.12, 1.18, 1.16, 1.14], 1.15)
+    assert above.startswith("median 1.285") and "above 1.15 in 8 of 8" in above
+    assert float(above.rsplit("p = ", 1)[1]) < 0.01
+    assert float(straddling.rsplit("p = ", 1)[1]) > 0.2
+    lo, hi = (float(x) for x in straddling.split("interval ")[1].split(")")[0].split("-"))
+    assert lo <= 1.15 <= hi
+    assert "p =" not in median_summary([1.2, 1.3, 1.25], 1.15)  # too few pairs to test
