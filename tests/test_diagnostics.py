@@ -129,6 +129,9 @@ def test_paired_summary_tells_a_gap_from_noise():
     assert above.startswith("median 1.285") and "above 1.15 in 8 of 8" in above
     assert float(above.rsplit("p = ", 1)[1]) < 0.01
     assert float(straddling.rsplit("p = ", 1)[1]) > 0.2
+    met = median_summary([0.94, 1.09, 1.13, 1.05, 1.00, 1.20, 0.94, 1.09], 1.3)
+    assert "above 1.3 in 0 of 8, below it at" in met and float(met.rsplit("p = ", 1)[1]) < 0.01
+    assert "above it at" in above
     lo, hi = (float(x) for x in straddling.split("interval ")[1].split(")")[0].split("-"))
     assert lo <= 1.15 <= hi
     assert "p =" not in median_summary([1.2, 1.3, 1.25], 1.15)  # too few pairs to test
