@@ -2,7 +2,7 @@
 
 This VM's speed drifts by 20-40% over minutes, more than the overheads measured, so each benchmark times
 its baseline and its flow back to back, and a run's evidence is the set of per-pair ratios: their median,
-how sure that median is, and whether they sit above the issue's target by more than the noise.
+how sure that median is, and on which side of the issue's target they sit, beyond the noise.
 """
 
 from __future__ import annotations
