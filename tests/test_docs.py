@@ -8,6 +8,7 @@ hyphens, punctuation dropped, a numeric suffix for repeated headings).
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,8 @@ def slug(heading: str) -> str:
     return "".join("-" if ch == " " else ch for ch in heading.strip().lower() if ch in " -_" or ch.isalnum())
 
 
-def anchors(page: Path) -> set:
+@lru_cache(maxsize=None)
+def anchors(page: Path) -> frozenset:
     seen, found, fenced = {}, set(), False
     for line in page.read_text().splitlines():
         if line.startswith("```"):
@@ -31,7 +33,7 @@ def anchors(page: Path) -> set:
             s = slug(m.group(1))
             found.add(s if s not in seen else f"{s}-{seen[s]}")
             seen[s] = seen.get(s, 0) + 1
-    return found
+    return frozenset(found)
 
 
 def broken_links(page: Path) -> list:
