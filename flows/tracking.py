@@ -299,6 +299,7 @@ def log_model(spec: ModelSpec, state: Dict[str, torch.Tensor], *, example: np.nd
     """
     from mlflow.models import infer_signature
 
+    example = np.array(example)  # a writable copy: torch warns on a read-only array (a memory map)
     with tempfile.TemporaryDirectory() as tmp:
         folder = save_network(Path(tmp) / NETWORK_DIR, spec, state)
         mlflow.set_tags({MODEL_SHA256_TAG + f: sha256_file(folder / f) for f in (SPEC_FILE, WEIGHTS_FILE)})

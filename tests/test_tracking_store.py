@@ -79,6 +79,25 @@ print(json.dumps({{"note": Path(local).read_text(), "run": run.info.run_id,
     assert not old.exists(), "nothing may be written back into the folder the project came from"
 
 
+def test_a_read_only_example_is_logged_without_torchs_non_writable_warning(tmp_path):
+    # Arrange: the arrival flow's example comes from a memory-mapped, read-only partition
+    import warnings
+
+    example = np.zeros((2, 1, 16, 16), np.float32)
+    example.flags.writeable = False
+    tracking.setup(f"sqlite:///{tmp_path}/mlruns.db", "read-only-example")
+
+    # Execute
+    with mlflow.start_run(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        uri = tracking.log_model(SPEC, _state(0), example=example)
+
+    # Assert: torch warns once per process; a flow's log should not carry it
+    assert uri.startswith("models:/")
+    assert not [w for w in caught if "not writable" in str(w.message)]
+    assert not example.flags.writeable  # the caller's array is left as it was
+
+
 def test_the_ui_server_resolves_the_store_from_its_backend_uri(tmp_path, monkeypatch):
     monkeypatch.setattr(mlflow, "get_tracking_uri", lambda: "http://127.0.0.1:1")
     monkeypatch.setenv("_MLFLOW_SERVER_FILE_STORE", f"sqlite:///{tmp_path}/mlruns.db")
