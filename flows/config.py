@@ -11,10 +11,11 @@ laid over the root config.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Dict, List
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from fedcore.data.corruptions import CORRUPTION_NAMES
 from fedcore.engine import ArrivalConfig, ModelSpec, RoundConfig
@@ -31,9 +32,16 @@ def compose(overrides: List[str] | None = None, *, lay_variant: bool = True) -> 
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    overrides = list(overrides or [])
+    settings = [o for o in overrides if not _is_group_choice(o)]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = hydra_compose(config_name="config", overrides=list(overrides or []))
+        cfg = hydra_compose(config_name="config", overrides=overrides)
+        if settings:  # what the settings replaced: conf/ with the same groups chosen
+            base = hydra_compose(config_name="config", overrides=[o for o in overrides if o not in settings])
+            check_overrides(base, cfg, settings)
     validate(cfg)
+    if lay_variant:
+        check_not_replaced(cfg, settings)
     return with_variant(cfg) if lay_variant else cfg
 
 
@@ -47,9 +55,100 @@ def load(params_file: str | Path | None = None, overrides: List[str] | None = No
         raise FileNotFoundError(f"{path} is missing; regenerate it with `make params`")
     cfg = OmegaConf.load(path)
     if overrides:
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+        choices = [o for o in overrides if _is_group_choice(o)]
+        if choices:
+            raise ValueError(
+                f"{choices[0]}: {path.name} is conf/ already composed, so its config groups are chosen; a dot-list "
+                f"override can change a setting but cannot choose another group. Drop --params to compose conf/ "
+                f"with it (`python -m flows.stages <stage> {' '.join(overrides)}`), or run it through DVC: "
+                f"`dvc exp run -S {choices[0]}`")
+        base = cfg
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([o.lstrip("+") for o in overrides]))
+        check_overrides(base, cfg, list(overrides))
     validate(cfg)
+    check_not_replaced(cfg, list(overrides or []))
     return with_variant(cfg)
+
+
+GROUPS = tuple(sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir()))  # method, aggregator, privacy, ...
+# Blocks whose settings are all listed in conf/: a key added to them (Hydra's `+key=value`, or any new key
+# with --params) can only be a misspelling, which would otherwise be read by nothing. The round-based
+# systems' blocks take optional keys (a grid's norm, a trainer's settings); their validators check those.
+CLOSED_BLOCKS = ("adapt", "data", "flow", "paths", "sweep")
+
+
+def _override_key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def _is_group_choice(override: str) -> bool:
+    """``method=tent`` (a config group chosen), as opposed to a setting (``method.params.lr=0.1``, ``seed=1``)."""
+    key = _override_key(override)
+    return key.split("@", 1)[0] in GROUPS and "=" in override
+
+
+def check_overrides(base: DictConfig, cfg: DictConfig, overrides: List[str]) -> None:
+    """Each override sets a setting ``base`` has (in a closed block), with a value of the setting's kind:
+    ``pretrain.rounds=abc`` or ``+adapt.pases=1`` fail here, naming the key, instead of later or never."""
+    missing = object()
+    for override in overrides:
+        if "=" not in override or override.startswith("~"):
+            continue
+        key = _override_key(override)
+        old = OmegaConf.select(base, key, default=missing)
+        new = OmegaConf.select(cfg, key, default=None)
+        if old is missing:
+            parent, _, leaf = key.rpartition(".")
+            if parent in CLOSED_BLOCKS or parent == "":
+                node = OmegaConf.select(base, parent) if parent else base
+                keys = ", ".join(str(k) for k in node) if isinstance(node, DictConfig) else "(none)"
+                where = parent or "the root config"
+                raise ValueError(f"{override}: {where} has no setting {leaf!r}; its settings are: {keys}")
+            continue
+        kind = _kind(old)
+        if kind is not None and new is not None and not _is_kind(new, kind):  # null: where it is read
+            raise ValueError(f"{override}: {key} takes {kind} (it is {old!r} in conf/), not {new!r}")
+        if isinstance(old, ListConfig) and len(old) and isinstance(new, ListConfig):
+            kind = _kind(old[0])
+            bad = [v for v in new if kind is not None and not _is_kind(v, kind)]
+            if bad:
+                kinds = "numbers" if kind == "a number" else "true or false"
+                raise ValueError(f"{override}: {key} lists {kinds} (it is {list(old)} in conf/), not {bad[0]!r}")
+
+
+def check_not_replaced(cfg: DictConfig, overrides: List[str]) -> None:
+    """No override sets a key that the selected variant then replaces (``variant=cifar10 pretrain.rounds=2``
+    would otherwise run the variant's 10 rounds without a word)."""
+    if "variant" not in cfg:
+        return
+    name = str(cfg.variant)
+    system = variant_system(cfg, name)
+    overlay = cfg[system].variants[name]
+    missing = object()
+    for override in overrides:
+        key = _override_key(override)
+        if "=" not in override or key == "variant":
+            continue
+        value = OmegaConf.select(overlay, key, default=missing)
+        if value is not missing and not isinstance(value, DictConfig):
+            raise ValueError(
+                f"{override}: variant {name!r} sets {key} to {value!r}, which replaces yours, so the run would "
+                f"not use it. Set the variant's own: `{system}.variants.{name}.{key}={override.split('=', 1)[1]}` "
+                f"(its outputs go to the variant's paths, which DVC tracks: for a trial run, set those too)")
+
+
+def _kind(value: Any) -> str | None:
+    if isinstance(value, bool):
+        return "true or false"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return None  # strings, lists, blocks and nulls: checked where they are read
+
+
+def _is_kind(value: Any, kind: str) -> bool:
+    if kind == "true or false":
+        return isinstance(value, bool)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def to_dict(cfg: DictConfig) -> Dict[str, Any]:
@@ -84,14 +183,61 @@ def _validate_run(cfg: DictConfig) -> None:
         raise ValueError(f"unknown corruption(s) {bad}; valid names are: {', '.join(CORRUPTION_NAMES)}")
     if not 1 <= int(d.severity) <= 5:
         raise ValueError(f"data.severity must be in 1..5, got {d.severity}")
+    for key in ("stream_size", "holdout_size"):
+        if key in d and int(d[key]) < 1:
+            raise ValueError(f"data.{key} must be >= 1, got {d[key]}")
+    _validate_model_and_device(cfg)
     pretrain_config(cfg)
     arrival_config(cfg)  # checks method, aggregator, lr, gamma, beta, passes, privacy
+    for key in ("methods", "aggregators", "seeds", "privacy"):
+        if "sweep" in cfg and key in cfg.sweep and not list(cfg.sweep[key]):
+            raise ValueError(f"sweep.{key} is empty, so the sweep would run nothing (and write an empty table over "
+                             f"the last one); list at least one, e.g. sweep.{key}=[{','.join(map(str, _SWEEP_EXAMPLES[key]))}]")
+    if "dptta" in cfg and "audit" in cfg.dptta:
+        validate_audit(cfg)
     source = cfg.sweep.get("noise_source", None) if "sweep" in cfg else None
     if source is not None and str(source) not in NOISE_SOURCES:
         raise ValueError(f"sweep.noise_source={source!r}; valid values are: {', '.join(NOISE_SOURCES)}, or null "
                          "for each form's own privacy.noise_source")
     forms = list(cfg.sweep.get("privacy", None) or []) if "sweep" in cfg else []
     check_forms(cfg, forms)  # a bad sweep form fails here, before any stage starts work
+
+
+_SWEEP_EXAMPLES = {"methods": ["tent", "bpa"], "aggregators": ["ugsa"], "seeds": [0], "privacy": ["plain"]}
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def _validate_model_and_device(cfg: DictConfig) -> None:
+    from fedcore.models import MODELS
+    from fedcore.models.norm import NORMS
+
+    if str(cfg.model.name) not in MODELS:
+        raise ValueError(f"unknown model.name {cfg.model.name!r}; valid names are: {', '.join(MODELS.names())}")
+    if str(cfg.model.norm) not in NORMS:
+        raise ValueError(f"unknown model.norm {cfg.model.norm!r}; valid names are: {', '.join(NORMS)}")
+    if not _DEVICE.fullmatch(str(cfg.device)):  # whether a GPU is there is checked where the work runs
+        raise ValueError(f"unknown device {cfg.device!r}; valid values are: auto, cpu, cuda, cuda:N")
+
+
+def validate_audit(cfg: DictConfig) -> None:
+    """The canary audit's settings (``dptta.audit``): a bad one would give a table that reads as a pass."""
+    a, where = cfg.dptta.audit, "dptta.audit"
+    if int(a.trials) < 2:
+        raise ValueError(f"{where}.trials={a.trials}: the audit needs at least 2 IN/OUT pairs (its bound grows "
+                         "with about ln(trials); 200 is the default)")
+    if not 0 < float(a.confidence) < 1:
+        raise ValueError(f"{where}.confidence={a.confidence}: a confidence level lies strictly between 0 and 1")
+    if int(a.stream_size) < 1:
+        raise ValueError(f"{where}.stream_size={a.stream_size}: each trial needs at least one stream sample")
+    if float(a.lr) <= 0:
+        raise ValueError(f"{where}.lr={a.lr}: must be > 0")
+    bad = [e for e in a.epsilons if float(e) <= 0]
+    if bad or not list(a.epsilons):
+        raise ValueError(f"{where}.epsilons={list(a.epsilons)}: list one or more epsilons, each > 0")
+    clients = len(with_variant(cfg, "private").data.corruptions) if "private" in variants(cfg) else None
+    if not 0 <= int(a.client) < (clients or int(a.client) + 1):
+        raise ValueError(f"{where}.client={a.client}: the private variant has {clients} target clients, "
+                         f"numbered 0..{(clients or 1) - 1}")
 
 
 def model_spec(cfg: DictConfig) -> ModelSpec:
@@ -341,11 +487,20 @@ def validate_rounds(cfg: DictConfig, system: str) -> None:
     block = cfg[system]
     for name in block.stages:
         grid(cfg, system, str(name))
+    target = block.get("target")
+    if target is not None and str(target) not in block.methods:
+        raise ValueError(f"{system}.target={target!r} is not one of {system}'s methods; valid names are: "
+                         f"{', '.join(sorted(map(str, block.methods)))}")
     for name, g in block.grids.items():
+        if not list(g.methods):
+            raise ValueError(f"{system} grid {name!r}: methods is empty, so the grid would run nothing; list at least "
+                             f"one of: {', '.join(sorted(map(str, block.methods)))}")
         counts = dict(g.clients_per_domain)
         if any(int(v) < 0 for v in counts.values()) or sum(int(v) for v in counts.values()) < 1:
             raise ValueError(f"{system} grid {name!r}: clients_per_domain {counts} must be >= 0 with at least "
                              "one client")
+        if "tasks" in g:  # before the rounds (tasks x rounds_per_task) are read, so that the message names them
+            _check_schedule(f"{system} grid {str(name)!r}", g)
         for method in g.methods:
             rc = round_config(cfg, system, method=str(method), seed=0, grid_name=str(name))
             if "tasks" in g:
@@ -356,13 +511,16 @@ def validate_rounds(cfg: DictConfig, system: str) -> None:
                 check_scores(method_scores(cfg, system, str(method), rc.trainer), dummy=rc.trainer == "proser")
 
 
-def _check_incremental(system: str, name: str, g: DictConfig, method: str, rc: RoundConfig, *, norm: str) -> None:
-    """A class-incremental grid's schedule fits its data, and its private methods can be private."""
-    where = f"{system} grid {name!r}"
+def _check_schedule(where: str, g: DictConfig) -> None:
     if not 1 <= int(g.tasks) <= 10:
         raise ValueError(f"{where}: tasks={g.tasks}; the digits have 10 classes, so 1 <= tasks <= 10")
     if int(g.rounds_per_task) < 1 or int(g.clients) < 1:
         raise ValueError(f"{where}: rounds_per_task and clients must be >= 1, got {g.rounds_per_task}, {g.clients}")
+
+
+def _check_incremental(system: str, name: str, g: DictConfig, method: str, rc: RoundConfig, *, norm: str) -> None:
+    """A class-incremental grid's schedule fits its data, and its private methods can be private."""
+    where = f"{system} grid {name!r}"
     if rc.trainer != "fcil":
         raise ValueError(f"{where}: method {method!r} uses trainer {rc.trainer!r}; class-incremental grids need "
                          "trainer fcil (its dual model and exemplars)")

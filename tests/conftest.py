@@ -27,6 +27,25 @@ def tiny_overrides(tmp: Path) -> list[str]:
     ]
 
 
+def for_variant(overrides: list[str]) -> list[str]:
+    """``overrides`` less the settings that the variant they select sets itself (a variant's
+    ``paths.models`` replaces the root's; composing both is refused, see ``flows.config.check_not_replaced``)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from flows import config as C
+
+    chosen = [o.split("=", 1)[1] for o in overrides if o.startswith("variant=")]
+    if not chosen:
+        return list(overrides)
+    cfg = C.compose([o for o in overrides if o.startswith("variant=")], lay_variant=False)
+    overlay = cfg[C.variant_system(cfg, chosen[-1])].variants[chosen[-1]]
+    def replaced(o: str) -> bool:
+        value = OmegaConf.select(overlay, o.split("=", 1)[0].lstrip("+"), default=None)
+        return value is not None and not isinstance(value, DictConfig)  # a block: a group choice (data=digits)
+
+    return [o for o in overrides if "=" not in o or o.startswith("variant=") or not replaced(o)]
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """Prepared digits, their partition and a FedAvg source model, made by the stage code (plain driver)."""

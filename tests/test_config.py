@@ -83,6 +83,57 @@ def test_invalid_values_are_rejected(override, match):
         C.compose([override])
 
 
+@pytest.mark.parametrize("overrides,match", [
+    # a setting of the wrong kind names its key, not int()'s complaint
+    (["pretrain.rounds=abc"], r"pretrain.rounds=abc: pretrain.rounds takes a number \(it is 20 in conf/\)"),
+    (["seed=abc"], r"seed takes a number"),
+    (["sweep.seeds=[0,a]"], r"sweep.seeds lists numbers .* not 'a'"),
+    (["fedpd.grids.quick.known=abc"], r"fedpd.grids.quick.known takes a number"),
+    # a key added to a block that lists all its settings is a misspelling (Hydra's `+` hint leads there)
+    (["+adapt.pases=1"], r"adapt has no setting 'pases'; its settings are: passes, "),
+    (["+flow.num_cpu=2"], r"flow has no setting 'num_cpu'.*num_cpus"),
+    (["+seeed=1"], r"the root config has no setting 'seeed'"),
+    # what would run nothing, or something else than asked
+    (["sweep.methods=[]"], r"sweep.methods is empty, so the sweep would run nothing.*sweep.methods=\[tent,bpa\]"),
+    (["fedpad.grids.quick.methods=[]"], r"fedpad grid 'quick': methods is empty"),
+    (["fedpd.target=fedpd+++"], r"fedpd.target='fedpd\+\+\+' is not one of fedpd's methods; valid names are: fedavg, "),
+    (["device=gpu"], r"unknown device 'gpu'; valid values are: auto, cpu, cuda, cuda:N"),
+    (["model.name=cnnn"], r"unknown model.name 'cnnn'; valid names are: cnn, "),
+    (["model.norm=instance"], r"unknown model.norm 'instance'; valid names are: batch, group, layer"),
+    (["data.stream_size=0"], r"data.stream_size must be >= 1, got 0"),
+    (["privacy=dp", "privacy.budget=-3"], r"privacy.budget must be a finite epsilon > 0"),
+    (["ppfcil.grids.quick.tasks=0"], r"ppfcil grid 'quick': tasks=0"),
+    # the canary audit: settings that would print a table reading as a pass
+    (["dptta.audit.trials=0"], r"dptta.audit.trials=0: the audit needs at least 2"),
+    (["dptta.audit.confidence=1.5"], r"strictly between 0 and 1"),
+    (["dptta.audit.client=99"], r"dptta.audit.client=99: the private variant has 10 target clients, numbered 0..9"),
+    # a variant replaces the root's settings it names: an override of one would be dropped without a word
+    (["variant=cifar10", "pretrain.rounds=2"],
+     r"variant 'cifar10' sets pretrain.rounds to 10, which replaces yours.*bpfedctta.variants.cifar10.pretrain.rounds=2"),
+    (["variant=private", "sweep.methods=[tent]"], r"dptta.variants.private.sweep.methods=\[tent\]"),
+])
+def test_bad_settings_fail_at_composition_naming_the_key(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        C.compose(overrides)
+
+
+def test_settings_of_the_right_kind_and_open_blocks_still_compose():
+    cfg = C.compose(["pretrain.rounds=3", "privacy=dp", "privacy.epsilon=5.5", "sweep.seeds=[0,1]",
+                     "+sweep.method_params.lr=0.1", "+ppfcil.grids.quick.norm=group", "data=digits"])
+    assert (cfg.pretrain.rounds, cfg.sweep.method_params.lr, cfg.ppfcil.grids.quick.norm) == (3, 0.1, "group")
+    assert cfg.privacy.epsilon == 5.5 and list(cfg.sweep.seeds) == [0, 1]
+    assert C.compose(["variant=cifar10", "bpfedctta.variants.cifar10.pretrain.rounds=2"]).pretrain.rounds == 2
+
+
+def test_params_file_refuses_a_group_choice_and_an_unknown_key():
+    with pytest.raises(ValueError, match=r"method=tent: params.yaml is conf/ already composed.*dvc exp run -S method=tent"):
+        C.load(C.PARAMS, ["method=tent"])
+    with pytest.raises(ValueError, match=r"flow.num_cpu=2: flow has no setting 'num_cpu'"):
+        C.load(C.PARAMS, ["flow.num_cpu=2"])
+    with pytest.raises(ValueError, match=r"pretrain.rounds=abc: pretrain.rounds takes a number"):
+        C.load(C.PARAMS, ["pretrain.rounds=abc"])
+
+
 def test_unknown_sweep_cell_lists_valid_names():
     with pytest.raises(ValueError, match="valid names are: bn, bpa, come, deyo, eata, sar, source, tent"):
         C.arrival_config(C.compose([]), method="cotta")

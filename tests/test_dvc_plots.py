@@ -22,7 +22,7 @@ from flows import config as C
 from flows import plot_data
 from flows.config import ROOT
 
-from .conftest import tiny_overrides
+from .conftest import for_variant, tiny_overrides
 from .dvc_repo import DVC_CONFIG, dvc, run
 
 Cell = Tuple  # ("arrivals", variant, method, aggregator, form, seed) | ("rounds", system, grid, method, seed)
@@ -145,7 +145,7 @@ def _arrival_tables(folder: Path, cell: Cell, tmp: Path, partition: Path) -> Non
     from fedcore.engine import run_arrivals
 
     _, variant, m, a, f, s = cell
-    cfg = C.compose(tiny_overrides(tmp) + [f"variant={variant}", "adapt.passes=1"])
+    cfg = C.compose(for_variant(tiny_overrides(tmp) + [f"variant={variant}", "adapt.passes=1"]))
     part = Partition.load(partition)
     spec = C.model_spec(cfg)
     acfg = C.arrival_config(cfg, method=m, aggregator=a, seed=s, form=f)

@@ -19,13 +19,15 @@ from flows import config as C
 from flows import federation as F
 from flows import tracking
 
-from .conftest import prefect_artifacts, prefect_flow_run, prefect_logs, prefect_task_runs, tiny_overrides
+from .conftest import (for_variant, prefect_artifacts, prefect_flow_run, prefect_logs, prefect_task_runs,
+                       tiny_overrides)
 
 pytestmark = pytest.mark.slow
 
 
 def cfg_for(tiny, *extra):
-    return C.compose(tiny_overrides(tiny["tmp"]) + ["flow.retries=2", "flow.retry_delay_seconds=0"] + list(extra))
+    return C.compose(for_variant(tiny_overrides(tiny["tmp"]) + ["flow.retries=2", "flow.retry_delay_seconds=0"]
+                                 + list(extra)))
 
 
 def runs_of(cfg, name):

@@ -141,9 +141,10 @@ def test_privacy_report_names_the_stage_that_builds_its_input(tmp_path):
     with pytest.raises(FileNotFoundError, match=re.escape("dvc repro ppfcil@privacy`")):
         _ppfcil_privacy(C.compose([f"paths.results={tmp_path}"]))
     (tmp_path / "ppfcil" / "privacy").mkdir(parents=True)
-    (tmp_path / "ppfcil" / "privacy" / "scores.json").write_text(json.dumps({"avg_inc_acc_by_seed": {}}))
+    (tmp_path / "ppfcil" / "privacy" / "scores.json").write_text(
+        json.dumps({"avg_inc_acc_by_seed": {"ppfcil-nodp": [0.5, 0.5]}}))
     with pytest.raises(FileNotFoundError, match=re.escape("dvc repro ppfcil@privacy-eps`")):  # the next grid joined
-        _ppfcil_privacy(C.compose([f"paths.results={tmp_path}", "ppfcil.grids.privacy.methods=[]"]))
+        _ppfcil_privacy(C.compose([f"paths.results={tmp_path}", "ppfcil.grids.privacy.methods=[ppfcil-nodp]"]))
 
 
 def test_privacy_report_joins_grids_on_the_same_data_and_refuses_others(tmp_path):
