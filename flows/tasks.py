@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Tuple
 
 import numpy as np
 import torch
@@ -315,7 +315,24 @@ def check_checkpoints(folders: Mapping[Path, str], *, resume: bool) -> None:
                                   "the config that wrote it.")
 
 
-def load_source(path: Path, spec: ModelSpec, *, written: Mapping[str, str] | None = None
+def source_model_hint(cfg: DictConfig) -> str:
+    """The command that builds ``cfg``'s source model: the DVC stage whose variant writes that very file, or
+    the pretrain flow with this run's own settings when no stage does (``model.norm=group`` on the default
+    data is ``variant=private``'s model only if the paths agree too)."""
+    path = source_model_path(cfg)
+    for name in C.variants(cfg):
+        try:
+            if source_model_path(C.load(C.PARAMS, [f"variant={name}"])) == path:
+                return f"`dvc repro pretrain@{name}` (or `python -m flows.stages pretrain variant={name}`)"
+        except (FileNotFoundError, ValueError):
+            break  # no params.yaml, or one that no longer composes: say what always works
+    return ("`python -m flows.stages pretrain` with this run's data, model, pretrain and paths settings; no DVC "
+            "stage writes this file (each variant's model: `dvc repro pretrain@<variant>`, e.g. variant=private "
+            "for the GroupNorm one)")
+
+
+def load_source(path: Path, spec: ModelSpec, *, written: Mapping[str, str] | None = None,
+                build: Callable[[], str] = lambda: "`dvc repro pretrain` (or `python -m flows.stages pretrain`)"
                 ) -> Dict[str, torch.Tensor]:
     """The source model's weights, checked against its writer's md5 first, then read as tensors only.
 
@@ -324,18 +341,17 @@ def load_source(path: Path, spec: ModelSpec, *, written: Mapping[str, str] | Non
     model of ``spec``.
     """
     if not path.is_file():
-        raise FileNotFoundError(f"source model {path} is missing. Build it with `dvc repro pretrain` "
-                                "(or `python -m flows.stages pretrain`).")
+        raise FileNotFoundError(f"source model {path} is missing. Build it with {build()}.")
     integrity.verify(path, written=written)
     try:
         blob = torch.load(path, map_location="cpu", weights_only=True)
         state = blob["state"]
     except Exception as exc:
         raise ValueError(f"source model {path} is corrupt or not a fedcore checkpoint ({exc}); "
-                         "rebuild it with `dvc repro pretrain`") from exc
+                         f"rebuild it with {build()}") from exc
     if blob.get("spec") != asdict(spec):
         raise ValueError(f"source model {path} was trained for {blob.get('spec')}, not {asdict(spec)}; "
-                         "rebuild it with `dvc repro pretrain`")
+                         f"rebuild it with {build()}")
     return state
 
 
@@ -349,4 +365,5 @@ def load_inputs(cfg: DictConfig, *, written: Mapping[str, str] | None = None):
     """(partition, spec, source weights), each checked against its writer's md5 before it is read."""
     spec = C.model_spec(cfg)
     partition = load_partition(cfg, written=written)
-    return partition, spec, load_source(source_model_path(cfg), spec, written=written)
+    return partition, spec, load_source(source_model_path(cfg), spec, written=written,
+                                        build=lambda: source_model_hint(cfg))

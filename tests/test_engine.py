@@ -69,6 +69,10 @@ def test_corrupt_checkpoint_is_reported_and_never_overwritten(tiny, tmp_path):
             run_arrivals(tiny["partition"], tiny["spec"], tiny["source"], cfg(), checkpoint_dir=tmp_path,
                          resume=resume)
     assert ckpt.read_bytes() == damaged
+    ckpt.with_suffix(".sha256").unlink()  # a checkpoint without its digest is named as such, not as corrupt
+    with pytest.raises(CheckpointError, match=r"has no sha256 file \(server_state.sha256\), so it cannot be checked"):
+        run_arrivals(tiny["partition"], tiny["spec"], tiny["source"], cfg(), checkpoint_dir=tmp_path, resume=True)
+    assert ckpt.read_bytes() == damaged
 
 
 def test_forgetting_golden():

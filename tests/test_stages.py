@@ -3,7 +3,9 @@
 import pytest
 import torch
 
+from flows import config as C
 from flows import federation as F
+from flows import tasks as T
 from flows.stages import main
 
 from .conftest import tiny_overrides
@@ -56,3 +58,13 @@ def test_corrupt_or_mismatched_source_model_is_refused(tiny, tmp_path):
         F.load_source(other, tiny["spec"])
     with pytest.raises(FileNotFoundError, match="dvc repro pretrain"):
         F.load_source(tmp_path / "missing.pt", tiny["spec"])
+
+
+def test_a_missing_source_model_names_the_stage_that_writes_that_file(tmp_path):
+    # the private variant's GroupNorm model is pretrain@private's output ...
+    private = C.compose(["variant=private", f"paths.partitions={tmp_path}"])
+    assert T.source_model_hint(private).startswith("`dvc repro pretrain@private`")
+    # ... but a GroupNorm model in the root's folder is no stage's, so pretrain@mnist would be the wrong advice
+    hint = T.source_model_hint(C.compose(["model.norm=group"]))
+    assert "no DVC stage writes this file" in hint and "variant=private" in hint and "pretrain@mnist" not in hint
+    assert T.source_model_hint(C.compose([])).startswith("`dvc repro pretrain@mnist`")

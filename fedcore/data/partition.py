@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Sequence
@@ -57,8 +58,15 @@ def read_arrays(folder: str | Path, *, what: str, stage: str) -> tuple[Dict[str,
     if not npz.is_file() or not man.is_file():
         raise FileNotFoundError(f"no {what} at {folder} (expected partition.npz and manifest.json). "
                                 f"Build it with `dvc repro {stage}` (or `python -m flows.stages {stage}`).")
-    with np.load(npz, allow_pickle=False) as z:
-        return {k: z[k] for k in z.files}, json.loads(man.read_text())
+    try:
+        with np.load(npz, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+        manifest = json.loads(man.read_text())
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:  # truncated, garbled (a bad CRC), not JSON
+        raise ValueError(f"the {what} at {folder} cannot be read ({type(exc).__name__}: {exc}): it is truncated or "
+                         f"corrupt. Move it away and rebuild it with `dvc repro {stage}` (or "
+                         f"`python -m flows.stages {stage}`).") from exc
+    return arrays, manifest
 
 
 @dataclass(frozen=True)

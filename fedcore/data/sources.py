@@ -61,7 +61,7 @@ def load_digits16(root: str | Path | None = None) -> ImageSet:
 def _missing(root: Path, what: str) -> FileNotFoundError:
     return FileNotFoundError(
         f"{what} not found under data root {root}. Put cifar10-jpeg.zip there (see ../shared/data/README.md), "
-        "or point data.root at a folder holding torchvision's 'cifar-10-batches-py'. "
+        "or point paths.data_root at a folder holding torchvision's 'cifar-10-batches-py'. "
         "Nothing is downloaded at run time."
     )
 

@@ -66,7 +66,11 @@ def load_state(folder: str | Path, *, fingerprint: str | None = None, name: str 
     path, digest_path = _paths(folder, name)
     if not path.exists():
         return None
-    if not digest_path.exists() or sha256_file(path) != digest_path.read_text().strip():
+    if not digest_path.exists():
+        raise CheckpointError(
+            f"checkpoint {path} has no sha256 file ({digest_path.name}), so it cannot be checked; it has been left "
+            "untouched. Move it away to start fresh, or restore both files from the MLflow run's artifacts.")
+    if sha256_file(path) != digest_path.read_text().strip():
         raise CheckpointError(
             f"checkpoint {path} does not match its sha256 file (truncated or corrupt). It has been left untouched; "
             "move it away to start fresh, or restore it from the MLflow run's artifacts."

@@ -77,7 +77,11 @@ class PrivacyConfig:
             raise ValueError("privacy mode 'dp' needs noise_multiplier > 0; for sigma = 0 use mode 'dp0' (the "
                              "private form) or 'clip' (the paper's clip-only form)")
         if self.budget is not None:
-            check_epsilon(self.budget)
+            try:
+                check_epsilon(self.budget)
+            except ValueError:
+                raise ValueError(f"privacy.budget must be a finite epsilon > 0 (each client's total), got "
+                                 f"{self.budget!r}; null sets no budget") from None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> "PrivacyConfig":
