@@ -183,6 +183,10 @@ def _validate_run(cfg: DictConfig) -> None:
         raise ValueError(f"unknown corruption(s) {bad}; valid names are: {', '.join(CORRUPTION_NAMES)}")
     if not 1 <= int(d.severity) <= 5:
         raise ValueError(f"data.severity must be in 1..5, got {d.severity}")
+    order = cfg.adapt.get("order") if "adapt" in cfg else None
+    if order is not None and any(not 0 <= int(i) < len(d.corruptions) for i in order):
+        raise ValueError(f"adapt.order={list(order)}: the {len(d.corruptions)} target clients are numbered "
+                         f"0..{len(d.corruptions) - 1} (one per data.corruptions entry)")
     for key in ("stream_size", "holdout_size"):
         if key in d and int(d[key]) < 1:
             raise ValueError(f"data.{key} must be >= 1, got {d[key]}")
@@ -495,6 +499,11 @@ def validate_rounds(cfg: DictConfig, system: str) -> None:
         if not list(g.methods):
             raise ValueError(f"{system} grid {name!r}: methods is empty, so the grid would run nothing; list at least "
                              f"one of: {', '.join(sorted(map(str, block.methods)))}")
+        from fedcore.models import MODELS
+
+        if str(g.model) not in MODELS:
+            raise ValueError(f"{system} grid {name!r}: unknown model {g.model!r}; valid names are: "
+                             f"{', '.join(MODELS.names())}")
         counts = dict(g.clients_per_domain)
         if any(int(v) < 0 for v in counts.values()) or sum(int(v) for v in counts.values()) < 1:
             raise ValueError(f"{system} grid {name!r}: clients_per_domain {counts} must be >= 0 with at least "

@@ -103,6 +103,8 @@ def test_invalid_values_are_rejected(override, match):
     (["data.stream_size=0"], r"data.stream_size must be >= 1, got 0"),
     (["privacy=dp", "privacy.budget=-3"], r"privacy.budget must be a finite epsilon > 0"),
     (["ppfcil.grids.quick.tasks=0"], r"ppfcil grid 'quick': tasks=0"),
+    (["fedpad.grids.quick.model=lenett"], r"fedpad grid 'quick': unknown model 'lenett'; valid names are: cnn, "),
+    (["adapt.order=[0,0,99]"], r"adapt.order=\[0, 0, 99\]: the 10 target clients are numbered 0..9"),
     # the canary audit: settings that would print a table reading as a pass
     (["dptta.audit.trials=0"], r"dptta.audit.trials=0: the audit needs at least 2"),
     (["dptta.audit.confidence=1.5"], r"strictly between 0 and 1"),
