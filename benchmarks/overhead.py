@@ -138,10 +138,10 @@ def main(overrides: list[str]) -> None:
         raise SystemExit(f"--pairs takes a whole number of back-to-back triples, e.g. --pairs=20 (got {given!r})")
     n_pairs = int(given)
     variant = ["variant=cifar10"] if cifar else []
-    cfg = C.compose(["flow.progress=false", "flow.experiment=benchmark-overhead", *variant]
+    # the cifar10 variant sets flow.experiment itself (an override of it would be refused), so it is set after
+    cfg = C.compose(["flow.progress=false", *variant]
                     + [o for o in overrides if o != "--cifar" and not o.startswith("--pairs=")])
-    if cifar:
-        cfg.flow.experiment = "benchmark-overhead-cifar10"
+    cfg.flow.experiment = "benchmark-overhead-cifar10" if cifar else "benchmark-overhead"
     partition, spec, source = F.load_inputs(cfg)
     acfg = C.arrival_config(cfg)
     A = len(acfg.schedule(len(partition.targets)))

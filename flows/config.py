@@ -41,7 +41,7 @@ def compose(overrides: List[str] | None = None, *, lay_variant: bool = True) -> 
             check_overrides(base, cfg, settings)
     validate(cfg)
     if lay_variant:
-        check_not_replaced(cfg, settings)
+        check_not_replaced(cfg, overrides)
     return with_variant(cfg) if lay_variant else cfg
 
 
@@ -64,7 +64,7 @@ def load(params_file: str | Path | None = None, overrides: List[str] | None = No
                 f"`dvc exp run -S {choices[0]}`")
         base = cfg
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([o.lstrip("+") for o in overrides]))
-        check_overrides(base, cfg, list(overrides))
+        check_overrides(base, cfg, list(overrides), source=path.name)
     validate(cfg)
     check_not_replaced(cfg, list(overrides or []))
     return with_variant(cfg)
@@ -87,7 +87,15 @@ def _is_group_choice(override: str) -> bool:
     return key.split("@", 1)[0] in GROUPS and "=" in override
 
 
-def check_overrides(base: DictConfig, cfg: DictConfig, overrides: List[str]) -> None:
+# Settings that count something: a fraction (``adapt.passes=2.5``) would be cut down by int() without a word,
+# and null cannot be counted. Other numbers (an lr, a GPU share, a delay) take fractions.
+COUNTS = frozenset({"rounds", "passes", "seed", "seeds", "local_epochs", "batch_size", "steps", "tasks",
+                    "rounds_per_task", "clients", "known", "trials", "stream_size", "holdout_size", "num_cpus",
+                    "retries", "severity", "memory", "per_class", "client", "num_source_clients", "in_channels",
+                    "num_classes", "compress_rounds"})
+
+
+def check_overrides(base: DictConfig, cfg: DictConfig, overrides: List[str], *, source: str = "conf/") -> None:
     """Each override sets a setting ``base`` has (in a closed block), with a value of the setting's kind:
     ``pretrain.rounds=abc`` or ``+adapt.pases=1`` fail here, naming the key, instead of later or never."""
     missing = object()
@@ -98,27 +106,53 @@ def check_overrides(base: DictConfig, cfg: DictConfig, overrides: List[str]) -> 
         old = OmegaConf.select(base, key, default=missing)
         new = OmegaConf.select(cfg, key, default=None)
         if old is missing:
-            parent, _, leaf = key.rpartition(".")
-            if parent in CLOSED_BLOCKS or parent == "":
-                node = OmegaConf.select(base, parent) if parent else base
-                keys = ", ".join(str(k) for k in node) if isinstance(node, DictConfig) else "(none)"
-                where = parent or "the root config"
-                raise ValueError(f"{override}: {where} has no setting {leaf!r}; its settings are: {keys}")
+            _check_new_key(base, key, override)
             continue
-        kind = _kind(old)
-        if kind is not None and new is not None and not _is_kind(new, kind):  # null: where it is read
-            raise ValueError(f"{override}: {key} takes {kind} (it is {old!r} in conf/), not {new!r}")
+        leaf = key.rpartition(".")[2]
+        was = f"(it is {old!r} in {source})" if not isinstance(old, ListConfig) else f"(it is {list(old)} in {source})"
+        if isinstance(old, ListConfig) and new is not None and not isinstance(new, ListConfig):
+            raise ValueError(f"{override}: {key} takes a list {was}; write {key}=[{new}]")
+        if new is None:
+            if old is not None and leaf in COUNTS:
+                raise ValueError(f"{override}: {key} counts something {was}; it cannot be null")
+            continue
+        _check_value(override, key, leaf, old, new, was)
         if isinstance(old, ListConfig) and len(old) and isinstance(new, ListConfig):
-            kind = _kind(old[0])
-            bad = [v for v in new if kind is not None and not _is_kind(v, kind)]
-            if bad:
-                kinds = "numbers" if kind == "a number" else "true or false"
-                raise ValueError(f"{override}: {key} lists {kinds} (it is {list(old)} in conf/), not {bad[0]!r}")
+            for value in new:
+                _check_value(override, key, leaf, old[0], value, was, listed=True)
+
+
+def _check_new_key(base: DictConfig, key: str, override: str) -> None:
+    """A key ``base`` lacks is a misspelling when its nearest existing block is the root or a closed one
+    (``+adpt.passes=1``, ``+adapt.pases=1``); elsewhere it may be an optional setting (a grid's norm)."""
+    parts = key.split(".")
+    depth = len(parts) - 1
+    while depth > 0 and OmegaConf.select(base, ".".join(parts[:depth]), default=None) is None:
+        depth -= 1
+    parent = ".".join(parts[:depth])
+    if parent == "" or parent in CLOSED_BLOCKS:
+        node = OmegaConf.select(base, parent) if parent else base
+        keys = ", ".join(str(k) for k in node) if isinstance(node, DictConfig) else "(none)"
+        raise ValueError(f"{override}: {parent or 'the root config'} has no setting {parts[depth]!r}; "
+                         f"its settings are: {keys}")
+
+
+def _check_value(override: str, key: str, leaf: str, old: Any, new: Any, was: str, *, listed: bool = False) -> None:
+    what = f"{key} lists" if listed else f"{key} takes"
+    if isinstance(old, bool):
+        if isinstance(new, (int, float)) and not isinstance(new, bool):  # text may be a third choice (augment: sample)
+            raise ValueError(f"{override}: {what} true or false {was}, not {new!r}")
+    elif isinstance(old, (int, float)):
+        if isinstance(new, bool) or not isinstance(new, (int, float)):
+            raise ValueError(f"{override}: {what} {'numbers' if listed else 'a number'} {was}, not {new!r}")
+        if leaf in COUNTS and isinstance(new, float) and not new.is_integer():
+            raise ValueError(f"{override}: {what} {'whole numbers' if listed else 'a whole number'} {was}, not {new!r}")
 
 
 def check_not_replaced(cfg: DictConfig, overrides: List[str]) -> None:
     """No override sets a key that the selected variant then replaces (``variant=cifar10 pretrain.rounds=2``
-    would otherwise run the variant's 10 rounds without a word)."""
+    would otherwise run the variant's 10 rounds without a word), nor chooses a group whose settings it replaces
+    (``variant=cifar10 model=resnet18`` would run its resnet20)."""
     if "variant" not in cfg:
         return
     name = str(cfg.variant)
@@ -130,25 +164,19 @@ def check_not_replaced(cfg: DictConfig, overrides: List[str]) -> None:
         if "=" not in override or key == "variant":
             continue
         value = OmegaConf.select(overlay, key, default=missing)
-        if value is not missing and not isinstance(value, DictConfig):
-            raise ValueError(
-                f"{override}: variant {name!r} sets {key} to {value!r}, which replaces yours, so the run would "
-                f"not use it. Set the variant's own: `{system}.variants.{name}.{key}={override.split('=', 1)[1]}` "
-                f"(its outputs go to the variant's paths, which DVC tracks: for a trial run, set those too)")
-
-
-def _kind(value: Any) -> str | None:
-    if isinstance(value, bool):
-        return "true or false"
-    if isinstance(value, (int, float)):
-        return "a number"
-    return None  # strings, lists, blocks and nulls: checked where they are read
-
-
-def _is_kind(value: Any, kind: str) -> bool:
-    if kind == "true or false":
-        return isinstance(value, bool)
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+        if (isinstance(value, DictConfig) and _is_group_choice(override)
+                and any(OmegaConf.select(cfg, f"{key}.{k}", default=None) != value[k] for k in value)):
+            items = [f"{key}.{k}={value[k]}" for k in value]
+            sets = ", ".join(items[:3]) + (f" and {len(items) - 3} more" if len(items) > 3 else "")
+            raise ValueError(f"{override}: variant {name!r} sets {sets}, which would replace what {override} "
+                             f"chooses. Choose another variant, or set the variant's own: "
+                             f"`{system}.variants.{name}.{key}.<setting>=...`")
+        if value is missing or isinstance(value, DictConfig) or value == OmegaConf.select(cfg, key, default=None):
+            continue  # the variant does not set it, or sets what was asked for
+        raise ValueError(
+            f"{override}: variant {name!r} sets {key} to {value!r}, which replaces yours, so the run would "
+            f"not use it. Set the variant's own: `{system}.variants.{name}.{key}={override.split('=', 1)[1]}` "
+            f"(its outputs go to the variant's paths, which DVC tracks: for a trial run, set those too)")
 
 
 def to_dict(cfg: DictConfig) -> Dict[str, Any]:

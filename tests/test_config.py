@@ -113,6 +113,14 @@ def test_invalid_values_are_rejected(override, match):
     (["variant=cifar10", "pretrain.rounds=2"],
      r"variant 'cifar10' sets pretrain.rounds to 10, which replaces yours.*bpfedctta.variants.cifar10.pretrain.rounds=2"),
     (["variant=private", "sweep.methods=[tent]"], r"dptta.variants.private.sweep.methods=\[tent\]"),
+    (["variant=cifar10", "model=resnet18"], r"model=resnet18: variant 'cifar10' sets model.name=resnet20, which would"),
+    # the cases a stranger's review found next
+    (["+adpt.passes=1"], r"the root config has no setting 'adpt'"),
+    (["adapt.passes=2.5"], r"adapt.passes takes a whole number \(it is 3 in conf/\), not 2.5"),
+    (["sweep.seeds=[0,1.5]"], r"sweep.seeds lists whole numbers"),
+    (["seed=null"], r"seed counts something .* it cannot be null"),
+    (["sweep.methods=tent"], r"sweep.methods takes a list .* write sweep.methods=\[tent\]"),
+    (["flow.progress=3"], r"flow.progress takes true or false"),
 ])
 def test_bad_settings_fail_at_composition_naming_the_key(overrides, match):
     with pytest.raises(ValueError, match=match):
@@ -125,6 +133,9 @@ def test_settings_of_the_right_kind_and_open_blocks_still_compose():
     assert (cfg.pretrain.rounds, cfg.sweep.method_params.lr, cfg.ppfcil.grids.quick.norm) == (3, 0.1, "group")
     assert cfg.privacy.epsilon == 5.5 and list(cfg.sweep.seeds) == [0, 1]
     assert C.compose(["variant=cifar10", "bpfedctta.variants.cifar10.pretrain.rounds=2"]).pretrain.rounds == 2
+    # a third choice beside true and false, a fraction where one is meant, what the variant sets anyway
+    assert C.compose(["pretrain.augment=sample", "flow.gpus_per_task=0.5"]).pretrain.augment == "sample"
+    assert C.compose(["variant=private", "model.norm=group"]).model.norm == "group"
 
 
 def test_params_file_refuses_a_group_choice_and_an_unknown_key():

@@ -615,13 +615,15 @@ def test_a_flipped_byte_is_caught_on_load(tmp_path, part):
         DomainPartition.load(folder)
 
 
-@pytest.mark.parametrize("damage", ["truncate", "garble", "manifest"])
+@pytest.mark.parametrize("damage", ["empty", "truncate", "garble", "manifest"])
 def test_a_truncated_or_garbled_partition_names_the_file_and_the_rebuild(tmp_path, damage):
     from fedcore.data.partition import read_arrays, write_arrays
 
     folder = write_arrays(tmp_path / "p", {"x": np.arange(4096, dtype=np.int64)}, {"clients": 1})
     npz, raw = folder / "partition.npz", (folder / "partition.npz").read_bytes()
-    if damage == "truncate":
+    if damage == "empty":
+        npz.write_bytes(b"")
+    elif damage == "truncate":
         npz.write_bytes(raw[:200])
     elif damage == "garble":  # a flipped byte inside the stored array: the zip's CRC no longer matches
         npz.write_bytes(raw[:1000] + bytes([raw[1000] ^ 0xFF]) + raw[1001:])

@@ -62,7 +62,7 @@ def read_arrays(folder: str | Path, *, what: str, stage: str) -> tuple[Dict[str,
         with np.load(npz, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
         manifest = json.loads(man.read_text())
-    except (OSError, ValueError, zipfile.BadZipFile) as exc:  # truncated, garbled (a bad CRC), not JSON
+    except (OSError, EOFError, ValueError, zipfile.BadZipFile) as exc:  # empty, truncated, garbled (a bad CRC), not JSON
         raise ValueError(f"the {what} at {folder} cannot be read ({type(exc).__name__}: {exc}): it is truncated or "
                          f"corrupt. Move it away and rebuild it with `dvc repro {stage}` (or "
                          f"`python -m flows.stages {stage}`).") from exc
