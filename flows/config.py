@@ -196,6 +196,8 @@ def validate(cfg: DictConfig) -> None:
             validate_rounds(cfg, system)
     if any(system in cfg for system in VARIANT_SYSTEMS):
         validate_variants(cfg)
+    if "dptta" in cfg and "audit" in cfg.dptta:
+        validate_audit(cfg)  # once: _validate_run, above, runs again for every variant
 
 
 def _validate_run(cfg: DictConfig) -> None:
@@ -225,8 +227,6 @@ def _validate_run(cfg: DictConfig) -> None:
         if "sweep" in cfg and key in cfg.sweep and not list(cfg.sweep[key]):
             raise ValueError(f"sweep.{key} is empty, so the sweep would run nothing (and write an empty table over "
                              f"the last one); list at least one, e.g. sweep.{key}=[{','.join(map(str, _SWEEP_EXAMPLES[key]))}]")
-    if "dptta" in cfg and "audit" in cfg.dptta:
-        validate_audit(cfg)
     source = cfg.sweep.get("noise_source", None) if "sweep" in cfg else None
     if source is not None and str(source) not in NOISE_SOURCES:
         raise ValueError(f"sweep.noise_source={source!r}; valid values are: {', '.join(NOISE_SOURCES)}, or null "
@@ -516,6 +516,8 @@ def grid_model_spec(cfg: DictConfig, system: str, grid_name: str | None = None, 
 
 def validate_rounds(cfg: DictConfig, system: str) -> None:
     """Every grid's methods exist and build; participation and client counts are possible."""
+    from fedcore.models import MODELS
+
     block = cfg[system]
     for name in block.stages:
         grid(cfg, system, str(name))
@@ -527,8 +529,6 @@ def validate_rounds(cfg: DictConfig, system: str) -> None:
         if not list(g.methods):
             raise ValueError(f"{system} grid {name!r}: methods is empty, so the grid would run nothing; list at least "
                              f"one of: {', '.join(sorted(map(str, block.methods)))}")
-        from fedcore.models import MODELS
-
         if str(g.model) not in MODELS:
             raise ValueError(f"{system} grid {name!r}: unknown model {g.model!r}; valid names are: "
                              f"{', '.join(MODELS.names())}")
