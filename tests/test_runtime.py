@@ -150,3 +150,56 @@ def test_a_failed_client_step_lets_the_rounds_other_steps_finish_and_an_interrup
 
     # Assert: ray.cancel racing a completing task can abort the driver inside Ray's core worker
     assert seen == ({"settle": [refs], "cancel": []} if settled else {"settle": [], "cancel": [refs]})
+
+
+def test_a_sync_flow_does_not_wait_for_its_heartbeat_thread(monkeypatch):
+    """Prefect's heartbeat thread sleeps in one-second steps and a synchronous flow joined it when it ended,
+    so every flow waited out the rest of a second. The patch passes ``join_on_exit=False`` (as Prefect's
+    async engine does) and keeps every other argument; a Prefect without that parameter is left alone."""
+    from prefect import flow_engine
+
+    from flows import runtime
+
+    calls = []
+
+    def send(engine, join_on_exit: bool = True):
+        calls.append((engine, join_on_exit))
+
+    monkeypatch.setattr(flow_engine, "_send_heartbeats", send)
+    assert runtime.flow_ends_without_heartbeat_wait() is True
+    assert runtime.flow_ends_without_heartbeat_wait() is True  # once: not wrapped twice
+    flow_engine._send_heartbeats("engine")
+    assert calls == [("engine", False)]
+
+    def other(engine):  # a Prefect whose function has no such switch
+        calls.append(engine)
+
+    monkeypatch.setattr(flow_engine, "_send_heartbeats", other)
+    assert runtime.flow_ends_without_heartbeat_wait() is False
+    assert flow_engine._send_heartbeats is other
+
+
+def test_the_pinned_prefect_still_sends_heartbeats_under_the_patch(monkeypatch):
+    """On the Prefect this project pins, the patch applies, and a real flow still emits its heartbeat."""
+    import inspect
+
+    from prefect import flow, flow_engine
+
+    from flows import runtime
+
+    real = flow_engine._send_heartbeats
+    real = getattr(real, "func", real)  # already patched by an earlier flow in this process
+    assert "join_on_exit" in inspect.signature(real).parameters
+    monkeypatch.setattr(flow_engine, "_send_heartbeats", real)
+    emitted = []
+    monkeypatch.setattr(flow_engine.FlowRunEngine, "_emit_flow_run_heartbeat",
+                        lambda self, *a, **kw: emitted.append(self.flow_run.id))
+    runtime.ensure_prefect_api()
+    assert getattr(flow_engine._send_heartbeats, "_fedcore_no_join", False)
+
+    @flow(name="heartbeat-probe")
+    def probe() -> int:
+        return 7
+
+    assert probe() == 7
+    assert len(emitted) >= 1
