@@ -89,6 +89,8 @@ def without_mlflow(F, tracking, model_registry):
 
     patches = [(F, "_start_experiment_run", lambda *a, **kw: contextlib.nullcontext()),
                (tracking, "setup", lambda *a, **kw: None), (tracking, "log_arrival", lambda *a, **kw: None),
+               (tracking, "log_arrival_series", lambda *a, **kw: None),
+               (tracking, "log_arrival_run", lambda *a, **kw: None),
                (tracking, "log_files", lambda *a, **kw: None), (tracking, "log_model", lambda *a, **kw: "models:/x"),
                (mlflow, "log_metrics", lambda *a, **kw: None), (model_registry, "model_name", lambda cfg: None)]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]

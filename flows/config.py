@@ -233,6 +233,13 @@ def _validate_run(cfg: DictConfig) -> None:
                          "for each form's own privacy.noise_source")
     forms = list(cfg.sweep.get("privacy", None) or []) if "sweep" in cfg else []
     check_forms(cfg, forms)  # a bad sweep form fails here, before any stage starts work
+    runs = cfg.flow.get("arrival_runs", "at_end") if "flow" in cfg else "at_end"
+    if runs not in ARRIVAL_RUNS:
+        raise ValueError(f"flow.arrival_runs={runs!r}; valid values are: {', '.join(ARRIVAL_RUNS)} (when each "
+                         "arrival's nested MLflow run is written)")
+
+
+ARRIVAL_RUNS = ("at_end", "live")
 
 
 _SWEEP_EXAMPLES = {"methods": ["tent", "bpa"], "aggregators": ["ugsa"], "seeds": [0], "privacy": ["plain"]}

@@ -134,41 +134,62 @@ def pretrain(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> Pa
         runtime.shutdown_ray()
 
 
-def _log_experiment(cfg: DictConfig, acfg, res: ArrivalsResult, *, spec: ModelSpec, partition: Partition,
-                    live: bool) -> None:
-    """Everything about one finished experiment on the active MLflow run (arrivals too, unless ``live``)."""
-    records, acc = res.records, res.acc_matrix
-    if not live:
-        for rec in records:
-            tracking.log_arrival(rec)
-    mlflow.log_metrics(summary_metrics(res.summary))
-    out = C.resolve_path(cfg.paths.results) / "cells" / cell_name(acfg)
-    plots = plot_arrivals(records, acc, [t.corruption for t in partition.targets], out,
-                          title=f"{acfg.method}+{acfg.aggregator} ({acfg.form})")
-    if res.ledgers:
-        (out / "privacy_ledger.json").write_text(json.dumps(
-            ledger_document(delta=acfg.privacy_config().delta, clients=res.ledgers), indent=1) + "\n")
+def _draw_plots(records: List[Dict[str, Any]], acc: np.ndarray, corruptions: List[str], out: Path, title: str,
+                privacy: bool) -> List[Path]:
+    plots = plot_arrivals(records, acc, corruptions, out, title=title)
+    if privacy:
         plots.append(plot_privacy(records, out))
-        plots.append(out / "privacy_ledger.json")
-    np.savetxt(out / "accuracy_matrix.csv", acc, delimiter=",", fmt="%.4f")
-    plots += plot_data.write_arrival_tables(out, records, acc, [t.corruption for t in partition.targets])
-    tracking.log_files(plots + [out / "accuracy_matrix.csv"], artifact_path="plots")
-    ckpt = _ckpt_dir(cfg, cell_name(acfg))
-    tracking.log_files([ckpt / "server_state.pt", ckpt / "server_state.sha256"], artifact_path="checkpoints")
-    from fedcore.tensors import to_tensor
+    return plots
 
-    example = to_tensor(partition.source_test_x[:2]).numpy()
-    model_uri = tracking.log_model(spec, res.final_state, example=example)
-    name = model_registry.model_name(cfg)
-    if name and model_registry.wanted(cfg, (acfg.method, acfg.aggregator, acfg.form, acfg.seed),
-                                      model_registry.configured_cell(cfg)):
-        metric = str(cfg.flow.champion_metric)
-        model_registry.register(
-            model_uri, name=name, run_id=mlflow.active_run().info.run_id, summary=summary_metrics(res.summary),
-            metric=metric, aliases=list(cfg.flow.get("aliases") or []),
-            description=model_registry.describe(
-                f"{acfg.method}+{acfg.aggregator} ({acfg.form}), seed {acfg.seed}, on {cfg.data.name}",
-                summary_metrics(res.summary), metric))
+
+def _log_experiment(cfg: DictConfig, acfg, res: ArrivalsResult, *, spec: ModelSpec, partition: Partition,
+                    arrivals: "tracking.BackgroundLog | None" = None) -> None:
+    """Everything about one finished experiment on the active MLflow run.
+
+    ``arrivals``: the log that took the arrivals as they came back, closed here (so that what it
+    still has to write overlaps the plots); without it the arrivals are logged here. The plots are
+    drawn in a child process (:class:`flows.runtime.InChild`) while this one writes the rest.
+    """
+    records, acc = res.records, res.acc_matrix
+    out = C.resolve_path(cfg.paths.results) / "cells" / cell_name(acfg)
+    out.mkdir(parents=True, exist_ok=True)
+    corruptions = [t.corruption for t in partition.targets]
+    drawing = runtime.InChild(_draw_plots, records, acc, corruptions, out,
+                              f"{acfg.method}+{acfg.aggregator} ({acfg.form})", bool(res.ledgers))
+    try:
+        if arrivals is not None:
+            arrivals.close()
+        else:
+            for rec in records:
+                tracking.log_arrival(rec)
+        mlflow.log_metrics(summary_metrics(res.summary))
+        files = []
+        if res.ledgers:
+            (out / "privacy_ledger.json").write_text(json.dumps(
+                ledger_document(delta=acfg.privacy_config().delta, clients=res.ledgers), indent=1) + "\n")
+            files.append(out / "privacy_ledger.json")
+        np.savetxt(out / "accuracy_matrix.csv", acc, delimiter=",", fmt="%.4f")
+        files += plot_data.write_arrival_tables(out, records, acc, corruptions)
+        ckpt = _ckpt_dir(cfg, cell_name(acfg))
+        tracking.log_files([ckpt / "server_state.pt", ckpt / "server_state.sha256"], artifact_path="checkpoints")
+        from fedcore.tensors import to_tensor
+
+        example = to_tensor(partition.source_test_x[:2]).numpy()
+        model_uri = tracking.log_model(spec, res.final_state, example=example)
+        name = model_registry.model_name(cfg)
+        if name and model_registry.wanted(cfg, (acfg.method, acfg.aggregator, acfg.form, acfg.seed),
+                                          model_registry.configured_cell(cfg)):
+            metric = str(cfg.flow.champion_metric)
+            model_registry.register(
+                model_uri, name=name, run_id=mlflow.active_run().info.run_id, summary=summary_metrics(res.summary),
+                metric=metric, aliases=list(cfg.flow.get("aliases") or []),
+                description=model_registry.describe(
+                    f"{acfg.method}+{acfg.aggregator} ({acfg.form}), seed {acfg.seed}, on {cfg.data.name}",
+                    summary_metrics(res.summary), metric))
+        plots = drawing.result()
+    finally:
+        drawing.cancel()
+    tracking.log_files(plots + files + [out / "accuracy_matrix.csv"], artifact_path="plots")
 
 
 def summary_metrics(summary: Mapping[str, float]) -> Dict[str, float]:
@@ -357,21 +378,21 @@ def arrival(cfg: DictConfig) -> ArrivalsResult:
                                    stop_after=cfg.flow.stop_after)
             passes.start()
             with _start_experiment_run(cfg, acfg, spec):
-                log = tracking.BackgroundArrivalLog()  # MLflow writes overlap the worker's next arrivals
+                # each arrival's numbers reach the run's charts as it comes back, beside the worker's next
+                log = tracking.BackgroundArrivalLog(runs_at_end=cfg.flow.arrival_runs == "at_end")
                 try:
                     task = arrival_pass_task.with_options(retries=int(cfg.flow.retries),
                                                           retry_delay_seconds=float(cfg.flow.retry_delay_seconds))
                     for p, first, end in passes.blocks():
                         task.with_options(task_run_name=f"pass-{p}-arrivals-{first:03d}-{end - 1:03d}").submit(
                             passes=passes, end=end).result()
+                    if passes.st.done < len(schedule):
+                        raise RunInterrupted(f"stopped after arrival {passes.st.done} as asked; resume to continue")
+                    res = arrivals_result(passes.st, schedule)
+                    _log_experiment(cfg, acfg, res, spec=spec, partition=partition, arrivals=log)
                 except BaseException:
-                    log.close(raise_errors=False)  # the run's own error is the one to report
+                    log.close(raise_errors=False)  # what it holds is written; the run's own error is the one to report
                     raise
-                log.close()
-                if passes.st.done < len(schedule):
-                    raise RunInterrupted(f"stopped after arrival {passes.st.done} as asked; resume to continue")
-                res = arrivals_result(passes.st, schedule)
-                _log_experiment(cfg, acfg, res, spec=spec, partition=partition, live=True)
         finally:
             if passes is not None:
                 passes.close()
@@ -424,7 +445,7 @@ def sweep(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> List[
             res = fut.result()
             acfg = acfgs[(res["method"], res["aggregator"], res["form"], res["seed"])]
             with _start_experiment_run(cfg, acfg, spec, started_ms=res["started_ms"]) as run:
-                _log_experiment(cfg, acfg, res["result"], spec=spec, partition=partition, live=False)
+                _log_experiment(cfg, acfg, res["result"], spec=spec, partition=partition)
                 mlflow.log_metric("run_seconds", res["seconds"])
             tracking.end_run_at(run.info.run_id, res["ended_ms"])
             s = res["result"].summary

@@ -428,3 +428,78 @@ def largest_node_cpus() -> int:
     import ray
 
     return int(max((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]), default=1)) or 1
+
+
+class InChild:
+    """``fn(*args)`` computed in a forked child process while this one goes on; :meth:`result` waits for it.
+
+    For work that keeps one core busy for a second while the driver has other things to do on the
+    other (the arrival flow's plots, drawn while it writes MLflow's nested runs and logs the
+    model). The child starts from a copy of this process, so nothing is imported or pickled to
+    start it, and its result comes back through a pipe. Where fork is not the platform's safe
+    default (anything but Linux), or the child fails, dies or takes longer than ``timeout``
+    seconds, :meth:`result` computes ``fn(*args)`` here instead, with a warning: only the overlap
+    is lost.
+    """
+
+    def __init__(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> None:
+        import multiprocessing
+        import sys
+
+        self._fn, self._args, self._timeout = fn, args, timeout
+        self._proc: Any = None
+        self._conn: Any = None
+        if not sys.platform.startswith("linux"):
+            return
+        ctx = multiprocessing.get_context("fork")
+        receive, send = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=_child_call, args=(send, fn, args), daemon=True,
+                                 name=f"fedcore-{getattr(fn, '__name__', 'call')}")
+        self._proc.start()
+        send.close()
+        self._conn = receive
+
+    def result(self) -> Any:
+        proc, conn, self._proc, self._conn = self._proc, self._conn, None, None
+        if proc is None:
+            return self._fn(*self._args)
+        why = f"took longer than {self._timeout:g} s"
+        try:
+            if conn.poll(self._timeout):
+                kind, value = conn.recv()
+                if kind == "ok":
+                    return value
+                why = f"failed:\n{value}"
+        except (EOFError, OSError):
+            why = "ended without a result"
+        finally:
+            conn.close()
+            _reap(proc)
+        log.warning("%s in a child process %s; computing it here instead", getattr(self._fn, "__name__", "a call"),
+                    why)
+        return self._fn(*self._args)
+
+    def cancel(self) -> None:
+        """Stop the child if it is still running (the caller gave up on its result)."""
+        proc, conn, self._proc, self._conn = self._proc, self._conn, None, None
+        if proc is not None:
+            conn.close()
+            _reap(proc)
+
+
+def _child_call(conn: Any, fn: Callable[..., Any], args: Tuple[Any, ...]) -> None:
+    import traceback
+
+    try:
+        conn.send(("ok", fn(*args)))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which computes it again
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def _reap(proc: Any) -> None:
+    proc.join(timeout=1.0)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()

@@ -165,15 +165,32 @@ def log_arrival(record: Mapping[str, Any], *, parent: "mlflow.entities.Run | Non
     Written with explicit run ids (one batch per run), so it may run on another thread than
     the one that started ``parent`` (default: the active run).
     """
-    from mlflow.entities import Metric
-    from mlflow.tracking.context import registry as context
-
     parent = parent or mlflow.active_run()
     client = client or mlflow.MlflowClient()
+    log_arrival_series(record, parent=parent, client=client)
+    log_arrival_run(record, parent=parent, client=client)
+
+
+def _arrival_metrics(record: Mapping[str, Any]) -> list:
+    from mlflow.entities import Metric
+
     step, now = int(record["arrival"]), int(time.time() * 1000)
-    metrics = [Metric(k, float(v), now, step) for k, v in record.items()
-               if isinstance(v, (int, float)) and k != "arrival"]
-    client.log_batch(parent.info.run_id, metrics=metrics)
+    return [Metric(k, float(v), now, step) for k, v in record.items()
+            if isinstance(v, (int, float)) and k != "arrival"]
+
+
+def log_arrival_series(record: Mapping[str, Any], *, parent: "mlflow.entities.Run",
+                       client: "mlflow.MlflowClient") -> None:
+    """One arrival's numbers on the parent run, step = arrival: the run's charts, one batch."""
+    client.log_batch(parent.info.run_id, metrics=_arrival_metrics(record))
+
+
+def log_arrival_run(record: Mapping[str, Any], *, parent: "mlflow.entities.Run",
+                    client: "mlflow.MlflowClient") -> None:
+    """One arrival's nested run ``arrival-<a>-<corruption>``: its client, pass and numbers."""
+    from mlflow.tracking.context import registry as context
+
+    step = int(record["arrival"])
     tags = {"client_id": str(record["client_id"]), "corruption": record["corruption"],
             "pass": str(record["pass"]), "arrival": str(step), "mlflow.parentRunId": parent.info.run_id}
     if "privacy_refused" in record:
@@ -181,7 +198,7 @@ def log_arrival(record: Mapping[str, Any], *, parent: "mlflow.entities.Run | Non
                            else "private update")
     child = client.create_run(parent.info.experiment_id, run_name=f"arrival-{step:03d}-{record['corruption']}",
                               tags=context.resolve_tags(tags))
-    client.log_batch(child.info.run_id, metrics=metrics)
+    client.log_batch(child.info.run_id, metrics=_arrival_metrics(record))
     client.set_terminated(child.info.run_id)
 
 
@@ -189,13 +206,18 @@ class BackgroundLog:
     """Logs records in order on one background thread, so the flow never waits on the tracking store.
 
     ``log_one(record, parent=..., client=...)`` writes one record (:func:`log_arrival`, or
-    :func:`log_round_record`) with explicit run ids. Call the object with each record;
-    :meth:`close` waits for the queue to drain and re-raises the first logging error (after the
-    flow's own checkpoint is safe, so nothing computed is lost).
+    :func:`log_round_record`) with explicit run ids. ``log_at_close``, if given, writes a second
+    part of every record, all of them when :meth:`close` is called (the arrival flow's nested runs:
+    see :func:`BackgroundArrivalLog`). Call the object with each record; :meth:`close` waits for
+    the queue to drain and re-raises the first logging error (after the flow's own checkpoint is
+    safe, so nothing computed is lost).
     """
 
-    def __init__(self, log_one: Callable[..., None], *, what: str = "a record") -> None:
-        self._log_one, self._what = log_one, what
+    def __init__(self, log_one: Callable[..., None], *, log_at_close: Callable[..., None] | None = None,
+                 what: str = "a record") -> None:
+        self._log_one, self._log_at_close, self._what = log_one, log_at_close, what
+        self._held: List[Mapping[str, Any]] = []
+        self._closed = False
         self._parent, self._client = mlflow.active_run(), mlflow.MlflowClient()
         self._queue: "queue.Queue[Mapping[str, Any] | None]" = queue.Queue()
         self._error: BaseException | None = None
@@ -204,16 +226,27 @@ class BackgroundLog:
 
     def _run(self) -> None:
         while (record := self._queue.get()) is not None:
-            if self._error is None:
-                try:
-                    self._log_one(record, parent=self._parent, client=self._client)
-                except BaseException as exc:  # noqa: BLE001 - kept and re-raised by close()
-                    self._error = exc
+            self._write(self._log_one, record)
+            if self._log_at_close is not None:
+                self._held.append(record)
+        for record in self._held:
+            self._write(self._log_at_close, record)
+
+    def _write(self, log: Callable[..., None], record: Mapping[str, Any]) -> None:
+        if self._error is None:
+            try:
+                log(record, parent=self._parent, client=self._client)
+            except BaseException as exc:  # noqa: BLE001 - kept and re-raised by close()
+                self._error = exc
 
     def __call__(self, record: Mapping[str, Any]) -> None:
         self._queue.put(dict(record))
 
     def close(self, *, raise_errors: bool = True) -> None:
+        """Write what is queued or held, then stop; a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         self._queue.put(None)
         self._thread.join()
         if self._error is not None:
@@ -222,7 +255,16 @@ class BackgroundLog:
             logging.getLogger(__name__).warning("logging %s to MLflow failed: %s", self._what, self._error)
 
 
-def BackgroundArrivalLog() -> BackgroundLog:  # noqa: N802 - the arrival flow's logger
+def BackgroundArrivalLog(*, runs_at_end: bool = True) -> BackgroundLog:  # noqa: N802 - the arrival flow's logger
+    """The arrival flow's logger: each arrival's numbers on the parent run as it comes back.
+
+    Its nested run is written then too with ``runs_at_end=False`` (``flow.arrival_runs=live``);
+    by default all the nested runs are written by :meth:`BackgroundLog.close`, once the worker has
+    finished (docs/performance.md: on 2 cores, about 10 ms of CPU per nested run while the worker
+    computes cost the flow more than the same writes after it).
+    """
+    if runs_at_end:
+        return BackgroundLog(log_arrival_series, log_at_close=log_arrival_run, what="an arrival")
     return BackgroundLog(log_arrival, what="an arrival")
 
 

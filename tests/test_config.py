@@ -76,6 +76,7 @@ def test_sweep_cell_takes_group_defaults():
     ("method.params.lr=-0.1", "lr must be > 0"),
     ("data.severity=7", "severity must be in 1..5"),
     ("data.stream_order=sorted", "valid values are: shuffled, class_sorted"),
+    ("flow.arrival_runs=later", r"flow.arrival_runs='later'; valid values are: at_end, live"),
     ("data.corruptions=[a,b,c,d,e,f,g,h,i,j,k,l,m,n,o,p]", "only 15 corruption domains"),
 ])
 def test_invalid_values_are_rejected(override, match):

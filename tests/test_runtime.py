@@ -94,6 +94,109 @@ def test_background_arrival_log_keeps_order_nesting_and_errors(tmp_path):
         mlflow.set_tracking_uri(before)
 
 
+@pytest.mark.parametrize("runs_at_end", [True, False])
+def test_arrival_runs_are_written_at_close_or_live(tmp_path, runs_at_end):
+    """flow.arrival_runs: the parent's per-arrival series is live either way; the nested runs wait for close()
+    by default (at_end), and are written as each arrival comes with live. What close() holds is written even
+    when the flow fails (close(raise_errors=False) on the error path)."""
+    import time
+
+    import mlflow
+
+    from flows.tracking import BackgroundArrivalLog
+
+    before = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlruns.db")
+    try:
+        mlflow.set_experiment("arrival-runs")
+        client = mlflow.MlflowClient()
+        with mlflow.start_run() as parent:
+            pid = parent.info.run_id
+
+            def children():
+                return client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{pid}'")
+
+            log = BackgroundArrivalLog(runs_at_end=runs_at_end)
+            for a in range(3):
+                log({"arrival": a, "client_id": a, "corruption": "fog", "pass": 0, "online_acc": a / 10})
+            deadline = time.monotonic() + 60
+            while (len(client.get_metric_history(pid, "online_acc")) < 3
+                   or (not runs_at_end and len(children()) < 3)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(client.get_metric_history(pid, "online_acc")) == 3  # live, both ways
+            assert len(children()) == (0 if runs_at_end else 3)
+            log.close(raise_errors=False)
+            log.close()  # a second close does nothing
+        got = children()
+        assert sorted(c.info.run_name for c in got) == [f"arrival-{a:03d}-fog" for a in range(3)]
+        assert all(c.info.status == "FINISHED" and c.data.metrics["online_acc"] == int(c.data.tags["arrival"]) / 10
+                   for c in got)
+    finally:
+        mlflow.set_tracking_uri(before)
+
+
+def _double(x):
+    import os
+
+    return x * 2, os.getpid()
+
+
+def _fails_in_a_child(parent_pid):
+    import os
+
+    if os.getpid() != parent_pid:
+        raise RuntimeError("only in the child")
+    return "here"
+
+
+def test_in_child_computes_elsewhere_and_falls_back_here(monkeypatch, caplog):
+    import os
+    import sys
+
+    from flows.runtime import InChild
+
+    value, pid = InChild(_double, 21).result()
+    assert value == 42 and pid != os.getpid()  # a child computed it
+    with caplog.at_level("WARNING", logger="flows.runtime"):
+        assert InChild(_fails_in_a_child, os.getpid()).result() == "here"  # the child failed: computed here
+    assert "RuntimeError: only in the child" in caplog.text and "computing it here instead" in caplog.text
+    monkeypatch.setattr(sys, "platform", "darwin")  # no fork there: computed here, at result()
+    assert InChild(_double, 1).result() == (2, os.getpid())
+
+
+def test_in_child_cancel_stops_a_child_still_running():
+    import time
+
+    from flows.runtime import InChild
+
+    call = InChild(time.sleep, 60)
+    proc = call._proc
+    assert proc.is_alive()
+    call.cancel()
+    assert not proc.is_alive()
+    call.cancel()  # again: nothing to stop
+
+
+def test_plots_drawn_in_a_child_are_the_bytes_drawn_here(tmp_path):
+    """The arrival flow draws its plots (DVC outputs of the adapt stages) in a child process: the files must be
+    the ones the same call writes in this process."""
+    import numpy as np
+
+    from flows.federation import _draw_plots
+    from flows.runtime import InChild
+
+    records = [{"arrival": a, "corruption": c, "online_acc": 0.5 + a / 20, "holdout_avg_seen": 0.6,
+                "source_acc": 0.9, "weight": 1 / (a + 1), "sigma": 0.3, "drift_step": 0.1, "drift_total": a / 10,
+                "eps_client_total": a / 4, "eps_budget_remaining": 8 - a / 4, "client_id": a % 3}
+               for a, c in enumerate(["fog", "snow", "frost", "fog", "snow", "frost"])]
+    acc = np.linspace(0, 1, 18).reshape(6, 3)
+    args = (records, acc, ["fog", "snow", "frost"])
+    here = _draw_plots(*args, tmp_path / "here", "t", True)
+    there = InChild(_draw_plots, *args, tmp_path / "there", "t", True).result()
+    assert [p.name for p in here] == [p.name for p in there] and len(here) == 5
+    assert all(p.read_bytes() == q.read_bytes() for p, q in zip(here, there))
+
+
 def test_a_ray_the_caller_started_is_left_running_and_ours_binds_loopback():
     """shutdown_ray() stops only the Ray that make_task_runner started; threads fit the largest node.
     A Ray started under loopback_ray() (as start_ray starts one) has its node and GCS on 127.0.0.1, and
