@@ -437,54 +437,74 @@ class InChild:
     other (the arrival flow's plots, drawn while it writes MLflow's nested runs and logs the
     model). The child starts from a copy of this process, so nothing is imported or pickled to
     start it, and its result comes back through a pipe. Where fork is not the platform's safe
-    default (anything but Linux), or the child fails, dies or takes longer than ``timeout``
-    seconds, :meth:`result` computes ``fn(*args)`` here instead, with a warning: only the overlap
-    is lost.
+    default (anything but Linux) or fails, or the child fails, dies or takes longer than
+    ``timeout`` seconds, :meth:`result` computes ``fn(*args)`` here instead, with a warning: only
+    the overlap is lost.
     """
 
-    def __init__(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> None:
+    def __init__(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0) -> None:
+        import gc
         import multiprocessing
         import sys
 
         self._fn, self._args, self._timeout = fn, args, timeout
         self._proc: Any = None
         self._conn: Any = None
+        self._done: Tuple[Any, ...] = ()
         if not sys.platform.startswith("linux"):
             return
         ctx = multiprocessing.get_context("fork")
         receive, send = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=_child_call, args=(send, fn, args), daemon=True,
-                                 name=f"fedcore-{getattr(fn, '__name__', 'call')}")
-        self._proc.start()
-        send.close()
-        self._conn = receive
+        proc = ctx.Process(target=_child_call, args=(send, fn, args), daemon=True,
+                           name=f"fedcore-{getattr(fn, '__name__', 'call')}")
+        # The child must not collect the driver's garbage: a destructor there (a Ray reference, a
+        # database connection) could wait on a lock that a thread of this process held at the fork.
+        gc.freeze()
+        try:
+            proc.start()
+        except OSError as exc:  # no memory or process slot for a child: computed here, at result()
+            receive.close()
+            log.warning("could not start a child process for %s (%s); it will be computed here",
+                        getattr(fn, "__name__", "a call"), exc)
+            return
+        finally:
+            gc.unfreeze()
+            send.close()
+        self._proc, self._conn = proc, receive
 
     def result(self) -> Any:
+        """The child's result (waiting for it), or ``fn(*args)`` computed here; the same value on every call."""
+        if self._done:
+            return self._done[0]
         proc, conn, self._proc, self._conn = self._proc, self._conn, None, None
-        if proc is None:
-            return self._fn(*self._args)
-        why = f"took longer than {self._timeout:g} s"
-        try:
-            if conn.poll(self._timeout):
-                kind, value = conn.recv()
-                if kind == "ok":
-                    return value
-                why = f"failed:\n{value}"
-        except (EOFError, OSError):
-            why = "ended without a result"
-        finally:
-            conn.close()
-            _reap(proc)
-        log.warning("%s in a child process %s; computing it here instead", getattr(self._fn, "__name__", "a call"),
-                    why)
-        return self._fn(*self._args)
+        if proc is not None:
+            why = f"took longer than {self._timeout:g} s"
+            try:
+                if conn.poll(self._timeout):
+                    kind, value = conn.recv()
+                    if kind == "ok":
+                        self._done = (value,)
+                        return value
+                    why = f"failed:\n{value}"
+            except Exception as exc:  # noqa: BLE001 - a child that died mid-send, or a result that does not unpickle
+                why = f"ended without a result ({type(exc).__name__})"
+            finally:
+                conn.close()
+                _reap(proc)
+            log.warning("%s in a child process %s; computing it here instead",
+                        getattr(self._fn, "__name__", "a call"), why)
+        value = self._fn(*self._args)
+        self._done = (value,)
+        return value
 
     def cancel(self) -> None:
         """Stop the child if it is still running (the caller gave up on its result)."""
         proc, conn, self._proc, self._conn = self._proc, self._conn, None, None
         if proc is not None:
             conn.close()
-            _reap(proc)
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
 
 
 def _child_call(conn: Any, fn: Callable[..., Any], args: Tuple[Any, ...]) -> None:

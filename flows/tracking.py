@@ -159,35 +159,38 @@ def lineage_tags(*, seed: int, prepared: Path | None, partition_dir: Path, reads
 
 
 def log_arrival(record: Mapping[str, Any], *, parent: "mlflow.entities.Run | None" = None,
-                client: "mlflow.MlflowClient | None" = None) -> None:
+                client: "mlflow.MlflowClient | None" = None, at_ms: int | None = None) -> None:
     """A nested run for one arrival, plus the same numbers on the parent with step = arrival.
 
     Written with explicit run ids (one batch per run), so it may run on another thread than
-    the one that started ``parent`` (default: the active run).
+    the one that started ``parent`` (default: the active run). ``at_ms``: when the arrival came
+    back (default: now), the metrics' timestamp and the nested run's time.
     """
     parent = parent or mlflow.active_run()
     client = client or mlflow.MlflowClient()
-    log_arrival_series(record, parent=parent, client=client)
-    log_arrival_run(record, parent=parent, client=client)
+    at_ms = int(time.time() * 1000) if at_ms is None else at_ms
+    log_arrival_series(record, parent=parent, client=client, at_ms=at_ms)
+    log_arrival_run(record, parent=parent, client=client, at_ms=at_ms)
 
 
-def _arrival_metrics(record: Mapping[str, Any]) -> list:
+def _arrival_metrics(record: Mapping[str, Any], at_ms: int | None) -> list:
     from mlflow.entities import Metric
 
-    step, now = int(record["arrival"]), int(time.time() * 1000)
-    return [Metric(k, float(v), now, step) for k, v in record.items()
+    step, at_ms = int(record["arrival"]), int(time.time() * 1000) if at_ms is None else at_ms
+    return [Metric(k, float(v), at_ms, step) for k, v in record.items()
             if isinstance(v, (int, float)) and k != "arrival"]
 
 
 def log_arrival_series(record: Mapping[str, Any], *, parent: "mlflow.entities.Run",
-                       client: "mlflow.MlflowClient") -> None:
+                       client: "mlflow.MlflowClient", at_ms: int | None = None) -> None:
     """One arrival's numbers on the parent run, step = arrival: the run's charts, one batch."""
-    client.log_batch(parent.info.run_id, metrics=_arrival_metrics(record))
+    client.log_batch(parent.info.run_id, metrics=_arrival_metrics(record, at_ms))
 
 
 def log_arrival_run(record: Mapping[str, Any], *, parent: "mlflow.entities.Run",
-                    client: "mlflow.MlflowClient") -> None:
-    """One arrival's nested run ``arrival-<a>-<corruption>``: its client, pass and numbers."""
+                    client: "mlflow.MlflowClient", at_ms: int | None = None) -> None:
+    """One arrival's nested run ``arrival-<a>-<corruption>``: its client, pass and numbers, timed
+    ``at_ms`` (when the arrival came back; default now) however late it is written."""
     from mlflow.tracking.context import registry as context
 
     step = int(record["arrival"])
@@ -196,59 +199,63 @@ def log_arrival_run(record: Mapping[str, Any], *, parent: "mlflow.entities.Run",
     if "privacy_refused" in record:
         tags["privacy"] = ("REFUSED: client budget spent, no update merged" if record["privacy_refused"]
                            else "private update")
-    child = client.create_run(parent.info.experiment_id, run_name=f"arrival-{step:03d}-{record['corruption']}",
-                              tags=context.resolve_tags(tags))
-    client.log_batch(child.info.run_id, metrics=_arrival_metrics(record))
-    client.set_terminated(child.info.run_id)
+    at_ms = int(time.time() * 1000) if at_ms is None else at_ms
+    child = client.create_run(parent.info.experiment_id, start_time=at_ms,
+                              run_name=f"arrival-{step:03d}-{record['corruption']}", tags=context.resolve_tags(tags))
+    client.log_batch(child.info.run_id, metrics=_arrival_metrics(record, at_ms))
+    client.set_terminated(child.info.run_id, end_time=at_ms)
 
 
 class BackgroundLog:
     """Logs records in order on one background thread, so the flow never waits on the tracking store.
 
-    ``log_one(record, parent=..., client=...)`` writes one record (:func:`log_arrival`, or
-    :func:`log_round_record`) with explicit run ids. ``log_at_close``, if given, writes a second
-    part of every record, all of them when :meth:`close` is called (the arrival flow's nested runs:
-    see :func:`BackgroundArrivalLog`). Call the object with each record; :meth:`close` waits for
-    the queue to drain and re-raises the first logging error (after the flow's own checkpoint is
-    safe, so nothing computed is lost).
+    ``log_one(record, parent=..., client=..., at_ms=...)`` writes one record (:func:`log_arrival`,
+    or :func:`log_round_record`) with explicit run ids, timed when the record was handed over.
+    ``log_at_close``, if given, writes a second part of every record, all of them when :meth:`close`
+    is called (the arrival flow's nested runs: see :func:`BackgroundArrivalLog`). Call the object
+    with each record; :meth:`close` waits for the queue to drain and re-raises the first logging
+    error (after the flow's own checkpoint is safe, so nothing computed is lost).
     """
 
     def __init__(self, log_one: Callable[..., None], *, log_at_close: Callable[..., None] | None = None,
                  what: str = "a record") -> None:
         self._log_one, self._log_at_close, self._what = log_one, log_at_close, what
-        self._held: List[Mapping[str, Any]] = []
-        self._closed = False
+        self._held: List[Tuple[Mapping[str, Any], int]] = []
+        self._stopping = self._reported = False
         self._parent, self._client = mlflow.active_run(), mlflow.MlflowClient()
-        self._queue: "queue.Queue[Mapping[str, Any] | None]" = queue.Queue()
+        self._queue: "queue.Queue[Tuple[Mapping[str, Any], int] | None]" = queue.Queue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="mlflow-records", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while (record := self._queue.get()) is not None:
-            self._write(self._log_one, record)
+        while (item := self._queue.get()) is not None:
+            self._write(self._log_one, *item)
             if self._log_at_close is not None:
-                self._held.append(record)
-        for record in self._held:
-            self._write(self._log_at_close, record)
+                self._held.append(item)
+        for item in self._held:
+            self._write(self._log_at_close, *item)
 
-    def _write(self, log: Callable[..., None], record: Mapping[str, Any]) -> None:
+    def _write(self, log: Callable[..., None], record: Mapping[str, Any], at_ms: int) -> None:
         if self._error is None:
             try:
-                log(record, parent=self._parent, client=self._client)
+                log(record, parent=self._parent, client=self._client, at_ms=at_ms)
             except BaseException as exc:  # noqa: BLE001 - kept and re-raised by close()
                 self._error = exc
 
     def __call__(self, record: Mapping[str, Any]) -> None:
-        self._queue.put(dict(record))
+        self._queue.put((dict(record), int(time.time() * 1000)))
 
     def close(self, *, raise_errors: bool = True) -> None:
-        """Write what is queued or held, then stop; a second call does nothing."""
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(None)
+        """Write what is queued or held, then stop. A second call only waits for the writes (if the
+        first was interrupted) and reports nothing again."""
+        if not self._stopping:
+            self._stopping = True
+            self._queue.put(None)
         self._thread.join()
+        if self._reported:
+            return
+        self._reported = True
         if self._error is not None:
             if raise_errors:
                 raise RuntimeError(f"logging {self._what} to MLflow failed: {self._error}") from self._error
@@ -273,7 +280,7 @@ def BackgroundRoundLog() -> BackgroundLog:  # noqa: N802 - the round flows' logg
 
 
 def log_round_record(record: Mapping[str, Any], *, parent: "mlflow.entities.Run | None" = None,
-                     client: "mlflow.MlflowClient | None" = None) -> None:
+                     client: "mlflow.MlflowClient | None" = None, at_ms: int | None = None) -> None:
     """One round: its metrics on the parent with step = round, and a nested run ``round-<r>`` that holds them.
 
     Explicit run ids, as :func:`log_arrival`: safe on another thread than the one that started ``parent``.
@@ -283,7 +290,7 @@ def log_round_record(record: Mapping[str, Any], *, parent: "mlflow.entities.Run 
 
     parent = parent or mlflow.active_run()
     client = client or mlflow.MlflowClient()
-    step, now = int(record["round"]), int(time.time() * 1000)
+    step, now = int(record["round"]), int(time.time() * 1000) if at_ms is None else at_ms
     metrics = [Metric(k, v, now, step) for k, v in round_metrics(record).items()]
     for i in range(0, len(metrics), 900):  # MLflow takes at most 1000 metrics per batch
         client.log_batch(parent.info.run_id, metrics=metrics[i:i + 900])

@@ -129,6 +129,9 @@ def test_arrival_runs_are_written_at_close_or_live(tmp_path, runs_at_end):
             log.close()  # a second close does nothing
         got = children()
         assert sorted(c.info.run_name for c in got) == [f"arrival-{a:03d}-fog" for a in range(3)]
+        # timed when each arrival came back, however late the nested run was written
+        when = {m.step: m.timestamp for m in client.get_metric_history(pid, "online_acc")}
+        assert all(c.info.start_time == c.info.end_time == when[int(c.data.tags["arrival"])] for c in got)
         assert all(c.info.status == "FINISHED" and c.data.metrics["online_acc"] == int(c.data.tags["arrival"]) / 10
                    for c in got)
     finally:
@@ -160,6 +163,20 @@ def test_in_child_computes_elsewhere_and_falls_back_here(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="flows.runtime"):
         assert InChild(_fails_in_a_child, os.getpid()).result() == "here"  # the child failed: computed here
     assert "RuntimeError: only in the child" in caplog.text and "computing it here instead" in caplog.text
+    call = InChild(_double, 5)
+    first = call.result()
+    assert call.result() == first and first[1] != os.getpid()  # asked twice: the child's value, not recomputed
+
+    import multiprocessing.process
+
+    def no_fork(self):
+        raise OSError(12, "Cannot allocate memory")
+
+    with monkeypatch.context() as m:
+        m.setattr(multiprocessing.process.BaseProcess, "start", no_fork)
+        with caplog.at_level("WARNING", logger="flows.runtime"):
+            assert InChild(_double, 3).result() == (6, os.getpid())  # no child could start: computed here
+    assert "could not start a child process for _double" in caplog.text
     monkeypatch.setattr(sys, "platform", "darwin")  # no fork there: computed here, at result()
     assert InChild(_double, 1).result() == (2, os.getpid())
 
