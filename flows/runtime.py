@@ -448,6 +448,7 @@ class InChild:
         import sys
 
         self._fn, self._args, self._timeout = fn, args, timeout
+        self._name = getattr(fn, "__name__", "a call")
         self._proc: Any = None
         self._conn: Any = None
         self._done: Tuple[Any, ...] = ()
@@ -456,7 +457,7 @@ class InChild:
         ctx = multiprocessing.get_context("fork")
         receive, send = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=_child_call, args=(send, fn, args), daemon=True,
-                           name=f"fedcore-{getattr(fn, '__name__', 'call')}")
+                           name=f"fedcore-{self._name}")
         # The child must not collect the driver's garbage: a destructor there (a Ray reference, a
         # database connection) could wait on a lock that a thread of this process held at the fork.
         gc.freeze()
@@ -464,8 +465,7 @@ class InChild:
             proc.start()
         except OSError as exc:  # no memory or process slot for a child: computed here, at result()
             receive.close()
-            log.warning("could not start a child process for %s (%s); it will be computed here",
-                        getattr(fn, "__name__", "a call"), exc)
+            log.warning("could not start a child process for %s (%s); it will be computed here", self._name, exc)
             return
         finally:
             gc.unfreeze()
@@ -491,8 +491,7 @@ class InChild:
             finally:
                 conn.close()
                 _reap(proc)
-            log.warning("%s in a child process %s; computing it here instead",
-                        getattr(self._fn, "__name__", "a call"), why)
+            log.warning("%s in a child process %s; computing it here instead", self._name, why)
         value = self._fn(*self._args)
         self._done = (value,)
         return value
@@ -502,9 +501,7 @@ class InChild:
         proc, conn, self._proc, self._conn = self._proc, self._conn, None, None
         if proc is not None:
             conn.close()
-            if proc.is_alive():
-                proc.kill()
-            proc.join()
+            _reap(proc, wait=0.0)
 
 
 def _child_call(conn: Any, fn: Callable[..., Any], args: Tuple[Any, ...]) -> None:
@@ -518,8 +515,9 @@ def _child_call(conn: Any, fn: Callable[..., Any], args: Tuple[Any, ...]) -> Non
         conn.close()
 
 
-def _reap(proc: Any) -> None:
-    proc.join(timeout=1.0)
+def _reap(proc: Any, *, wait: float = 1.0) -> None:
+    """Wait up to ``wait`` seconds for a child to end, then kill it."""
+    proc.join(timeout=wait)
     if proc.is_alive():
         proc.kill()
         proc.join()

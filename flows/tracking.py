@@ -168,15 +168,20 @@ def log_arrival(record: Mapping[str, Any], *, parent: "mlflow.entities.Run | Non
     """
     parent = parent or mlflow.active_run()
     client = client or mlflow.MlflowClient()
-    at_ms = int(time.time() * 1000) if at_ms is None else at_ms
+    at_ms = _ms(at_ms)
     log_arrival_series(record, parent=parent, client=client, at_ms=at_ms)
     log_arrival_run(record, parent=parent, client=client, at_ms=at_ms)
+
+
+def _ms(at_ms: int | None = None) -> int:
+    """``at_ms``, or now, in MLflow's milliseconds."""
+    return int(time.time() * 1000) if at_ms is None else at_ms
 
 
 def _arrival_metrics(record: Mapping[str, Any], at_ms: int | None) -> list:
     from mlflow.entities import Metric
 
-    step, at_ms = int(record["arrival"]), int(time.time() * 1000) if at_ms is None else at_ms
+    step, at_ms = int(record["arrival"]), _ms(at_ms)
     return [Metric(k, float(v), at_ms, step) for k, v in record.items()
             if isinstance(v, (int, float)) and k != "arrival"]
 
@@ -199,7 +204,7 @@ def log_arrival_run(record: Mapping[str, Any], *, parent: "mlflow.entities.Run",
     if "privacy_refused" in record:
         tags["privacy"] = ("REFUSED: client budget spent, no update merged" if record["privacy_refused"]
                            else "private update")
-    at_ms = int(time.time() * 1000) if at_ms is None else at_ms
+    at_ms = _ms(at_ms)
     child = client.create_run(parent.info.experiment_id, start_time=at_ms,
                               run_name=f"arrival-{step:03d}-{record['corruption']}", tags=context.resolve_tags(tags))
     client.log_batch(child.info.run_id, metrics=_arrival_metrics(record, at_ms))
@@ -244,7 +249,7 @@ class BackgroundLog:
                 self._error = exc
 
     def __call__(self, record: Mapping[str, Any]) -> None:
-        self._queue.put((dict(record), int(time.time() * 1000)))
+        self._queue.put((dict(record), _ms()))
 
     def close(self, *, raise_errors: bool = True) -> None:
         """Write what is queued or held, then stop. A second call only waits for the writes (if the
@@ -290,7 +295,7 @@ def log_round_record(record: Mapping[str, Any], *, parent: "mlflow.entities.Run 
 
     parent = parent or mlflow.active_run()
     client = client or mlflow.MlflowClient()
-    step, now = int(record["round"]), int(time.time() * 1000) if at_ms is None else at_ms
+    step, now = int(record["round"]), _ms(at_ms)
     metrics = [Metric(k, v, now, step) for k, v in round_metrics(record).items()]
     for i in range(0, len(metrics), 900):  # MLflow takes at most 1000 metrics per batch
         client.log_batch(parent.info.run_id, metrics=metrics[i:i + 900])
