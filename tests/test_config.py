@@ -122,6 +122,13 @@ def test_invalid_values_are_rejected(override, match):
     (["seed=null"], r"seed counts something .* it cannot be null"),
     (["sweep.methods=tent"], r"sweep.methods takes a list .* write sweep.methods=\[tent\]"),
     (["flow.progress=3"], r"flow.progress takes true or false"),
+    # a method's settings: a misspelling added with `+` (it used to fail only on the worker, in the
+    # first arrival), a setting of another method, and one that a variant's method does not take
+    (["+method.params.lrr=0.1"], r"method 'bpa' has no setting 'lrr'; its settings are: adapt_params, lr, "),
+    (["method=tent", "+method.params.sigma0=2"], r"method 'tent' has no setting 'sigma0'"),
+    (["method=bn", "+method.params.lr=0.1"], r"method 'bn' takes no settings"),
+    # a setting whose default is null, so the override's own check cannot know its kind
+    (["method=come", "method.params.prior_weight=abc"], r"setting prior_weight='abc' is a str; it takes float or null"),
 ])
 def test_bad_settings_fail_at_composition_naming_the_key(overrides, match):
     with pytest.raises(ValueError, match=match):
@@ -146,6 +153,20 @@ def test_params_file_refuses_a_group_choice_and_an_unknown_key():
         C.load(C.PARAMS, ["flow.num_cpu=2"])
     with pytest.raises(ValueError, match=r"pretrain.rounds=abc: pretrain.rounds takes a number"):
         C.load(C.PARAMS, ["pretrain.rounds=abc"])
+
+
+def test_a_params_file_with_a_bad_method_setting_fails_before_any_work(tmp_path):
+    """What `dvc exp run -S method.params.lr=abc` (or a hand edit) leaves in params.yaml: DVC writes the
+    value without our override checks, so the config's own validation must name it."""
+    text = C.PARAMS.read_text()
+    assert "\n  params:\n    optimizer: sgd\n    lr: 0.01\n" in text
+    for bad, match in (("lr: abc", r"setting lr='abc' is a str; it takes float"),
+                       ("lr: 0.01\n    lrr: 0.1", r"method 'bpa' has no setting 'lrr'")):
+        f = tmp_path / "params.yaml"
+        f.write_text(text.replace("\n  params:\n    optimizer: sgd\n    lr: 0.01\n",
+                                  f"\n  params:\n    optimizer: sgd\n    {bad}\n", 1))
+        with pytest.raises(ValueError, match=match):
+            C.validate(C.load(f))
 
 
 def test_unknown_sweep_cell_lists_valid_names():

@@ -12,6 +12,8 @@ def timeless(records):
 
 def cfg(**kw):
     base = dict(method="bpa", method_params={"lr": 0.01}, aggregator="ugsa", passes=2, batch_size=32, seed=0)
+    if kw.get("method") in ("source", "bn"):  # they take no settings
+        base["method_params"] = {}
     base.update(kw)
     return ArrivalConfig(**base)
 
@@ -85,6 +87,16 @@ def test_forgetting_golden():
     (dict(method="cotta"), "valid names are: bn, bpa, come, deyo, eata, sar, source, tent"),
     (dict(aggregator="fedprox"), "valid names are: fedavg, none, sequential, ugsa"),
     (dict(method_params={"lr": -1.0}), "lr must be > 0"),
+    # a misspelt or foreign setting, or a wrong kind of value, fails when the config is built,
+    # not on a worker when the method is (it used to pass here and fail in the first arrival)
+    (dict(method_params={"lr": 0.01, "lrr": 0.1}), r"method 'bpa' has no setting 'lrr'; its settings are: "
+                                                   r"adapt_params, lr, momentum, optimizer, precision_mode, sigma0, steps"),
+    (dict(method="tent", method_params={"lr": 0.01, "sigma0": 2.0}), "method 'tent' has no setting 'sigma0'"),
+    (dict(method="bn", method_params={"lr": 0.01}), "method 'bn' takes no settings"),
+    (dict(method_params={"lr": "0.01"}), r"setting lr='0.01' is a str; it takes float"),
+    (dict(method_params={"lr": 0.01, "steps": 1.5}), r"setting steps=1.5 is a float; it takes int"),
+    (dict(method_params={"lr": 0.01, "steps": True}), r"setting steps=True is a bool; it takes int"),
+    (dict(method_params={"lr": None}), r"setting lr=None is a NoneType; it takes float"),
     (dict(aggregator_params={"gamma": -0.5}), "gamma must be >= 0"),
     (dict(aggregator_params={"beta": -0.5}), "beta must be >= 0"),
     (dict(passes=0), "passes must be >= 1"),
@@ -92,6 +104,31 @@ def test_forgetting_golden():
 def test_bad_arrival_config(kw, match):
     with pytest.raises(ValueError, match=match):
         cfg(**kw)
+
+
+@pytest.mark.parametrize("method,params", [
+    ("come", {"lr": 0.01, "prior_weight": None}),  # float | None: null is a setting
+    ("come", {"lr": 0.01, "prior_weight": 3}),  # an int where a float is taken
+    ("eata", {"lr": 0.01, "fisher_size": 64, "d_margin": 0.4}),
+    ("source", {}),
+])
+def test_method_settings_accepted(method, params):
+    assert cfg(method=method, method_params=params).method_params == params
+
+
+def test_every_configured_method_setting_is_accepted():
+    """conf/method/*.yaml holds only settings the methods take, of the kinds they take."""
+    from omegaconf import OmegaConf
+
+    from fedcore.adapt import check_method_settings, method_settings
+    from flows.config import ROOT
+
+    files = sorted((ROOT / "conf" / "method").glob("*.yaml"))
+    assert len(files) == 8
+    for f in files:
+        m = OmegaConf.to_container(OmegaConf.load(f))
+        check_method_settings(m["name"], m["params"])
+        assert set(m["params"]) <= set(method_settings(m["name"]))
 
 
 def test_order_naming_missing_client(tiny):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from typing import Any, Dict, Mapping
 
 import torch
 from torch import nn
@@ -142,11 +143,69 @@ def method_class(name: str) -> type:
     return METHOD_CLASSES[name]
 
 
+# What the engine hands a method when it builds one, never a configured setting.
+_SUPPLIED = frozenset({"self", "cls", "model", "num_classes", "privacy", "source_x", "params", "private", "clip",
+                       "fisher"})
+
+
+def method_settings(name: str) -> Dict[str, inspect.Parameter]:
+    """The settings ``method.params`` may hold for method ``name``, each with its annotation and default.
+
+    The same names that building the method accepts (:func:`_gradient_method` and the method's
+    own arguments), so that a misspelt or foreign setting fails when the config is read, not on
+    a worker after the services have started.
+    """
+    factory = METHODS.get(name)
+    fns = [factory] + ([_gradient_method, METHOD_CLASSES[name].__init__] if name in GRADIENT_METHODS else [])
+    out: Dict[str, inspect.Parameter] = {}
+    for fn in fns:
+        for p in inspect.signature(fn, eval_str=True).parameters.values():
+            if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name not in _SUPPLIED:
+                out.setdefault(p.name, p)
+    return out
+
+
+def _kind_ok(value, annotation) -> bool:
+    """``value`` fits ``annotation`` (float, int, str, bool, or one of them or None); other annotations pass."""
+    kinds = set(getattr(annotation, "__args__", (annotation,)))
+    if value is None:
+        return type(None) in kinds
+    if isinstance(value, bool):
+        return bool in kinds
+    if isinstance(value, int) and (int in kinds or float in kinds):
+        return True
+    if isinstance(value, float) and float in kinds:
+        return True
+    if isinstance(value, str) and str in kinds:
+        return True
+    return not kinds & {float, int, str, bool}
+
+
+def check_method_settings(name: str, settings: Mapping[str, Any]) -> None:
+    """Every key of ``settings`` is a setting of method ``name``, of the kind it takes; else a ValueError
+    that lists the valid settings (or names the expected kind) and how to set one."""
+    valid = method_settings(name)
+    unknown = sorted(set(settings) - set(valid))
+    if unknown and not valid:
+        raise ValueError(f"method {name!r} takes no settings, so method.params must be empty; got "
+                         f"{', '.join(map(repr, unknown))}")
+    if unknown:
+        raise ValueError(f"method {name!r} has no setting {', '.join(map(repr, unknown))}; its settings are: "
+                         f"{', '.join(sorted(valid))} (set one with method.params.<setting>=..., not "
+                         "+method.params.<setting>=..., which adds a new key and so accepts a misspelling)")
+    for key, value in settings.items():
+        ann = valid[key].annotation
+        if ann is not inspect.Parameter.empty and not _kind_ok(value, ann):
+            want = " or ".join(getattr(t, "__name__", str(t)) for t in getattr(ann, "__args__", (ann,)))
+            raise ValueError(f"method {name!r} setting {key}={value!r} is a {type(value).__name__}; it takes "
+                             f"{want.replace('NoneType', 'null')}")
+
+
 def create_method(name: str, model: nn.Module, **hparams) -> TTAMethod:
     """Wrap ``model`` (modified in place) with the named method and its hyper-parameters."""
     return METHODS.create(name, model=model, **hparams)
 
 
-__all__ = ["METHODS", "METHOD_CLASSES", "method_class", "create_method", "TTAMethod", "GradientMethod", "Tent", "BPA", "EATA", "SAR", "DeYO", "COME",
+__all__ = ["METHODS", "METHOD_CLASSES", "method_class", "create_method", "method_settings", "check_method_settings", "TTAMethod", "GradientMethod", "Tent", "BPA", "EATA", "SAR", "DeYO", "COME",
            "GRADIENT_METHODS", "NEEDS_SOURCE", "opinion_entropy", "shuffle_patches", "fisher_information", "Source", "BatchNormAdapt", "softmax_entropy",
            "prior_precision", "USES_BATCH_STATS", "PRECISION_MODES", "configure_norm_adaptation", "collect_norm_params"]

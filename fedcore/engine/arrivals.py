@@ -19,7 +19,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedcore.adapt import GRADIENT_METHODS, METHODS, USES_BATCH_STATS, create_method, method_class, softmax_entropy
+from fedcore.adapt import (GRADIENT_METHODS, METHODS, USES_BATCH_STATS, check_method_settings, create_method, method_class,
+                           softmax_entropy)
 from fedcore.aggregate import MergeHistory, State, advance, create_aggregator, l2_distance
 from fedcore.data.partition import Partition, TargetClient, order_stream
 from fedcore.engine.checkpoint import CheckpointError, RunInterrupted, load_state, save_state
@@ -51,6 +52,7 @@ class ArrivalConfig:
 
     def __post_init__(self) -> None:
         METHODS.get(self.method)  # unknown names fail here, listing the valid ones
+        check_method_settings(self.method, self.method_params)  # and misspelt settings, or a wrong kind of value
         pcfg = self.privacy_config()
         if pcfg.mode != "off" and self.method not in GRADIENT_METHODS:
             raise ValueError(f"privacy mode {pcfg.mode!r} privatises gradient updates, and method {self.method!r} "
