@@ -90,6 +90,7 @@ def without_mlflow(F, tracking, model_registry):
     patches = [(F, "_start_experiment_run", lambda *a, **kw: contextlib.nullcontext()),
                (tracking, "setup", lambda *a, **kw: None), (tracking, "log_arrival", lambda *a, **kw: None),
                (tracking, "log_arrival_series", lambda *a, **kw: None),
+               (tracking, "log_arrival_series_batch", lambda *a, **kw: None),
                (tracking, "log_arrival_run", lambda *a, **kw: None),
                (tracking, "log_files", lambda *a, **kw: None), (tracking, "log_model", lambda *a, **kw: "models:/x"),
                (mlflow, "log_metrics", lambda *a, **kw: None), (model_registry, "model_name", lambda cfg: None)]

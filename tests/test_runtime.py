@@ -94,6 +94,44 @@ def test_background_arrival_log_keeps_order_nesting_and_errors(tmp_path):
         mlflow.set_tracking_uri(before)
 
 
+def test_background_log_batches_records_that_come_close_together():
+    """A record is written at once after a quiet spell; those that follow within ``every`` seconds wait and
+    go in one batch, in order, each with the time it was handed over."""
+    import time
+
+    from flows.tracking import BackgroundLog
+
+    calls = []
+    log = BackgroundLog(lambda rec, at_ms, **kw: calls.append([(rec["i"], at_ms)]),
+                        log_batch=lambda items, **kw: calls.append([(r["i"], at) for r, at in items]), every=1.5)
+
+    def written(n, within):
+        deadline = time.monotonic() + within
+        while len(calls) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return len(calls) >= n
+
+    try:
+        log({"i": 0})
+        assert written(1, within=1.0)  # the first at once
+        handed = []
+        for i in range(1, 5):
+            log({"i": i})
+            handed.append(int(time.time() * 1000))
+        assert not written(2, within=0.5)  # the rest wait for the interval ...
+        assert written(2, within=5.0)
+        assert [i for i, _ in calls[1]] == [1, 2, 3, 4]  # ... and go together, in order,
+        assert all(abs(at - h) <= 50 for (_, at), h in zip(calls[1], handed))  # timed when handed over
+        time.sleep(1.6)
+        t = time.monotonic()
+        log({"i": 5})
+        assert written(3, within=5.0) and time.monotonic() - t < 1.0  # after a quiet spell, at once again
+        assert calls[2][0][0] == 5
+    finally:
+        log.close()
+    assert [i for c in calls for i, _ in c] == [0, 1, 2, 3, 4, 5]
+
+
 @pytest.mark.parametrize("runs_at_end", [True, False])
 def test_arrival_runs_are_written_at_close_or_live(tmp_path, runs_at_end):
     """flow.arrival_runs: the parent's per-arrival series is live either way; the nested runs wait for close()
