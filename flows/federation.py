@@ -254,7 +254,8 @@ class ArrivalPasses:
 
     Every arrival still to run (up to ``flow.stop_after``) runs on one Ray worker as one generator
     (:func:`flows.worker.arrival_pass`), started by :meth:`start` as soon as the state is known, so
-    that the worker computes while the driver opens its MLflow run and Prefect tasks. The worker
+    that the worker computes while Prefect creates the flow run and the flow opens its MLflow run
+    and Prefect tasks. The worker
     holds the data and the model between arrivals and sends each arrival's state back as it is
     done. A block (a pass over the clients) is one Prefect task that takes its arrivals from that
     stream (:meth:`run`); the worker does not wait between blocks. Each state is checkpointed and
@@ -265,7 +266,8 @@ class ArrivalPasses:
     """
 
     def __init__(self, st: ServerState, *, partition: Partition, spec: ModelSpec, acfg, checkpoint_dir: Path,
-                 threads: int, num_gpus: float, on_arrival: Callable[[Dict[str, Any], ServerState, Any], None],
+                 threads: int, num_gpus: float,
+                 on_arrival: Callable[[Dict[str, Any], ServerState, Any], None] | None,
                  faults: Mapping[str, Any] | None = None, max_restarts: int = 3, stop_after: int | None = None
                  ) -> None:
         self.st, self.spec, self.acfg, self.checkpoint_dir = st, spec, acfg, checkpoint_dir
@@ -345,73 +347,81 @@ def arrival(cfg: DictConfig) -> ArrivalsResult:
     model_registry.check(cfg)
     check_checkpoints(arrival_checkpoints(cfg), resume=bool(cfg.flow.resume))  # likewise
     params = ui.arrival_parameters(cfg)
-
+    acfg = C.arrival_config(cfg)
+    ckpt = _ckpt_dir(cfg, cell_name(acfg))
+    schedule = acfg.schedule(len(partition.targets))
+    st = initial_state(source, acfg, checkpoint_dir=ckpt, resume=bool(cfg.flow.resume))
     # one worker runs every arrival, in sequence: warming a second would take a core from the first
-    @flow(name="sequential-arrival", task_runner=_driver_runner(cfg, warm_workers=1), log_prints=True,
-          flow_run_name=lambda: run_label(params["method"], params["aggregator"], params["privacy"], params["seed"]))
-    def sequential_arrival(variant: str | None, system: str | None, data: str, model: str, method: str,
-                           aggregator: str, privacy: str, seed: int, resume: bool,
-                           config: Dict[str, str]) -> ArrivalsResult:  # the parameters are for the UI
-        acfg = C.arrival_config(cfg)
-        ckpt = _ckpt_dir(cfg, cell_name(acfg))
-        schedule = acfg.schedule(len(partition.targets))
-        tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
-        st = initial_state(source, acfg, checkpoint_dir=ckpt, resume=bool(cfg.flow.resume))
-        bar = None
-        if cfg.flow.progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(desc=f"{acfg.method}+{acfg.aggregator} arrivals", unit="client", initial=st.done,
-                       total=len(schedule))
-
-        def on_arrival(record, st, _):
-            logger = get_run_logger()  # the pass task's: the UI shows each arrival under its pass
-            if record.get("privacy_refused"):
-                logger.warning("arrival %d: client %d refused a private update: its budget of epsilon=%g is spent "
-                               "(%.3f used); it predicted with the global model, which stays as it was",
-                               record["arrival"], record["client_id"], acfg.privacy_config().budget,
-                               record["eps_client_total"])
-            logger.info("arrival %d (%s): online %.3f, hold-out(seen) %.3f, w=%.3f", record["arrival"],
-                        record["corruption"], record["online_acc"], record["holdout_avg_seen"], record["weight"])
-            log(record)
-            if bar is not None:
-                bar.update(1)
-
-        # Arrivals are sequential: the worker running them may use every CPU of a node. Their stream
-        # starts before the MLflow run is set up, so that the two overlap.
-        passes = None
-        try:
-            passes = ArrivalPasses(st, partition=partition, spec=spec, acfg=acfg, checkpoint_dir=ckpt,
-                                   threads=min(int(cfg.flow.num_cpus), runtime.largest_node_cpus()),
-                                   num_gpus=_gpus(cfg), on_arrival=on_arrival, faults=_faults(cfg, ckpt),
-                                   stop_after=cfg.flow.stop_after)
-            passes.start()
-            with _start_experiment_run(cfg, acfg, spec):
-                # each arrival's numbers reach the run's charts as it comes back, beside the worker's next
-                log = tracking.BackgroundArrivalLog(runs_at_end=cfg.flow.get("arrival_runs", "at_end") == "at_end")
-                try:
-                    task = arrival_pass_task.with_options(retries=int(cfg.flow.retries),
-                                                          retry_delay_seconds=float(cfg.flow.retry_delay_seconds))
-                    for p, first, end in passes.blocks():
-                        task.with_options(task_run_name=f"pass-{p}-arrivals-{first:03d}-{end - 1:03d}").submit(
-                            passes=passes, end=end).result()
-                    if passes.st.done < len(schedule):
-                        raise RunInterrupted(f"stopped after arrival {passes.st.done} as asked; resume to continue")
-                    res = arrivals_result(passes.st, schedule)
-                    _log_experiment(cfg, acfg, res, spec=spec, partition=partition, arrivals=log)
-                except BaseException:
-                    log.close(raise_errors=False)  # what it holds is written; the run's own error is the one to report
-                    raise
-        finally:
-            if passes is not None:
-                passes.close()
-            if bar is not None:
-                bar.close()
-        return res
-
+    runner = _driver_runner(cfg, warm_workers=1)  # starts Ray, or joins it
+    passes = None
     try:
+        # Arrivals are sequential: the worker running them may use every CPU of a node. Their stream
+        # starts here, so that the worker computes while Prefect creates the flow run and the flow
+        # opens its MLflow run; the flow's pass tasks take the arrivals from it.
+        passes = ArrivalPasses(st, partition=partition, spec=spec, acfg=acfg, checkpoint_dir=ckpt,
+                               threads=min(int(cfg.flow.num_cpus), runtime.largest_node_cpus()),
+                               num_gpus=_gpus(cfg), on_arrival=None, faults=_faults(cfg, ckpt),
+                               stop_after=cfg.flow.stop_after)
+        passes.start()
+
+        @flow(name="sequential-arrival", task_runner=runner, log_prints=True,
+              flow_run_name=lambda: run_label(params["method"], params["aggregator"], params["privacy"],
+                                              params["seed"]))
+        def sequential_arrival(variant: str | None, system: str | None, data: str, model: str, method: str,
+                               aggregator: str, privacy: str, seed: int, resume: bool,
+                               config: Dict[str, str]) -> ArrivalsResult:  # the parameters are for the UI
+            tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
+            bar = None
+            if cfg.flow.progress:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(desc=f"{acfg.method}+{acfg.aggregator} arrivals", unit="client", initial=passes.st.done,
+                           total=len(schedule))
+
+            def on_arrival(record, st, _):
+                logger = get_run_logger()  # the pass task's: the UI shows each arrival under its pass
+                if record.get("privacy_refused"):
+                    logger.warning("arrival %d: client %d refused a private update: its budget of epsilon=%g is "
+                                   "spent (%.3f used); it predicted with the global model, which stays as it was",
+                                   record["arrival"], record["client_id"], acfg.privacy_config().budget,
+                                   record["eps_client_total"])
+                logger.info("arrival %d (%s): online %.3f, hold-out(seen) %.3f, w=%.3f", record["arrival"],
+                            record["corruption"], record["online_acc"], record["holdout_avg_seen"], record["weight"])
+                log(record)
+                if bar is not None:
+                    bar.update(1)
+
+            passes.on_arrival = on_arrival
+            try:
+                with _start_experiment_run(cfg, acfg, spec):
+                    # each arrival's numbers reach the run's charts as it comes back, beside the worker's next
+                    log = tracking.BackgroundArrivalLog(
+                        runs_at_end=cfg.flow.get("arrival_runs", "at_end") == "at_end")
+                    try:
+                        task = arrival_pass_task.with_options(retries=int(cfg.flow.retries),
+                                                              retry_delay_seconds=float(cfg.flow.retry_delay_seconds))
+                        for p, first, end in passes.blocks():
+                            task.with_options(task_run_name=f"pass-{p}-arrivals-{first:03d}-{end - 1:03d}").submit(
+                                passes=passes, end=end).result()
+                        if passes.st.done < len(schedule):
+                            raise RunInterrupted(f"stopped after arrival {passes.st.done} as asked; "
+                                                 "resume to continue")
+                        res = arrivals_result(passes.st, schedule)
+                        _log_experiment(cfg, acfg, res, spec=spec, partition=partition, arrivals=log)
+                    except BaseException:
+                        # what it holds is written; the run's own error is the one to report
+                        log.close(raise_errors=False)
+                        raise
+            finally:
+                passes.close()
+                if bar is not None:
+                    bar.close()
+            return res
+
         return sequential_arrival(**params)
     finally:
+        if passes is not None:
+            passes.close()  # also when the flow could not start
         runtime.shutdown_ray()
 
 

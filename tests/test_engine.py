@@ -89,8 +89,9 @@ def test_forgetting_golden():
     (dict(method_params={"lr": -1.0}), "lr must be > 0"),
     # a misspelt or foreign setting, or a wrong kind of value, fails when the config is built,
     # not on a worker when the method is (it used to pass here and fail in the first arrival)
-    (dict(method_params={"lr": 0.01, "lrr": 0.1}), r"method 'bpa' has no setting 'lrr'; its settings are: "
-                                                   r"adapt_params, lr, momentum, optimizer, precision_mode, sigma0, steps"),
+    (dict(method_params={"lr": 0.01, "lrr": 0.1}),
+     r"method 'bpa' has no setting 'lrr'; its settings are: adapt_params, lr, momentum, optimizer, precision_mode, "
+     r"sigma0, steps"),
     (dict(method="tent", method_params={"lr": 0.01, "sigma0": 2.0}), "method 'tent' has no setting 'sigma0'"),
     (dict(method="bn", method_params={"lr": 0.01}), "method 'bn' takes no settings"),
     (dict(method_params={"lr": "0.01"}), r"setting lr='0.01' is a str; it takes float"),

@@ -51,14 +51,20 @@ def count_streams(monkeypatch) -> list:
 
 
 def test_arrival_flow_logs_lineage_metrics_artifacts_and_model(tiny, monkeypatch):
+    from prefect.context import FlowRunContext
+
     cfg = cfg_for(tiny, "flow.experiment=arrival-test")
     streams = count_streams(monkeypatch)
+    in_flow_run, real_start = [], F.ArrivalPasses.start
+    monkeypatch.setattr(F.ArrivalPasses, "start",
+                        lambda self: in_flow_run.append(FlowRunContext.get() is not None) or real_start(self))
     reads, real_hashes = [], tracking.dvc_lock_hashes
     monkeypatch.setattr(tracking, "dvc_lock_hashes", lambda paths, **kw: reads.extend(paths) or real_hashes(paths, **kw))
     res = F.arrival(cfg)
     # the lineage names the data, the partition and the source model the run read
     assert {F.prepared_path(cfg), F.partition_dir(cfg), F.source_model_path(cfg)} <= set(reads)
     assert streams == [0]  # one worker runs both passes: it does not stop at a pass's end
+    assert in_flow_run[0] is False  # it starts while Prefect creates the flow run
     A = len(res.records)
     client, parents = runs_of(cfg, "bpa+ugsa-s0")
     run = parents[0]
@@ -111,6 +117,27 @@ def test_arrival_flow_logs_lineage_metrics_artifacts_and_model(tiny, monkeypatch
                    and msg.startswith(f"arrival {r['arrival']} (") for task, level, msg in logs), r["arrival"]
     [link] = prefect_artifacts(flow_run.id)
     assert link.type == "markdown" and run.info.run_id in link.data and "mlflow ui --backend-store-uri" in link.data
+
+
+def test_the_arrivals_stream_is_stopped_when_the_flow_cannot_start(tiny, monkeypatch):
+    """The worker starts on the arrivals before Prefect has created the flow run; if that fails (an
+    unreachable API, say), the stream is cancelled, not left computing."""
+    from prefect.flows import Flow
+
+    from flows import runtime
+
+    cfg = cfg_for(tiny, "flow.experiment=no-start")
+    streams = count_streams(monkeypatch)
+    cancelled, real_cancel = [], runtime.ray_cancel
+    monkeypatch.setattr(runtime, "ray_cancel", lambda refs: cancelled.extend(refs) or real_cancel(refs))
+
+    def unreachable(self, *a, **kw):
+        raise RuntimeError("the Prefect API is unreachable")
+
+    monkeypatch.setattr(Flow, "__call__", unreachable)
+    with pytest.raises(RuntimeError, match="unreachable"):
+        F.arrival(cfg)
+    assert streams == [0] and len(cancelled) == 1
 
 
 def test_failed_and_killed_client_tasks_are_rerun_and_metrics_unchanged(tiny, monkeypatch):

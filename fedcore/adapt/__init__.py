@@ -206,6 +206,7 @@ def create_method(name: str, model: nn.Module, **hparams) -> TTAMethod:
     return METHODS.create(name, model=model, **hparams)
 
 
-__all__ = ["METHODS", "METHOD_CLASSES", "method_class", "create_method", "method_settings", "check_method_settings", "TTAMethod", "GradientMethod", "Tent", "BPA", "EATA", "SAR", "DeYO", "COME",
+__all__ = ["METHODS", "METHOD_CLASSES", "method_class", "create_method", "method_settings", "check_method_settings",
+           "TTAMethod", "GradientMethod", "Tent", "BPA", "EATA", "SAR", "DeYO", "COME",
            "GRADIENT_METHODS", "NEEDS_SOURCE", "opinion_entropy", "shuffle_patches", "fisher_information", "Source", "BatchNormAdapt", "softmax_entropy",
            "prior_precision", "USES_BATCH_STATS", "PRECISION_MODES", "configure_norm_adaptation", "collect_norm_params"]

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedcore.adapt import (GRADIENT_METHODS, METHODS, USES_BATCH_STATS, check_method_settings, create_method, method_class,
-                           softmax_entropy)
+from fedcore.adapt import (GRADIENT_METHODS, METHODS, USES_BATCH_STATS, check_method_settings, create_method,
+                           method_class, softmax_entropy)
 from fedcore.aggregate import MergeHistory, State, advance, create_aggregator, l2_distance
 from fedcore.data.partition import Partition, TargetClient, order_stream
 from fedcore.engine.checkpoint import CheckpointError, RunInterrupted, load_state, save_state
