@@ -94,16 +94,24 @@ def test_background_arrival_log_keeps_order_nesting_and_errors(tmp_path):
         mlflow.set_tracking_uri(before)
 
 
-def test_background_log_batches_records_that_come_close_together():
+def test_background_log_batches_records_that_come_close_together(tmp_path):
     """A record is written at once after a quiet spell; those that follow within ``every`` seconds wait and
     go in one batch, in order, each with the time it was handed over."""
     import time
 
+    import mlflow
+
     from flows.tracking import BackgroundLog
 
+    # the log opens a client on the tracking URI: a store of this test's, not MLflow's default ./mlflow.db
+    before = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlruns.db")
     calls = []
-    log = BackgroundLog(lambda rec, at_ms, **kw: calls.append([(rec["i"], at_ms)]),
-                        log_batch=lambda items, **kw: calls.append([(r["i"], at) for r, at in items]), every=1.5)
+    try:
+        log = BackgroundLog(lambda rec, at_ms, **kw: calls.append([(rec["i"], at_ms)]),
+                            log_batch=lambda items, **kw: calls.append([(r["i"], at) for r, at in items]), every=1.5)
+    finally:
+        mlflow.set_tracking_uri(before)
 
     def written(n, within):
         deadline = time.monotonic() + within
