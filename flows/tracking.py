@@ -280,19 +280,19 @@ class BackgroundLog:
 
     def _write_pending(self, pending: List[Tuple[Mapping[str, Any], int]]) -> None:
         if self._log_batch is not None and len(pending) > 1:
-            if self._error is None:
-                try:
-                    self._log_batch(pending, parent=self._parent, client=self._client)
-                except BaseException as exc:  # noqa: BLE001 - kept and re-raised by close()
-                    self._error = exc
+            self._guarded(self._log_batch, pending)
             return
         for item in pending:
             self._write(self._log_one, *item)
 
     def _write(self, log: Callable[..., None], record: Mapping[str, Any], at_ms: int) -> None:
+        self._guarded(log, record, at_ms=at_ms)
+
+    def _guarded(self, log: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        """``log(*args, parent=..., client=..., **kwargs)`` unless an earlier write failed; its error is kept."""
         if self._error is None:
             try:
-                log(record, parent=self._parent, client=self._client, at_ms=at_ms)
+                log(*args, parent=self._parent, client=self._client, **kwargs)
             except BaseException as exc:  # noqa: BLE001 - kept and re-raised by close()
                 self._error = exc
 
