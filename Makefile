@@ -120,4 +120,4 @@ bench: setup
 	$(BIN)/python benchmarks/ppfcil.py
 
 clean:
-	rm -rf data/prepared data/partitions data/domains models models_group results checkpoints mlruns mlruns.db
+	rm -rf data/prepared data/partitions data/domains models models_group results checkpoints mlruns mlruns.db mlruns.db-wal mlruns.db-shm

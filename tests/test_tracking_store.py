@@ -109,6 +109,39 @@ def test_a_read_only_example_is_logged_without_torchs_non_writable_warning(tmp_p
     assert not example.flags.writeable
 
 
+def test_a_local_store_is_put_in_write_ahead_log_mode_and_a_held_one_is_left_as_it_is(tmp_path):
+    import sqlite3
+
+    def mode(db: Path) -> str:
+        with sqlite3.connect(db) as con:
+            return con.execute("PRAGMA journal_mode").fetchone()[0]
+
+    # a new store, created by MLflow in setup(), ends in WAL mode and takes runs as before
+    tracking.setup(f"sqlite:///{tmp_path}/mlruns.db", "wal-test")
+    assert mode(tmp_path / "mlruns.db") == "wal"
+    with mlflow.start_run() as run:
+        mlflow.log_metric("m", 1.0)
+    reader = MlflowClient(f"sqlite:///{tmp_path}/mlruns.db")
+    assert reader.get_run(run.info.run_id).data.metrics == {"m": 1.0}
+    assert tracking.write_ahead_log(f"sqlite:///{tmp_path}/mlruns.db") == "wal"  # a second call changes nothing
+
+    # a store that another connection holds is left in its mode, without an error
+    held = tmp_path / "held.db"
+    with sqlite3.connect(held) as con:
+        con.execute("CREATE TABLE t (x)")
+    holder = sqlite3.connect(held, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        assert tracking.write_ahead_log(f"sqlite:///{held}", timeout=0.05) == ""
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert mode(held) == "delete"
+    assert tracking.write_ahead_log(f"sqlite:///{held}") == "wal"
+    assert tracking.write_ahead_log(f"sqlite:///{tmp_path}/absent.db") == ""
+    assert not (tmp_path / "absent.db").exists()
+
+
 def test_the_ui_server_resolves_the_store_from_its_backend_uri(tmp_path, monkeypatch):
     monkeypatch.setattr(mlflow, "get_tracking_uri", lambda: "http://127.0.0.1:1")
     monkeypatch.setenv("_MLFLOW_SERVER_FILE_STORE", f"sqlite:///{tmp_path}/mlruns.db")
