@@ -68,9 +68,8 @@ def write_ahead_log(uri: str, *, timeout: float = 5.0) -> str:
 
     SQLite's default journal creates, syncs and deletes a file at every commit, and MLflow commits
     once per call: three times for an arrival's nested run. In WAL mode a commit appends to one
-    log, and readers (``mlflow ui``, another flow) do not block the writer. 30 nested runs took
-    0.30 CPU-s alone and 0.23 in WAL mode; in a warm arrival flow, writing them while the plots
-    were drawn took 0.28–0.33 s instead of 0.60–0.72 s (docs/performance.md, session 33).
+    log, and readers (``mlflow ui``, another flow) do not block the writer. Alone, 30 nested runs
+    took 0.25–0.33 CPU-s, and 0.21–0.24 in WAL mode (docs/performance.md, session 33).
     SQLite keeps the mode in the file, so this changes a store once. The recent commits live in
     ``mlruns.db-wal`` until SQLite folds them in (at the latest when the last connection closes):
     copy the project when no flow is writing to it, or copy that file with it. A store that
