@@ -8,7 +8,6 @@ driver process, never on a worker.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -25,7 +24,7 @@ from prefect.futures import as_completed
 from fedcore.data import Partition
 from fedcore.engine import (ArrivalsResult, ModelSpec, RunInterrupted, ServerState, arrivals_result, initial_state,
                             run_rounds, save_state, source_round_data)
-from fedcore.evaluate.plots import arrival_figures, plot_privacy
+from fedcore.evaluate.plots import plot_arrivals, plot_privacy
 from fedcore.privacy.ledger import ledger_document
 from flows import config as C
 from flows import model_registry, plot_data, runtime, tracking, ui
@@ -136,13 +135,12 @@ def pretrain(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> Pa
         runtime.shutdown_ray()
 
 
-def _plot_calls(records: List[Dict[str, Any]], acc: np.ndarray, corruptions: List[str], out: Path, title: str,
-                privacy: bool) -> List[Callable[[], Path]]:
-    """An experiment's plots, one call per file (:func:`fedcore.evaluate.plots.arrival_figures`)."""
-    calls = arrival_figures(records, acc, corruptions, out, title=title)
+def _draw_plots(records: List[Dict[str, Any]], acc: np.ndarray, corruptions: List[str], out: Path, title: str,
+                privacy: bool) -> List[Path]:
+    plots = plot_arrivals(records, acc, corruptions, out, title=title)
     if privacy:
-        calls.append(functools.partial(plot_privacy, records, out))
-    return calls
+        plots.append(plot_privacy(records, out))
+    return plots
 
 
 def _log_experiment(cfg: DictConfig, acfg, res: ArrivalsResult, *, spec: ModelSpec, partition: Partition,
@@ -151,8 +149,7 @@ def _log_experiment(cfg: DictConfig, acfg, res: ArrivalsResult, *, spec: ModelSp
 
     ``arrivals``: the log that took the arrivals as they came back, closed here (so that what it
     still has to write overlaps the plots); without it the arrivals are logged here. The plots are
-    drawn by a child process while this one writes the rest, and this one draws those left when it
-    is done (:class:`flows.runtime.SharedWork`).
+    drawn in a child process (:class:`flows.runtime.InChild`) while this one writes the rest.
     """
     records, acc = res.records, res.acc_matrix
     out = C.resolve_path(cfg.paths.results) / "cells" / cell_name(acfg)
@@ -161,9 +158,8 @@ def _log_experiment(cfg: DictConfig, acfg, res: ArrivalsResult, *, spec: ModelSp
     from fedcore.evaluate.plots import _plt
 
     _plt()  # pyplot imported once per process, here, rather than by every child (about 0.4 s each)
-    drawing = runtime.SharedWork(_plot_calls(records, acc, corruptions, out,
-                                             f"{acfg.method}+{acfg.aggregator} ({acfg.form})", bool(res.ledgers)),
-                                 name="the plots")
+    drawing = runtime.InChild(_draw_plots, records, acc, corruptions, out,
+                              f"{acfg.method}+{acfg.aggregator} ({acfg.form})", bool(res.ledgers))
     try:
         if arrivals is not None:
             arrivals.close()
@@ -199,9 +195,10 @@ def _log_experiment(cfg: DictConfig, acfg, res: ArrivalsResult, *, spec: ModelSp
         # the plots are still finished (no half-written PNG among the stage's outputs) and kept on the
         # run if they can be; the error that stopped the logging is the one reported
         with contextlib.suppress(Exception):
-            tracking.log_files(drawing.results(), artifact_path="plots")
+            tracking.log_files(drawing.result(), artifact_path="plots")
+        drawing.cancel()
         raise
-    tracking.log_files(drawing.results(), artifact_path="plots")
+    tracking.log_files(drawing.result(), artifact_path="plots")
 
 
 def summary_metrics(summary: Mapping[str, float]) -> Dict[str, float]:

@@ -16,9 +16,8 @@ import logging
 import os
 import socket
 import threading
-import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 log = logging.getLogger(__name__)
 _SERVER = None
@@ -431,131 +430,87 @@ def largest_node_cpus() -> int:
     return int(max((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]), default=1)) or 1
 
 
-class SharedWork:
-    """Independent calls, each computed once, by a forked child process and by this one together.
+class InChild:
+    """``fn(*args)`` computed in a forked child process while this one goes on; :meth:`result` waits for it.
 
-    For work that keeps a core busy for about a second while the driver has other things to do on
-    the other: the arrival flow's plots, drawn while it writes MLflow's nested runs and logs the
-    model. The child starts from a copy of this process, so nothing is imported or pickled to start
-    it. It takes the calls from the front, one at a time, and sends each result back through a pipe
-    as soon as it has it. :meth:`results` takes the calls still left from the back and computes them
-    here, then waits for the child's: whichever process finishes its own work first shares the rest.
-    Where fork is not the platform's safe default (anything but Linux) or fails, or the child fails a
-    call, dies or takes longer than ``timeout`` seconds, the calls it did not return are computed
-    here, with a warning: only the overlap is lost.
+    For work that keeps one core busy for a second while the driver has other things to do on the
+    other (the arrival flow's plots, drawn while it writes MLflow's nested runs and logs the
+    model). The child starts from a copy of this process, so nothing is imported or pickled to
+    start it, and its result comes back through a pipe. Where fork is not the platform's safe
+    default (anything but Linux) or fails, or the child fails, dies or takes longer than
+    ``timeout`` seconds, :meth:`result` computes ``fn(*args)`` here instead, with a warning: only
+    the overlap is lost.
     """
 
-    def __init__(self, calls: Sequence[Callable[[], Any]], *, name: str = "calls", timeout: float = 60.0) -> None:
+    def __init__(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0) -> None:
         import gc
         import multiprocessing
         import sys
 
-        self._calls, self._name, self._timeout = list(calls), name, timeout
+        self._fn, self._args, self._timeout = fn, args, timeout
+        self._name = getattr(fn, "__name__", "a call")
         self._proc: Any = None
         self._conn: Any = None
-        self._bounds: Any = None
-        self._done: List[Any] | None = None
-        if not sys.platform.startswith("linux") or not self._calls:
+        self._done: Tuple[Any, ...] = ()
+        if not sys.platform.startswith("linux"):
             return
         ctx = multiprocessing.get_context("fork")
-        bounds = ctx.Array("i", [0, len(self._calls)])  # [the child's next call, the end of those left]
         receive, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_child_calls, args=(send, self._calls, bounds), daemon=True,
-                           name=f"fedcore-{name}")
+        proc = ctx.Process(target=_child_call, args=(send, fn, args), daemon=True,
+                           name=f"fedcore-{self._name}")
         # The child must not collect the driver's garbage: a destructor there (a Ray reference, a
         # database connection) could wait on a lock that a thread of this process held at the fork.
         gc.freeze()
         try:
             proc.start()
-        except OSError as exc:  # no memory or process slot for a child: computed here, at results()
+        except OSError as exc:  # no memory or process slot for a child: computed here, at result()
             receive.close()
-            log.warning("could not start a child process for %s (%s); they will be computed here", name, exc)
+            log.warning("could not start a child process for %s (%s); it will be computed here", self._name, exc)
             return
         finally:
             gc.unfreeze()
             send.close()
-        self._proc, self._conn, self._bounds = proc, receive, bounds
+        self._proc, self._conn = proc, receive
 
-    def results(self) -> List[Any]:
-        """Every call's result, in the calls' order (waiting for the child's); the same list on every call."""
-        if self._done is not None:
-            return self._done
-        proc, conn, bounds, self._proc, self._conn, self._bounds = self._proc, self._conn, self._bounds, None, None, None
-        out: Dict[int, Any] = {}
-        try:
-            while bounds is not None and (i := _claim(bounds, from_back=True)) is not None:
-                out[i] = self._calls[i]()
-        except BaseException:
-            if proc is not None:
-                conn.close()
-                _reap(proc, wait=0.0)
-            raise
-        why = self._collect(proc, conn, out) if proc is not None else ""
-        if why:
-            log.warning("%s in a child process %s; computing what it did not return here instead", self._name, why)
-        for i, call in enumerate(self._calls):
-            if i not in out:
-                out[i] = call()
-        self._done = [out[i] for i in range(len(self._calls))]
-        return self._done
-
-    def _collect(self, proc: Any, conn: Any, out: Dict[int, Any]) -> str:
-        """The child's results into ``out``; why some are missing ("" if none is)."""
-        why, deadline = "", time.monotonic() + self._timeout
-        try:
-            while True:
-                if not conn.poll(max(0.0, deadline - time.monotonic())):
-                    return f"took longer than {self._timeout:g} s"
-                kind, i, value = conn.recv()
-                if kind == "done":
-                    return why
-                if kind == "ok":
-                    out[i] = value
-                else:
+    def result(self) -> Any:
+        """The child's result (waiting for it), or ``fn(*args)`` computed here; the same value on every call."""
+        if self._done:
+            return self._done[0]
+        proc, conn, self._proc, self._conn = self._proc, self._conn, None, None
+        if proc is not None:
+            why = f"took longer than {self._timeout:g} s"
+            try:
+                if conn.poll(self._timeout):
+                    kind, value = conn.recv()
+                    if kind == "ok":
+                        self._done = (value,)
+                        return value
                     why = f"failed:\n{value}"
-        except Exception as exc:  # noqa: BLE001 - a child that died mid-send, or a result that does not unpickle
-            return f"ended without all its results ({type(exc).__name__})"
-        finally:
-            conn.close()
-            _reap(proc)
+            except Exception as exc:  # noqa: BLE001 - a child that died mid-send, or a result that does not unpickle
+                why = f"ended without a result ({type(exc).__name__})"
+            finally:
+                conn.close()
+                _reap(proc)
+            log.warning("%s in a child process %s; computing it here instead", self._name, why)
+        value = self._fn(*self._args)
+        self._done = (value,)
+        return value
 
     def cancel(self) -> None:
-        """Stop the child if it is still running (the caller gave up on the results)."""
-        proc, conn, self._proc, self._conn, self._bounds = self._proc, self._conn, None, None, None
+        """Stop the child if it is still running (the caller gave up on its result)."""
+        proc, conn, self._proc, self._conn = self._proc, self._conn, None, None
         if proc is not None:
             conn.close()
             _reap(proc, wait=0.0)
 
 
-def _claim(bounds: Any, *, from_back: bool) -> int | None:
-    """The index of the next call nobody has taken (the child's from the front, this process's from the
-    back), or None when none is left. A lock not had within 5 s (its holder died holding it) ends the
-    taking: the calls left are then computed by :meth:`SharedWork.results` as missing."""
-    lock = bounds.get_lock()
-    if not lock.acquire(timeout=5.0):
-        return None
-    try:
-        if bounds[0] >= bounds[1]:
-            return None
-        if from_back:
-            bounds[1] -= 1
-            return bounds[1]
-        bounds[0] += 1
-        return bounds[0] - 1
-    finally:
-        lock.release()
-
-
-def _child_calls(conn: Any, calls: Sequence[Callable[[], Any]], bounds: Any) -> None:
+def _child_call(conn: Any, fn: Callable[..., Any], args: Tuple[Any, ...]) -> None:
     import traceback
 
     try:
-        while (i := _claim(bounds, from_back=False)) is not None:
-            try:
-                conn.send(("ok", i, calls[i]()))
-            except BaseException:  # noqa: BLE001 - reported to the parent, which computes it again
-                conn.send(("error", i, traceback.format_exc()))
-        conn.send(("done", -1, None))
+        conn.send(("ok", fn(*args)))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which computes it again
+        conn.send(("error", traceback.format_exc()))
     finally:
         conn.close()
 

@@ -184,50 +184,13 @@ def test_arrival_runs_are_written_at_close_or_live(tmp_path, runs_at_end):
         mlflow.set_tracking_uri(before)
 
 
-def _pid_after(marker, seconds: float = 0.0):
-    """A call for SharedWork: writes ``marker`` when it starts (so a test can wait until the child
-    holds it), sleeps, and returns the pid that computed it."""
-    import os
-    import time
-
-    def call():
-        if marker is not None:
-            marker.write_text("started")
-        time.sleep(seconds)
-        return os.getpid()
-    return call
-
-
-def _wait_for(path, timeout: float = 30.0) -> None:
-    import time
-
-    end = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < end, f"{path} never appeared"
-        time.sleep(0.01)
-
-
-def test_shared_work_splits_the_calls_between_a_child_and_this_process(tmp_path):
+def _double(x):
     import os
 
-    from flows.runtime import SharedWork
-
-    # Arrange: the child holds the first call (a slow one) before this process asks for the results
-    calls = [_pid_after(tmp_path / "first", 1.0)] + [_pid_after(None) for _ in range(4)]
-    work = SharedWork(calls)
-    _wait_for(tmp_path / "first")
-
-    # Execute
-    pids = work.results()
-
-    # Assert: each call computed once, in its place; the child had the first, this process took the
-    # rest while the child was busy; asked again, the same list
-    assert len(pids) == 5 and pids[0] != os.getpid()
-    assert pids[1:] == [os.getpid()] * 4
-    assert work.results() is pids
+    return x * 2, os.getpid()
 
 
-def _fails_in_a_child(parent_pid: int) -> str:
+def _fails_in_a_child(parent_pid):
     import os
 
     if os.getpid() != parent_pid:
@@ -235,32 +198,20 @@ def _fails_in_a_child(parent_pid: int) -> str:
     return "here"
 
 
-def test_shared_work_computes_here_what_the_child_did_not_return(monkeypatch, caplog, tmp_path):
-    import functools
+def test_in_child_computes_elsewhere_and_falls_back_here(monkeypatch, caplog):
     import os
     import sys
 
-    from flows.runtime import SharedWork
+    from flows.runtime import InChild
 
-    # a call that fails in the child: computed here, with a warning that shows the child's error
-    work = SharedWork([functools.partial(_fails_in_a_child, os.getpid()), _pid_after(tmp_path / "second", 0.5)])
-    _wait_for(tmp_path / "second")  # the child has done the first and holds the second
+    value, pid = InChild(_double, 21).result()
+    assert value == 42 and pid != os.getpid()  # a child computed it
     with caplog.at_level("WARNING", logger="flows.runtime"):
-        got = work.results()
-    assert got[0] == "here" and got[1] != os.getpid()
-    assert "RuntimeError: only in the child" in caplog.text and "computing what it did not return here" in caplog.text
-
-    # a child killed while it holds a call: that call is computed here
-    import signal
-
-    here = os.getpid()
-    work = SharedWork([lambda: _pid_after(tmp_path / "killed", 60.0 if os.getpid() != here else 0.0)()])
-    _wait_for(tmp_path / "killed")
-    os.kill(work._proc.pid, signal.SIGKILL)
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="flows.runtime"):
-        assert work.results() == [os.getpid()]
-    assert "ended without all its results" in caplog.text
+        assert InChild(_fails_in_a_child, os.getpid()).result() == "here"  # the child failed: computed here
+    assert "RuntimeError: only in the child" in caplog.text and "computing it here instead" in caplog.text
+    call = InChild(_double, 5)
+    first = call.result()
+    assert call.result() == first and first[1] != os.getpid()  # asked twice: the child's value, not recomputed
 
     import multiprocessing.process
 
@@ -270,31 +221,32 @@ def test_shared_work_computes_here_what_the_child_did_not_return(monkeypatch, ca
     with monkeypatch.context() as m:
         m.setattr(multiprocessing.process.BaseProcess, "start", no_fork)
         with caplog.at_level("WARNING", logger="flows.runtime"):
-            assert SharedWork([_pid_after(None)], name="two calls").results() == [os.getpid()]
-    assert "could not start a child process for two calls" in caplog.text
-    monkeypatch.setattr(sys, "platform", "darwin")  # no fork there: computed here, at results()
-    assert SharedWork([_pid_after(None), _pid_after(None)]).results() == [os.getpid()] * 2
+            assert InChild(_double, 3).result() == (6, os.getpid())  # no child could start: computed here
+    assert "could not start a child process for _double" in caplog.text
+    monkeypatch.setattr(sys, "platform", "darwin")  # no fork there: computed here, at result()
+    assert InChild(_double, 1).result() == (2, os.getpid())
 
 
-def test_shared_work_cancel_stops_a_child_still_running(tmp_path):
-    from flows.runtime import SharedWork
+def test_in_child_cancel_stops_a_child_still_running():
+    import time
 
-    work = SharedWork([_pid_after(tmp_path / "m", 60.0)])
-    proc = work._proc
-    _wait_for(tmp_path / "m")
+    from flows.runtime import InChild
+
+    call = InChild(time.sleep, 60)
+    proc = call._proc
     assert proc.is_alive()
-    work.cancel()
+    call.cancel()
     assert not proc.is_alive()
-    work.cancel()  # again: nothing to stop
+    call.cancel()  # again: nothing to stop
 
 
-def test_plots_shared_with_a_child_are_the_bytes_drawn_here(tmp_path):
-    """The arrival flow shares its plots (DVC outputs of the adapt stages) between a child process and
-    its own: the files must be the ones the same calls write in this process alone."""
+def test_plots_drawn_in_a_child_are_the_bytes_drawn_here(tmp_path):
+    """The arrival flow draws its plots (DVC outputs of the adapt stages) in a child process: the files must be
+    the ones the same call writes in this process."""
     import numpy as np
 
-    from flows.federation import _plot_calls
-    from flows.runtime import SharedWork
+    from flows.federation import _draw_plots
+    from flows.runtime import InChild
 
     records = [{"arrival": a, "corruption": c, "online_acc": 0.5 + a / 20, "holdout_avg_seen": 0.6,
                 "source_acc": 0.9, "weight": 1 / (a + 1), "sigma": 0.3, "drift_step": 0.1, "drift_total": a / 10,
@@ -302,8 +254,8 @@ def test_plots_shared_with_a_child_are_the_bytes_drawn_here(tmp_path):
                for a, c in enumerate(["fog", "snow", "frost", "fog", "snow", "frost"])]
     acc = np.linspace(0, 1, 18).reshape(6, 3)
     args = (records, acc, ["fog", "snow", "frost"])
-    here = [draw() for draw in _plot_calls(*args, tmp_path / "here", "t", True)]
-    there = SharedWork(_plot_calls(*args, tmp_path / "there", "t", True)).results()
+    here = _draw_plots(*args, tmp_path / "here", "t", True)
+    there = InChild(_draw_plots, *args, tmp_path / "there", "t", True).result()
     assert [p.name for p in here] == [p.name for p in there] and len(here) == 5
     assert all(p.read_bytes() == q.read_bytes() for p, q in zip(here, there))
 

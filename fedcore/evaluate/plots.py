@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -25,26 +24,17 @@ def save(fig, path: Path) -> Path:
     return path
 
 
-def arrival_figures(records: List[Dict], acc_matrix: np.ndarray, corruptions: Sequence[str], folder: str | Path,
-                    *, title: str = "") -> List[Callable[[], Path]]:
-    """An arrival experiment's figures (online accuracy per arrival, the accuracy matrix's heatmap, weight
-    drift, gate weights and sigma), one call each, that draws one file and returns its path. They are
-    independent: any order, any process (the arrival flow shares them with a child process)."""
+def plot_arrivals(records: List[Dict], acc_matrix: np.ndarray, corruptions: Sequence[str], folder: str | Path,
+                  *, title: str = "") -> List[Path]:
+    """online accuracy per arrival, accuracy-matrix heatmap, weight drift, gate weights and sigma."""
+    plt = _plt()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    return [functools.partial(_online_accuracy, records, folder, title),
-            functools.partial(_accuracy_matrix, records, acc_matrix, corruptions, folder, title),
-            functools.partial(_weight_drift, records, folder, title),
-            functools.partial(_gate_weights, records, folder, title)]
+    a = [r["arrival"] for r in records]
+    labels = [f"{r['arrival']}:{r['corruption'][:10]}" for r in records]
+    paths = []
 
-
-def _arrival_axis(records: List[Dict]) -> Tuple[List[int], List[str]]:
-    return [r["arrival"] for r in records], [f"{r['arrival']}:{r['corruption'][:10]}" for r in records]
-
-
-def _online_accuracy(records: List[Dict], folder: Path, title: str) -> Path:
-    a, labels = _arrival_axis(records)
-    fig, ax = _plt().subplots(figsize=(max(6, len(a) * 0.28), 3.6))
+    fig, ax = plt.subplots(figsize=(max(6, len(a) * 0.28), 3.6))
     ax.plot(a, [r["online_acc"] for r in records], "o-", label="online (stream)")
     ax.plot(a, [r["holdout_avg_seen"] for r in records], "s--", label="global, mean hold-out of seen")
     ax.plot(a, [r["source_acc"] for r in records], "^:", label="global, clean source test")
@@ -53,13 +43,9 @@ def _online_accuracy(records: List[Dict], folder: Path, title: str) -> Path:
     ax.set_ylabel("accuracy")
     ax.set_title(f"{title} accuracy per arrival")
     ax.legend(fontsize=7)
-    return save(fig, folder / "online_accuracy.png")
+    paths.append(save(fig, folder / "online_accuracy.png"))
 
-
-def _accuracy_matrix(records: List[Dict], acc_matrix: np.ndarray, corruptions: Sequence[str], folder: Path,
-                     title: str) -> Path:
-    a, labels = _arrival_axis(records)
-    fig, ax = _plt().subplots(figsize=(max(4, len(corruptions) * 0.6), max(3, len(a) * 0.2)))
+    fig, ax = plt.subplots(figsize=(max(4, len(corruptions) * 0.6), max(3, len(a) * 0.2)))
     im = ax.imshow(acc_matrix, vmin=0, vmax=1, cmap="viridis", aspect="auto")
     ax.set_xticks(range(len(corruptions)), [c[:12] for c in corruptions], rotation=60, fontsize=7)
     ax.set_yticks(a, labels, fontsize=6)
@@ -67,24 +53,18 @@ def _accuracy_matrix(records: List[Dict], acc_matrix: np.ndarray, corruptions: S
     ax.set_ylabel("global model after arrival")
     fig.colorbar(im, ax=ax, label="accuracy")
     ax.set_title(f"{title} accuracy matrix", fontsize=9)
-    return save(fig, folder / "accuracy_matrix.png")
+    paths.append(save(fig, folder / "accuracy_matrix.png"))
 
-
-def _weight_drift(records: List[Dict], folder: Path, title: str) -> Path:
-    a, _ = _arrival_axis(records)
-    fig, ax = _plt().subplots(figsize=(6, 3.2))
+    fig, ax = plt.subplots(figsize=(6, 3.2))
     ax.plot(a, [r["drift_step"] for r in records], "o-", label=r"$\|\theta_G^{(k)}-\theta_G^{(k-1)}\|$")
     ax.plot(a, [r["drift_total"] for r in records], "s-", label=r"$\|\theta_G^{(k)}-\theta_G^{(0)}\|$")
     ax.set_xlabel("arrival")
     ax.set_ylabel("L2 distance (parameters)")
     ax.set_title(f"{title} weight drift")
     ax.legend(fontsize=8)
-    return save(fig, folder / "weight_drift.png")
+    paths.append(save(fig, folder / "weight_drift.png"))
 
-
-def _gate_weights(records: List[Dict], folder: Path, title: str) -> Path:
-    a, _ = _arrival_axis(records)
-    fig, ax1 = _plt().subplots(figsize=(6, 3.2))
+    fig, ax1 = plt.subplots(figsize=(6, 3.2))
     ax1.bar(a, [r["weight"] for r in records], color="tab:blue", alpha=0.6, label="merge weight w_k")
     ax1.set_xlabel("arrival")
     ax1.set_ylabel("w_k", color="tab:blue")
@@ -93,7 +73,8 @@ def _gate_weights(records: List[Dict], folder: Path, title: str) -> Path:
              label="sigma_k (entropy)")  # a refused client reports none
     ax2.set_ylabel("sigma_k (nats)", color="tab:red")
     ax1.set_title(f"{title} gate weights")
-    return save(fig, folder / "gate_weights.png")
+    paths.append(save(fig, folder / "gate_weights.png"))
+    return paths
 
 
 def plot_privacy(records: List[Dict], folder: str | Path) -> Path:
