@@ -3,6 +3,7 @@
     python benchmarks/overhead.py [hydra overrides...]
     python benchmarks/overhead.py --cifar     # the CIFAR-10-C variant (`dvc repro pretrain@cifar10` first)
     python benchmarks/overhead.py --pairs=20  # more back-to-back triples (default 5) for a tighter median
+    python benchmarks/overhead.py --cold=8    # only the cold flow, once in each of 8 fresh processes
 
 Needs the default experiment's inputs (`make run` or `dvc repro pretrain@mnist`). Prints wall time
 and peak resident memory (driver plus every Ray/Prefect process it spawned) of each, and the
@@ -126,6 +127,35 @@ class Stopwatch:
 
 PAIRS = 5
 TARGET_WARM = 1.15
+TARGET_COLD = 1.6
+COLD_ONCE = "--cold-once"  # internal: one cold flow in this process, its figures as a JSON line
+
+
+def cold_runs(n: int, overrides: list[str]) -> None:
+    """``n`` cold flows, each in a fresh process that starts its own Prefect server and Ray, as a nightly
+    run on an idle machine would; a process gives one cold flow, so the cold row of one run is one sample."""
+    import json
+    import subprocess
+
+    runs = []
+    for i in range(n):
+        proc = subprocess.run([sys.executable, __file__, COLD_ONCE, *overrides], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"cold run {i + 1} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        run = json.loads(proc.stdout.strip().splitlines()[-1])
+        runs.append(run)
+        print(f"cold run {i + 1}/{n}: plain loop {run['plain']:.1f} s, flow {run['wall']:.1f} s, ratio "
+              f"{run['wall'] / run['plain']:.2f}; start-up {run['start']:.1f} s, all fixed {run['fixed']:.1f} s, "
+              f"after them {(run['wall'] - run['fixed']) / run['plain']:.2f}; final logging {run['final']:.1f} s",
+              flush=True)
+    ratio = [r["wall"] / r["plain"] for r in runs]
+    after_start = [(r["wall"] - r["start"]) / r["plain"] for r in runs]
+    after_fixed = [(r["wall"] - r["fixed"]) / r["plain"] for r in runs]
+    print(f"cold, as it is: {median_summary(ratio, TARGET_COLD)}")
+    print(f"cold, start-up taken out: {median_summary(after_start, TARGET_COLD)}")
+    print(f"cold, every fixed cost taken out: {median_summary(after_fixed, TARGET_COLD)}")
+    starts, fixed = (", ".join(f"{r[k]:.1f}" for r in runs) for k in ("start", "fixed"))
+    print(f"start-up s: {starts}; all fixed s: {fixed} (the columns of the main table)")
 
 
 def main(overrides: list[str]) -> None:
@@ -140,10 +170,16 @@ def main(overrides: list[str]) -> None:
     if not given.isdigit():
         raise SystemExit(f"--pairs takes a whole number of back-to-back triples, e.g. --pairs=20 (got {given!r})")
     n_pairs = int(given)
+    cold = next((o.split("=", 1)[1] for o in overrides if o.startswith("--cold=")), None)
+    if cold is not None:
+        if not cold.isdigit() or int(cold) < 1:
+            raise SystemExit(f"--cold takes a number of fresh processes, e.g. --cold=8 (got {cold!r})")
+        return cold_runs(int(cold), [o for o in overrides if not o.startswith(("--cold=", "--pairs="))])
+    once = COLD_ONCE in overrides
     variant = ["variant=cifar10"] if cifar else []
     # the cifar10 variant sets flow.experiment itself (an override of it would be refused), so it is set after
     cfg = C.compose(["flow.progress=false", *variant]
-                    + [o for o in overrides if o != "--cifar" and not o.startswith("--pairs=")])
+                    + [o for o in overrides if o not in ("--cifar", COLD_ONCE) and not o.startswith("--pairs=")])
     cfg.flow.experiment = "benchmark-overhead-cifar10" if cifar else "benchmark-overhead"
     partition, spec, source = F.load_inputs(cfg)
     acfg = C.arrival_config(cfg)
@@ -200,6 +236,12 @@ def main(overrides: list[str]) -> None:
     # 1. Nothing running: the flow starts a temporary Prefect server and a local Ray.
     flowed("flow, cold (starts Prefect + Ray)")
     runtime.stop_prefect_api()
+    if once:
+        import json
+
+        _, wall, _, fin, start, _, first = rows[-1]
+        print(json.dumps({"plain": t_plain, "wall": wall, "start": start, "fixed": first - t_plain / A, "final": fin}))
+        return
     # 2. A Prefect server is up (a deployment's), Ray still starts with the flow.
     url = runtime.ensure_prefect_api()
     flowed("flow, Prefect server up")
