@@ -157,7 +157,7 @@ def cold_runs(n: int, overrides: list[str]) -> None:
     print(f"cold, as it is: {median_summary(ratio, TARGET_COLD)}")
     print(f"cold, start-up taken out: {median_summary(after_start, TARGET_COLD)}")
     print(f"cold, the fixed costs before the first arrival taken out: {median_summary(after_first, TARGET_COLD)}")
-    print(f"cold, every fixed cost taken out (and the teardown): {median_summary(after_fixed, TARGET_COLD)}")
+    print(f"cold, every fixed cost taken out (the teardown included): {median_summary(after_fixed, TARGET_COLD)}")
     cols = {k: ", ".join(f"{r[k]:.1f}" for r in runs) for k in ("start", "first", "teardown")}
     print(f"start-up s: {cols['start']}; before the first arrival s: {cols['first']}; teardown s: {cols['teardown']}")
 
