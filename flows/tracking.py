@@ -66,17 +66,20 @@ def setup(uri: str, experiment: str) -> None:
 def write_ahead_log(uri: str, *, timeout: float = 5.0) -> str:
     """Put a local SQLite tracking store in write-ahead-log mode, and return its journal mode.
 
-    SQLite's default journal creates, syncs and deletes a file at every commit, and MLflow commits
-    once per call: three times for an arrival's nested run. In WAL mode a commit appends to one
-    log, and readers (``mlflow ui``, another flow) do not block the writer. Alone, 30 nested runs
-    took 0.25–0.33 CPU-s, and 0.21–0.24 in WAL mode (docs/performance.md, session 33).
-    SQLite keeps the mode in the file, so this changes a store once. The recent commits live in
-    ``mlruns.db-wal`` until SQLite folds them in (at the latest when the last connection closes):
-    copy the project when no flow is writing to it, or copy that file with it. A store that
-    another connection holds for longer than ``timeout`` seconds is left as it is, and tried again
-    by the next flow (``""`` is returned then, and for a store that is not a file).
+    In SQLite's default rollback-journal mode every commit creates, syncs and deletes a journal
+    file, and MLflow commits once per store call: an arrival's nested run is three of them
+    (``create_run``, ``log_batch``, ``set_terminated``). In WAL mode a commit appends to one log,
+    which costs less CPU, and readers (``mlflow ui``, another flow) do not block the writer
+    (docs/performance.md, session 33). SQLite keeps the mode in the file, so this changes a store
+    once. The latest commits live in ``mlruns.db-wal`` until SQLite folds them into the database,
+    which it does when the last connection closes cleanly: copy ``mlruns.db*`` together. ``""`` is
+    returned, and the store left as it is (the next flow tries again), when it is not a file, or
+    when it cannot be changed: another connection holds it for longer than ``timeout`` seconds, or
+    it is read-only.
     """
-    path = uri[len("sqlite:///"):].split("?", 1)[0]
+    from sqlalchemy.engine import make_url
+
+    path = make_url(uri).database or ""  # as MLflow's engine reads it: percent-escapes decoded, no query
     if not Path(path).is_file():  # in memory, or not created yet
         return ""
     try:
@@ -84,7 +87,7 @@ def write_ahead_log(uri: str, *, timeout: float = 5.0) -> str:
             mode = con.execute("PRAGMA journal_mode").fetchone()[0]
             if mode.lower() != "wal":
                 mode = con.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-    except sqlite3.Error as exc:  # busy, or read-only: the store works as it is
+    except sqlite3.Error as exc:
         logging.getLogger(__name__).info("the tracking store %s stays in its journal mode (%s)", path, exc)
         return ""
     return str(mode).lower()

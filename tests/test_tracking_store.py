@@ -109,11 +109,12 @@ def test_a_read_only_example_is_logged_without_torchs_non_writable_warning(tmp_p
     assert not example.flags.writeable
 
 
-def test_a_local_store_is_put_in_write_ahead_log_mode_and_a_held_one_is_left_as_it_is(tmp_path):
+def test_a_local_store_is_put_in_write_ahead_log_mode_and_a_held_one_is_left_as_it_is(tmp_path, monkeypatch):
+    import contextlib
     import sqlite3
 
     def mode(db: Path) -> str:
-        with sqlite3.connect(db) as con:
+        with contextlib.closing(sqlite3.connect(db)) as con:
             return con.execute("PRAGMA journal_mode").fetchone()[0]
 
     # a new store, created by MLflow in setup(), ends in WAL mode and takes runs as before
@@ -125,20 +126,30 @@ def test_a_local_store_is_put_in_write_ahead_log_mode_and_a_held_one_is_left_as_
     assert reader.get_run(run.info.run_id).data.metrics == {"m": 1.0}
     assert tracking.write_ahead_log(f"sqlite:///{tmp_path}/mlruns.db") == "wal"  # a second call changes nothing
 
-    # a store that another connection holds is left in its mode, without an error
-    held = tmp_path / "held.db"
-    with sqlite3.connect(held) as con:
+    # a store that another connection is writing to is left in its mode, without an error, and
+    # changed by a later call once it is free
+    held = tmp_path / "held store.db"
+    with contextlib.closing(sqlite3.connect(held)) as con:
         con.execute("CREATE TABLE t (x)")
     holder = sqlite3.connect(held, isolation_level=None)
-    holder.execute("BEGIN EXCLUSIVE")
+    holder.execute("BEGIN IMMEDIATE")  # a writer mid-transaction: the mode can be read, not changed
+    holder.execute("INSERT INTO t VALUES (1)")
     try:
-        assert tracking.write_ahead_log(f"sqlite:///{held}", timeout=0.05) == ""
+        assert tracking.write_ahead_log(f"sqlite:///{tmp_path}/held%20store.db", timeout=0.05) == ""
     finally:
         holder.execute("ROLLBACK")
         holder.close()
     assert mode(held) == "delete"
-    assert tracking.write_ahead_log(f"sqlite:///{held}") == "wal"
-    assert tracking.write_ahead_log(f"sqlite:///{tmp_path}/absent.db") == ""
+    assert tracking.write_ahead_log(f"sqlite:///{tmp_path}/held%20store.db?timeout=5") == "wal"  # as MLflow reads it
+
+    # a relative path is the working directory's, as for MLflow; a store not created yet is left alone
+    monkeypatch.chdir(tmp_path)
+    with contextlib.closing(sqlite3.connect(tmp_path / "relative.db")) as con:
+        con.execute("CREATE TABLE t (x)")
+    assert mode(tmp_path / "relative.db") == "delete"
+    assert tracking.write_ahead_log("sqlite:///relative.db") == "wal"
+    assert mode(tmp_path / "relative.db") == "wal"
+    assert tracking.write_ahead_log("sqlite:///absent.db") == ""
     assert not (tmp_path / "absent.db").exists()
 
 
