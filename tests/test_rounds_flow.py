@@ -135,6 +135,29 @@ def test_failed_and_killed_client_tasks_are_rerun_with_unchanged_results(quick):
 
 
 @pytest.mark.slow
+def test_a_round_flow_stopped_after_a_round_resumes_from_its_checkpoint_with_unchanged_results(quick):
+    """flow.stop_after=1 ends the run once round 0 is checkpointed; resume=true runs round 1 alone, and the
+    records are the uninterrupted run's."""
+    from fedcore.engine import RunInterrupted
+    from flows.rounds import single
+
+    extra = (f"paths.checkpoints={quick['tmp']}/ckpt3",)
+    with pytest.raises(RunInterrupted):
+        single(C.compose(rounds_overrides(quick["tmp"], "flow.stop_after=1", *extra)), "fedpad")
+    cfg = C.compose(rounds_overrides(quick["tmp"], "flow.resume=true", *extra))
+    res = single(cfg, "fedpad")
+    assert strip(res.records) == strip(quick["plain"].records)
+    client = MlflowClient(C.tracking_uri(cfg))
+    [resumed, interrupted] = client.search_runs(
+        [client.get_experiment_by_name("fedcore-fedpad").experiment_id], "attributes.run_name = 'proto+fedpad-s0'",
+        order_by=["attributes.start_time DESC"], max_results=2)
+    n = len(quick["plain"].records[0]["clients"])
+    assert [list(prefect_task_runs(prefect_flow_run(r).id)) for r in (interrupted, resumed)] == [
+        [f"round-000-{n}-clients"], [f"round-001-{n}-clients"]]
+    assert [m.step for m in client.get_metric_history(resumed.info.run_id, "worst_acc")] == [1]
+
+
+@pytest.mark.slow
 def test_grid_flow_writes_the_table_statistics_plots_and_one_run_per_cell(quick):
     from flows.rounds import grid, results_dir
 
