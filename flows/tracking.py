@@ -164,14 +164,14 @@ def dvc_lock_hashes(reads: Iterable[Path | None], *, root: Path | None = None) -
         raise TypeError("reads is a list of paths, not one path")
     root = ROOT if root is None else root
 
-    def normal(p) -> Path:
-        return Path(os.path.abspath(Path(root) / p))
+    def normal(p) -> str:  # compared as strings: Path.parents over the lock's outputs took 50 ms a run
+        return os.path.abspath(os.path.join(root, p))
 
     want = [normal(p) for p in reads if p is not None]
     tags = {}
     for o in integrity.lock_outs(root):
         path = normal(o.path)
-        if any(path == w or path in w.parents or w in path.parents for w in want):
+        if any(path == w or w.startswith(path + os.sep) or path.startswith(w + os.sep) for w in want):
             tags[f"dvc.{o.stage.replace('@', ':')}.{Path(o.path).name}"] = o.md5
     return tags
 

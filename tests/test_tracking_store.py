@@ -227,6 +227,9 @@ def test_lineage_names_the_dvc_outputs_a_run_reads_and_no_others(tmp_path):
     assert tracking.dvc_lock_hashes([tmp_path / "models"], root=tmp_path) == {
         "dvc.pretrain:mnist.source-mnist.pt": "md5-pretrain@mnist", "dvc.pretrain:cifar10.source-cifar10.pt": "md5-pretrain@cifar10"}
     assert tracking.dvc_lock_hashes([tmp_path / "elsewhere"], root=tmp_path) == {}
+    # a name that only begins like an output is not inside it, nor it inside the output
+    assert tracking.dvc_lock_hashes([tmp_path / "data/partitions/mnist5k", tmp_path / "models/source"],
+                                    root=tmp_path) == {}
     # relative to the root; links not followed (DVC's symlink cache type points outputs into the cache)
     assert tracking.dvc_lock_hashes(["data/partitions/mnist"], root=tmp_path) == {
         "dvc.partition:mnist.mnist": "md5-partition@mnist"}
