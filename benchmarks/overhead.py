@@ -281,7 +281,7 @@ def main(overrides: list[str]) -> None:
                 same("paired flow", F.arrival(cfg))
                 (pairs if with_mlflow else bare).append((time.perf_counter() - t0) / base)
             final_logging.reset()
-    ray.shutdown()
+    runtime.stop_ray()
     runtime.stop_prefect_api()
 
     print(f"{'':40s}{'wall s':>9s}{'ratio':>8s}{'start-up s':>12s}{'after it':>10s}{'CPU-s':>8s}"

@@ -188,7 +188,7 @@ def main() -> int:
                 run_flow(kind, data, spec, cfg, uri)
             res, wall_f, startup, per_round_f = run_flow(kind, data, spec, cfg, uri)
             if up:
-                ray.shutdown()
+                runtime.stop_ray()
             for k in base.final_state:
                 if not torch.equal(base.final_state[k], res.final_state[k]):
                     print(f"FAIL: {label} gave different weights ({k})")
@@ -214,7 +214,7 @@ def main() -> int:
             _, wall, per_round = timed_run(data, spec, cfg)
             _, wall_f, _, per_round_f = run_flow("round", data, spec, cfg, uri)
             pairs.append((wall_f / wall, per_round_f / per_round))
-        ray.shutdown()
+        runtime.stop_ray()
         runtime.stop_prefect_api()
         print(f"\npaired (Prefect + Ray up, warm workers; plain loop then flow, {args.paired} pairs): total ratio "
               + ", ".join(f"{t:.2f}" for t, _ in pairs) + f" (median {np.median([t for t, _ in pairs]):.2f}); "

@@ -12,6 +12,7 @@ before the first real task arrives.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -101,7 +102,6 @@ def flow_ends_without_heartbeat_wait() -> bool:
     before; the daemon thread stops within a second of the flow, without emitting again. Left as
     it is where Prefect's function has no ``join_on_exit`` (another Prefect version).
     """
-    import functools
     import inspect
 
     from prefect import flow_engine
@@ -348,6 +348,7 @@ def start_ray(*, address: str | None, num_cpus: int, root: Path, warm_workers: i
     """
     import ray
 
+    _quiet_gc_at_exit()
     url, wait = _prefect_api()
 
     def init_kwargs(api_url: str) -> Dict[str, Any]:
@@ -370,7 +371,7 @@ def start_ray(*, address: str | None, num_cpus: int, root: Path, warm_workers: i
             if not address:
                 _prewarm_workers(num_cpus if warm_workers is None else warm_workers, warm_module)
         if wait() != url:  # the server had to move: tell the workers
-            ray.shutdown()
+            stop_ray()
             kwargs = init_kwargs(os.environ["PREFECT_API_URL"])
             with own_node():
                 ray.init(address=address, **kwargs)
@@ -419,8 +420,51 @@ def shutdown_ray() -> None:
     _WARMING.clear()
     _REMOTES.clear()
     if _OWN_RAY and ray.is_initialized():
-        ray.shutdown()
+        stop_ray()
     _OWN_RAY = False
+
+
+@functools.lru_cache(maxsize=None)
+def _quiet_gc_at_exit() -> None:
+    """At exit, Ray's own handler (registered when ray is imported) disconnects a Ray this process joined
+    but did not start; this one, registered later, runs before it (atexit runs handlers last in, first
+    out) and does for it what :func:`stop_ray` does."""
+    import atexit
+    import gc
+
+    import ray  # noqa: F401 - its handler must be registered before this one
+
+    def quiet() -> None:
+        gc.collect()
+        gc.disable()
+
+    atexit.register(quiet)
+
+
+def stop_ray() -> None:
+    """``ray.shutdown()``, with no garbage collection in any thread while Ray's core worker goes down.
+
+    ``ray.shutdown`` stops the core worker before Python lets go of it, and releases the GIL
+    meanwhile. An ObjectRef freed in that window calls into the stopped core worker, and Ray then
+    ends the whole process ("The core worker has already been shutdown ... The process will exit"),
+    skipping its clean-up: the Prefect server it had started kept running. Seen three times in
+    benchmark processes, each at a ``ray.shutdown()`` after several flows. A ref in a reference
+    cycle (a flow's closures, a traceback) is freed by whichever thread's allocation triggers a
+    collection, so one of Prefect's threads could free it there. Cycles are collected here first,
+    in this thread, while the core worker is up, and collection stays off until Ray is down.
+    """
+    import gc
+
+    import ray
+
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        ray.shutdown()
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def largest_node_cpus() -> int:
