@@ -149,6 +149,7 @@ def loopback_ray() -> Iterator[None]:
     """
     import ray._private.ray_constants as ray_constants
 
+    _quiet_gc_at_exit()
     before = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False
     try:
@@ -424,39 +425,51 @@ def shutdown_ray() -> None:
     _OWN_RAY = False
 
 
-@functools.lru_cache(maxsize=None)
+def _collect_then_pause_gc() -> bool:
+    """Free every reference cycle now, in this thread, then turn automatic collection off; returns whether
+    it was on (see :func:`stop_ray`)."""
+    import gc
+
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    return enabled
+
+
+@functools.cache
 def _quiet_gc_at_exit() -> None:
     """At exit, Ray's own handler (registered when ray is imported) disconnects a Ray this process joined
-    but did not start; this one, registered later, runs before it (atexit runs handlers last in, first
-    out) and turns garbage collection off for it, as :func:`stop_ray` does."""
+    or did not stop; this one, registered later, runs before it (atexit runs handlers last in, first
+    out) and does for it what :func:`stop_ray` does. Registered once, when a Ray is started or joined."""
     import atexit
-    import gc
 
     import ray  # noqa: F401 - its handler must be registered before this one
 
-    atexit.register(gc.disable)
+    atexit.register(_collect_then_pause_gc)
 
 
 def stop_ray() -> None:
-    """``ray.shutdown()``, with no garbage collection in any thread while Ray's core worker goes down.
+    """``ray.shutdown()``, with no reference cycles left to free while Ray's core worker goes down.
 
     ``ray.shutdown`` stops the core worker before Python lets go of it, and releases the GIL
     meanwhile. An ObjectRef freed in that window calls into the stopped core worker, and Ray then
     ends the whole process ("The core worker has already been shutdown ... The process will exit"),
     skipping its clean-up: the Prefect server it had started kept running. Seen three times in
-    benchmark processes, each at a ``ray.shutdown()`` after several flows. A ref in a reference
-    cycle (a flow's closures, a traceback) is freed by whichever thread's allocation triggers a
-    collection, so one of Prefect's threads could free it there. Collection stays off until Ray is
-    down; such a ref is freed later, when freeing it no longer reaches the core worker. (Collecting
-    the cycles first instead would cost a full collection, 0.2 s in a flow's process.)
+    benchmark processes, two of them at a ``ray.shutdown()`` after several flows. A ref in a
+    reference cycle (a flow's closures, a traceback) is freed by whichever thread runs a collection:
+    one that an allocation triggers in any thread (Prefect's included), or the explicit
+    ``gc.collect()`` of Ray's own GC thread, which turning automatic collection off does not stop.
+    So every cycle is freed first, here, while the core worker is up (a full collection: about 0.2 s
+    in a flow's process), and automatic collection stays off until Ray is down. A ref whose last
+    plain reference another thread drops in the window is not covered.
     """
     import gc
 
     import ray
 
-    enabled = gc.isenabled()
-    gc.disable()
+    enabled = True
     try:
+        enabled = _collect_then_pause_gc()
         ray.shutdown()
     finally:
         if enabled:

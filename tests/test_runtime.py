@@ -283,26 +283,37 @@ def test_a_ray_the_caller_started_is_left_running_and_ours_binds_loopback():
         ray.shutdown()
 
 
-def test_ray_goes_down_with_no_garbage_collection_meanwhile(monkeypatch):
+def test_ray_goes_down_with_reference_cycles_freed_first_and_no_collection_meanwhile(monkeypatch):
     """Ray ends the process when a thread frees an ObjectRef while its core worker shuts down; a ref held in
-    a reference cycle is freed by whichever thread triggers a collection. So collection is off until
-    Ray is down, then on again, also when the shutdown raises."""
+    a reference cycle is freed by whichever thread runs a collection. So cycles go first, and automatic
+    collection stays off until Ray is down, then on again, also when the shutdown raises."""
     import gc
+    import weakref
 
     import ray
 
     from flows import runtime
 
+    class Holder:
+        pass
+
+    def cycle():
+        h = Holder()
+        h.me = h  # as a flow's closures hold the partition's ref
+        return weakref.ref(h)
+
     seen = []
-    monkeypatch.setattr(ray, "shutdown", lambda: seen.append(gc.isenabled()))
+    monkeypatch.setattr(ray, "shutdown", lambda: seen.append((gone() is None, gc.isenabled())))
+    gone = cycle()
     runtime.stop_ray()
-    assert seen == [False] and gc.isenabled()
+    assert seen == [(True, False)] and gc.isenabled()
 
     # the flows' own shutdown goes the same way
     monkeypatch.setattr(runtime, "_OWN_RAY", True)
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    gone = cycle()
     runtime.shutdown_ray()
-    assert seen == [False, False] and gc.isenabled() and runtime._OWN_RAY is False
+    assert seen[1:] == [(True, False)] and gc.isenabled() and runtime._OWN_RAY is False
 
     def fails():
         raise RuntimeError("raylet gone")
@@ -311,6 +322,26 @@ def test_ray_goes_down_with_no_garbage_collection_meanwhile(monkeypatch):
     with pytest.raises(RuntimeError, match="raylet gone"):
         runtime.stop_ray()
     assert gc.isenabled()
+
+
+def test_a_process_that_starts_or_joins_ray_frees_its_cycles_before_rays_own_exit_handler(monkeypatch):
+    """Ray's atexit handler (registered when ray is imported) disconnects at exit; ours, registered once
+    when a Ray is started or joined (loopback_ray and start_ray both ask), runs before it."""
+    import atexit
+
+    from flows import runtime
+
+    registered = []
+    monkeypatch.setattr(atexit, "register", registered.append)
+    runtime._quiet_gc_at_exit.cache_clear()
+    try:
+        with runtime.loopback_ray():
+            pass
+        with runtime.loopback_ray():
+            pass
+    finally:
+        runtime._quiet_gc_at_exit.cache_clear()
+    assert registered == [runtime._collect_then_pause_gc]
 
 
 @pytest.mark.parametrize("error, settled", [(RuntimeError("client step failed"), True), (KeyboardInterrupt(), False)])
