@@ -230,6 +230,8 @@ def test_lineage_names_the_dvc_outputs_a_run_reads_and_no_others(tmp_path):
     # a name that only begins like an output is not inside it, nor it inside the output
     assert tracking.dvc_lock_hashes([tmp_path / "data/partitions/mnist5k", tmp_path / "models/source"],
                                     root=tmp_path) == {}
+    # the filesystem's root holds every output, as a folder does
+    assert len(tracking.dvc_lock_hashes(["/"], root=tmp_path)) == len(outs)
     # relative to the root; links not followed (DVC's symlink cache type points outputs into the cache)
     assert tracking.dvc_lock_hashes(["data/partitions/mnist"], root=tmp_path) == {
         "dvc.partition:mnist.mnist": "md5-partition@mnist"}
