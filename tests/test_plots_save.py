@@ -53,13 +53,18 @@ def test_save_writes_the_same_bytes_as_tight_layout_and_savefig(tmp_path, build)
     assert plt.get_fignums() == []  # save closes its figure
 
 
-def test_save_does_not_lay_the_figure_out_twice(tmp_path, monkeypatch):
-    """savefig draws once more with rendering disabled when a figure has a layout engine: save leaves none."""
+@pytest.mark.parametrize("rc", [{}, {"figure.autolayout": True}, {"figure.constrained_layout.use": True}])
+def test_save_does_not_lay_the_figure_out_twice(tmp_path, monkeypatch, rc):
+    """savefig draws once more with rendering disabled when a figure has a layout engine: save leaves none,
+    also where a matplotlibrc asks every figure for one."""
+    import matplotlib
+
     plt = P._plt()
     draws = []
     real = type(plt.figure()).draw
     plt.close("all")
     monkeypatch.setattr(type(plt.figure()), "draw", lambda self, renderer: draws.append(1) or real(self, renderer))
     plt.close("all")
-    P.save(text_and_legend(plt), tmp_path / "saved.png")
+    with matplotlib.rc_context(rc):
+        P.save(text_and_legend(plt), tmp_path / "saved.png")
     assert len(draws) == 1
