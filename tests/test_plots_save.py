@@ -54,6 +54,7 @@ def test_save_writes_the_same_bytes_as_tight_layout_and_savefig(tmp_path, build)
 
 
 @pytest.mark.parametrize("rc", [{}, {"figure.autolayout": True}, {"figure.constrained_layout.use": True}])
+@pytest.mark.filterwarnings("ignore:The figure layout has changed to tight:UserWarning")  # the constrained case
 def test_save_does_not_lay_the_figure_out_twice(tmp_path, monkeypatch, rc):
     """savefig draws once more with rendering disabled when a figure has a layout engine: save leaves none,
     also where a matplotlibrc asks every figure for one."""
