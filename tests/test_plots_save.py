@@ -59,13 +59,12 @@ def test_save_does_not_lay_the_figure_out_twice(tmp_path, monkeypatch, rc):
     """savefig draws once more with rendering disabled when a figure has a layout engine: save leaves none,
     also where a matplotlibrc asks every figure for one."""
     import matplotlib
+    from matplotlib.figure import Figure
 
     plt = P._plt()
     draws = []
-    real = type(plt.figure()).draw
-    plt.close("all")
-    monkeypatch.setattr(type(plt.figure()), "draw", lambda self, renderer: draws.append(1) or real(self, renderer))
-    plt.close("all")
+    real = Figure.draw
+    monkeypatch.setattr(Figure, "draw", lambda self, renderer: draws.append(1) or real(self, renderer))
     with matplotlib.rc_context(rc):
         P.save(text_and_legend(plt), tmp_path / "saved.png")
     assert len(draws) == 1
