@@ -341,7 +341,41 @@ def test_a_process_that_starts_or_joins_ray_frees_its_cycles_before_rays_own_exi
             pass
     finally:
         runtime._quiet_gc_at_exit.cache_clear()
-    assert registered == [runtime._collect_then_pause_gc]
+    assert registered == [runtime._before_ray_exits]
+
+    # and what it does there: the cycles freed, collection off, Ray's autoscaler monitor stopped
+    seen = []
+    monkeypatch.setattr(runtime, "_collect_then_pause_gc", lambda: seen.append("cycles freed"))
+    monkeypatch.setattr(runtime, "_stop_autoscaler_monitor", lambda: seen.append("monitor stopped"))
+    runtime._before_ray_exits()
+    assert seen == ["cycles freed", "monitor stopped"]
+
+
+def test_a_ray_started_here_loses_its_autoscaler_monitor_before_ray_shuts_the_rest_down(monkeypatch):
+    """ray.shutdown stops the monitor after the GCS, and the monitor, reporting its end to that GCS,
+    outlives the second Ray gives it: stop_ray kills it (by PID) first, so ray.shutdown finds it gone."""
+    import ray
+    import ray._private.worker as ray_worker
+
+    from flows import runtime
+
+    with runtime.loopback_ray():
+        ray.init(num_cpus=1, include_dashboard=False)
+    try:
+        [monitor] = [info.process for info in ray_worker._global_node.all_processes["monitor"]]
+        assert monitor.poll() is None
+        at_shutdown = []
+        shutdown = ray.shutdown
+        monkeypatch.setattr(ray, "shutdown", lambda: (at_shutdown.append(monitor.poll()), shutdown()))
+        runtime.stop_ray()
+        assert at_shutdown == [-9] and not ray.is_initialized()
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+
+    # a Ray joined, not started here, has no processes of this one's to stop
+    monkeypatch.setattr(ray_worker, "_global_node", None)
+    runtime._stop_autoscaler_monitor()
 
 
 @pytest.mark.parametrize("error, settled", [(RuntimeError("client step failed"), True), (KeyboardInterrupt(), False)])
