@@ -16,6 +16,7 @@ import functools
 import logging
 import os
 import socket
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Tuple
@@ -34,27 +35,29 @@ def _prefect_api() -> Tuple[str, Callable[[], str]]:
 
     ``PREFECT_API_URL`` if set; else a temporary server booting on a thread. wait() returns the
     URL it ended up on (the server moves if its port was taken meanwhile).
+
+    Prefect's server module, which holds the class that starts that server, takes 1.4 s to import
+    in a flow's process. Unless it is imported already, the thread imports it too, so that the import
+    overlaps Ray's start instead of coming before it: the URL planned here is that class's, for a
+    free loopback port chosen now.
     """
-    global _SERVER
     log_runs_at_info()
     flow_ends_without_heartbeat_wait()
     url = os.environ.get("PREFECT_API_URL")
     if url:
         return url, lambda: url
-    from prefect.server.api.server import SubprocessASGIServer
-
-    # Prefect's own ephemeral-server singleton (no port key): a Prefect client in this process
-    # that finds no API URL in its settings then reuses this server instead of starting another.
-    _SERVER = SubprocessASGIServer()
-    if _SERVER.port is None:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a free loopback port, chosen now
-            s.bind(("127.0.0.1", 0))
-            _SERVER.port = s.getsockname()[1]
-    planned = _SERVER.api_url
+    if "prefect.server.api.server" in sys.modules:
+        server = _temporary_server()
+        port = server.port
+    else:  # the thread makes it, on this port
+        server, port = None, _free_loopback_port()
+    planned = f"http://127.0.0.1:{port}/api"  # SubprocessASGIServer.api_url
     errors: List[BaseException] = []
 
     def boot() -> None:
+        global _SERVER
         try:
+            _SERVER = server or _temporary_server(port)
             _SERVER.start(timeout=120)
         except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
             errors.append(exc)
@@ -72,6 +75,24 @@ def _prefect_api() -> Tuple[str, Callable[[], str]]:
         return _SERVER.api_url
 
     return planned, wait
+
+
+def _free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _temporary_server(port: int | None = None):
+    """Prefect's own ephemeral-server singleton (no port key): a Prefect client in this process that
+    finds no API URL in its settings then reuses this server instead of starting another. ``port``:
+    the one to start it on, unless it already has one (default: a free loopback port)."""
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()
+    if server.port is None:
+        server.port = _free_loopback_port() if port is None else port
+    return server
 
 
 def log_runs_at_info() -> None:

@@ -1,5 +1,7 @@
 """Placement settings derived from the config (no Ray started here)."""
 
+import os
+
 import pytest
 
 from flows import config as C
@@ -376,6 +378,44 @@ def test_a_ray_started_here_loses_its_autoscaler_monitor_before_ray_shuts_the_re
     # a Ray joined, not started here, has no processes of this one's to stop
     monkeypatch.setattr(ray_worker, "_global_node", None)
     runtime._stop_autoscaler_monitor()
+
+
+@pytest.mark.parametrize("imported", [False, True])
+def test_the_temporary_prefect_server_is_made_on_its_boot_thread_unless_its_module_is_loaded(monkeypatch, imported):
+    """Prefect's server module takes over a second to import: a process that has not loaded it makes the
+    server (importing it) on the thread that boots it, beside Ray's start, on the port planned before;
+    one that has, makes it at once. Either way wait() gives the URL planned, and exports it."""
+    import threading
+    import types
+
+    from flows import runtime
+
+    made = []
+
+    class Server:
+        def __init__(self, port):
+            self.port, self.api_url = port, f"http://127.0.0.1:{port}/api"
+
+        def start(self, timeout):
+            made.append(("start", threading.current_thread().name))
+
+    def temporary(port=None):
+        made.append(("made", threading.current_thread().name, port))
+        return Server(port or 5555)
+
+    monkeypatch.setenv("PREFECT_API_URL", "")  # so that the URL wait() exports is taken back after the test
+    monkeypatch.delenv("PREFECT_API_URL")
+    monkeypatch.setattr(runtime, "sys", types.SimpleNamespace(
+        modules={"prefect.server.api.server": object()} if imported else {}))
+    monkeypatch.setattr(runtime, "_temporary_server", temporary)
+    monkeypatch.setattr(runtime, "_SERVER", None)
+    planned, wait = runtime._prefect_api()
+    assert wait() == planned == os.environ["PREFECT_API_URL"] == runtime._SERVER.api_url
+    port = int(planned.rsplit(":", 1)[1].split("/")[0])
+    if imported:
+        assert made == [("made", threading.main_thread().name, None), ("start", "prefect-server")] and port == 5555
+    else:
+        assert made == [("made", "prefect-server", port), ("start", "prefect-server")]
 
 
 @pytest.mark.parametrize("error, settled", [(RuntimeError("client step failed"), True), (KeyboardInterrupt(), False)])
