@@ -19,7 +19,10 @@ import socket
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Tuple
+
+if TYPE_CHECKING:
+    from prefect.server.api.server import SubprocessASGIServer
 
 log = logging.getLogger(__name__)
 _SERVER = None
@@ -51,13 +54,13 @@ def _prefect_api() -> Tuple[str, Callable[[], str]]:
         port = server.port
     else:  # the thread makes it, on this port
         server, port = None, _free_loopback_port()
-    planned = f"http://127.0.0.1:{port}/api"  # SubprocessASGIServer.api_url
+    planned = _server_url(port)
     errors: List[BaseException] = []
 
     def boot() -> None:
         global _SERVER
         try:
-            _SERVER = server or _temporary_server(port)
+            _SERVER = _temporary_server(port) if server is None else server
             _SERVER.start(timeout=120)
         except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
             errors.append(exc)
@@ -77,13 +80,20 @@ def _prefect_api() -> Tuple[str, Callable[[], str]]:
     return planned, wait
 
 
+def _server_url(port: int) -> str:
+    """The API URL Prefect's ``SubprocessASGIServer`` serves on ``port`` (its ``api_url``), known before
+    the class is imported (a test checks the two agree)."""
+    return f"http://127.0.0.1:{port}/api"
+
+
 def _free_loopback_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _temporary_server(port: int | None = None):
+def _temporary_server(port: int | None = None) -> "SubprocessASGIServer":
     """Prefect's own ephemeral-server singleton (no port key): a Prefect client in this process that
     finds no API URL in its settings then reuses this server instead of starting another. ``port``:
     the one to start it on, unless it already has one (default: a free loopback port)."""
@@ -392,13 +402,18 @@ def start_ray(*, address: str | None, num_cpus: int, root: Path, warm_workers: i
             _OWN_RAY = True
             if not address:
                 _prewarm_workers(num_cpus if warm_workers is None else warm_workers, warm_module)
-        if wait() != url:  # the server had to move: tell the workers
+        moved = wait()
+        if moved != url:  # the server had to move: tell the workers
+            log.warning("the temporary Prefect server came up at %s, not %s: Ray restarts so that its workers "
+                        "report there", moved, url)
             stop_ray()
-            kwargs = init_kwargs(os.environ["PREFECT_API_URL"])
+            kwargs = init_kwargs(moved)
             with own_node():
                 ray.init(address=address, **kwargs)
     except BaseException:
         shutdown_ray()
+        with contextlib.suppress(Exception):
+            wait()  # the server's boot thread finishes, so that stop_prefect_api() finds the server it made
         raise
     return kwargs
 
@@ -461,12 +476,13 @@ def _stop_autoscaler_monitor() -> None:
     """Kill the autoscaler monitor of a Ray this process started (SIGKILL, by its PID), before ``ray.shutdown``.
 
     ``ray.shutdown`` stops a local Ray's processes one after another: SIGTERM, up to a second's wait,
-    then SIGKILL. It stops the monitor after the GCS, and the monitor's SIGTERM handler reports its
-    own end to that GCS, so it never exited within its second: every shutdown waited that second
-    out (1.1-2.1 s in all, against 0.35 s with the monitor gone first; docs/performance.md). A
-    single local node has nothing to autoscale, and Ray kills the monitor outright after the second
-    anyway. A Ray this process only joined started no processes here, so nothing is killed; nor if
-    Ray's record of its processes is not where this Ray version keeps it.
+    then SIGKILL. The monitor never exited within its second (likely because its SIGTERM handler
+    first reports its end to the GCS, which Ray stops before it), so every shutdown waited that
+    second out: ``shutdown_ray`` took 1.43-1.50 s, and 0.23-0.57 s with the monitor gone first
+    (docs/performance.md, session 35). A single local node has nothing to autoscale, and Ray kills
+    the monitor outright after the second anyway. A Ray this process only joined started no
+    processes here, so nothing is killed; nor if Ray's record of its processes is not where this
+    Ray version keeps it.
     """
     import subprocess
 
@@ -488,7 +504,8 @@ def _stop_autoscaler_monitor() -> None:
 def _before_ray_exits() -> None:
     """At exit: what :func:`stop_ray` does before ``ray.shutdown``, for a Ray still up then."""
     _collect_then_pause_gc()
-    _stop_autoscaler_monitor()
+    with contextlib.suppress(Exception):  # at exit nobody is left to warn; Ray's handler still stops it
+        _stop_autoscaler_monitor()
 
 
 @functools.cache
@@ -529,7 +546,10 @@ def stop_ray() -> None:
     enabled = True
     try:
         enabled = _collect_then_pause_gc()
-        _stop_autoscaler_monitor()
+        try:
+            _stop_autoscaler_monitor()
+        except Exception as exc:  # noqa: BLE001 - a shortcut: Ray still goes down, only slower
+            log.warning("could not stop Ray's autoscaler monitor first (%s); ray.shutdown waits for it", exc)
         ray.shutdown()
     finally:
         if enabled:

@@ -362,7 +362,7 @@ def test_a_ray_started_here_loses_its_autoscaler_monitor_before_ray_shuts_the_re
     from flows import runtime
 
     with runtime.loopback_ray():
-        ray.init(num_cpus=1, include_dashboard=False)
+        ray.init(address="local", num_cpus=1, include_dashboard=False)
     try:
         [monitor] = [info.process for info in ray_worker._global_node.all_processes["monitor"]]
         assert monitor.poll() is None
@@ -375,9 +375,49 @@ def test_a_ray_started_here_loses_its_autoscaler_monitor_before_ray_shuts_the_re
         if ray.is_initialized():
             ray.shutdown()
 
-    # a Ray joined, not started here, has no processes of this one's to stop
+
+
+def test_only_rays_autoscaler_monitor_is_stopped_and_a_failure_to_stop_it_still_shuts_ray_down(monkeypatch, caplog):
+    """The other processes of Ray's node record are left to ray.shutdown; if stopping the monitor raises,
+    stop_ray warns and shuts Ray down all the same."""
+    import logging
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    import ray
+    import ray._private.worker as ray_worker
+
+    from flows import runtime
+
+    # Arrange: a node record whose monitor and raylet are two sleeping processes of this test's
+    sleeping = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    try:
+        node = SimpleNamespace(all_processes={"monitor": [SimpleNamespace(process=sleeping[0])],
+                                              "raylet": [SimpleNamespace(process=sleeping[1])]})
+        monkeypatch.setattr(ray_worker, "_global_node", node)
+        # Act
+        runtime._stop_autoscaler_monitor()
+        # Assert: the monitor killed (SIGKILL), the raylet untouched
+        assert sleeping[0].poll() == -9 and sleeping[1].poll() is None
+    finally:
+        for proc in sleeping:
+            proc.kill()
+            proc.wait()
+
+    # a node record this Ray version keeps elsewhere, or a joined Ray's (none): nothing to do
     monkeypatch.setattr(ray_worker, "_global_node", None)
     runtime._stop_autoscaler_monitor()
+
+    def fails():
+        raise RuntimeError("node record moved")
+
+    shut = []
+    monkeypatch.setattr(runtime, "_stop_autoscaler_monitor", fails)
+    monkeypatch.setattr(ray, "shutdown", lambda: shut.append(True))
+    with caplog.at_level(logging.WARNING, logger="flows.runtime"):
+        runtime.stop_ray()
+    assert shut == [True] and "node record moved" in caplog.text
 
 
 @pytest.mark.parametrize("imported", [False, True])
@@ -385,8 +425,8 @@ def test_the_temporary_prefect_server_is_made_on_its_boot_thread_unless_its_modu
     """Prefect's server module takes over a second to import: a process that has not loaded it makes the
     server (importing it) on the thread that boots it, beside Ray's start, on the port planned before;
     one that has, makes it at once. Either way wait() gives the URL planned, and exports it."""
+    import sys
     import threading
-    import types
 
     from flows import runtime
 
@@ -405,8 +445,13 @@ def test_the_temporary_prefect_server_is_made_on_its_boot_thread_unless_its_modu
 
     monkeypatch.setenv("PREFECT_API_URL", "")  # so that the URL wait() exports is taken back after the test
     monkeypatch.delenv("PREFECT_API_URL")
-    monkeypatch.setattr(runtime, "sys", types.SimpleNamespace(
-        modules={"prefect.server.api.server": object()} if imported else {}))
+    if imported:
+        monkeypatch.setitem(sys.modules, "prefect.server.api.server",
+                            sys.modules.get("prefect.server.api.server") or object())
+    else:
+        monkeypatch.delitem(sys.modules, "prefect.server.api.server", raising=False)
+    monkeypatch.setattr(runtime, "log_runs_at_info", lambda: None)  # both change Prefect for the whole process
+    monkeypatch.setattr(runtime, "flow_ends_without_heartbeat_wait", lambda: True)
     monkeypatch.setattr(runtime, "_temporary_server", temporary)
     monkeypatch.setattr(runtime, "_SERVER", None)
     planned, wait = runtime._prefect_api()
@@ -416,6 +461,18 @@ def test_the_temporary_prefect_server_is_made_on_its_boot_thread_unless_its_modu
         assert made == [("made", threading.main_thread().name, None), ("start", "prefect-server")] and port == 5555
     else:
         assert made == [("made", "prefect-server", port), ("start", "prefect-server")]
+
+
+def test_the_url_planned_for_the_temporary_server_is_the_one_prefects_server_class_gives():
+    """The URL handed to Ray's workers before the server exists is written here, not asked of Prefect's
+    class: if a Prefect upgrade changed its form, every cold start would restart Ray."""
+    from prefect.server.api.server import SubprocessASGIServer
+
+    from flows import runtime
+
+    server = object.__new__(SubprocessASGIServer)  # not the process-wide singleton, and nothing started
+    server.port = 43210
+    assert server.api_url == runtime._server_url(43210) == "http://127.0.0.1:43210/api"
 
 
 @pytest.mark.parametrize("error, settled", [(RuntimeError("client step failed"), True), (KeyboardInterrupt(), False)])
