@@ -1,4 +1,5 @@
-"""Placement settings derived from the config (no Ray started here)."""
+"""The runtime: placement settings, the Prefect API and Ray's start and shutdown, background logging,
+work in a forked child (two tests start a local Ray of their own)."""
 
 import os
 
@@ -354,7 +355,7 @@ def test_a_process_that_starts_or_joins_ray_frees_its_cycles_before_rays_own_exi
 
 
 def test_a_ray_started_here_loses_its_autoscaler_monitor_before_ray_shuts_the_rest_down(monkeypatch):
-    """ray.shutdown stops the monitor after the GCS, and the monitor, reporting its end to that GCS,
+    """ray.shutdown stops the monitor after the GCS, and the monitor (likely reporting its end to that GCS)
     outlives the second Ray gives it: stop_ray kills it (by PID) first, so ray.shutdown finds it gone."""
     import ray
     import ray._private.worker as ray_worker
@@ -374,7 +375,6 @@ def test_a_ray_started_here_loses_its_autoscaler_monitor_before_ray_shuts_the_re
     finally:
         if ray.is_initialized():
             ray.shutdown()
-
 
 
 def test_only_rays_autoscaler_monitor_is_stopped_and_a_failure_to_stop_it_still_shuts_ray_down(monkeypatch, caplog):
