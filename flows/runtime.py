@@ -180,7 +180,7 @@ def loopback_ray() -> Iterator[None]:
     """
     import ray._private.ray_constants as ray_constants
 
-    _quiet_gc_at_exit()
+    _register_exit_hook()
     before = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False
     try:
@@ -380,7 +380,7 @@ def start_ray(*, address: str | None, num_cpus: int, root: Path, warm_workers: i
     """
     import ray
 
-    _quiet_gc_at_exit()
+    _register_exit_hook()
     url, wait = _prefect_api()
 
     def init_kwargs(api_url: str) -> Dict[str, Any]:
@@ -509,7 +509,7 @@ def _before_ray_exits() -> None:
 
 
 @functools.cache
-def _quiet_gc_at_exit() -> None:
+def _register_exit_hook() -> None:
     """At exit, Ray's own handler (registered when ray is imported) shuts down a Ray this process started
     and did not stop, or disconnects from one it joined; this one, registered later, runs before it
     (atexit runs handlers last in, first out) and does for it what :func:`stop_ray` does first

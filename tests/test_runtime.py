@@ -336,14 +336,14 @@ def test_a_process_that_starts_or_joins_ray_frees_its_cycles_before_rays_own_exi
 
     registered = []
     monkeypatch.setattr(atexit, "register", registered.append)
-    runtime._quiet_gc_at_exit.cache_clear()
+    runtime._register_exit_hook.cache_clear()
     try:
         with runtime.loopback_ray():
             pass
         with runtime.loopback_ray():
             pass
     finally:
-        runtime._quiet_gc_at_exit.cache_clear()
+        runtime._register_exit_hook.cache_clear()
     assert registered == [runtime._before_ray_exits]
 
     # and what it does there: the cycles freed, collection off, Ray's autoscaler monitor stopped
