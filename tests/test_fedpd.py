@@ -329,7 +329,7 @@ def test_sba_history_changes_the_match_where_the_weights_cannot_tell():
     bank_a = torch.tensor([[5.0, -5.0, 0.0]] * 3)  # rounds x channels
     bank_b = torch.tensor([[-5.0, 5.0, 0.0]] * 3)  # channels 0 and 1 swapped
     plain = transport(a, a, method="hungarian")
-    from fedcore.openset.align import bank_cost
+    from fedcore.openset.sba import bank_cost
     sba = transport(a, a, method="hungarian", extra=bank_cost(bank_a, bank_b))
     assert torch.equal(plain.P, torch.eye(3, dtype=torch.float64))
     assert torch.equal(sba.P, torch.tensor([[0.0, 1, 0], [1, 0, 0], [0, 0, 1]], dtype=torch.float64))

@@ -16,7 +16,7 @@ from fedcore.engine import RoundConfig, RunInterrupted, run_rounds
 from fedcore.engine.rounds import RoundData
 from fedcore.engine.spec import ModelSpec
 from fedcore.incremental import losses as L
-from fedcore.incremental.dual import DualNet
+from fedcore.models.dual import DualNet
 from fedcore.incremental.evaluate import incremental_evaluate, task_end_metrics
 from fedcore.incremental.exemplars import ExemplarMemory
 from fedcore.incremental.schedule import TaskSchedule, incremental_view, make_schedule, split_by_task

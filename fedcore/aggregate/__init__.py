@@ -7,29 +7,18 @@ returns the new global state and the weight it used; the maths are the pure func
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import List, Tuple
 
 from fedcore.aggregate.functions import (
-    UGSA_NORMALIZERS,
     State,
     interpolate,
     l2_distance,
     running_average_merge,
-    ugsa_merge,
-    ugsa_weight,
     weighted_average,
 )
+from fedcore.aggregate.ugsa import UGSA_NORMALIZERS, UGSAMerge, ugsa_merge, ugsa_weight
 from fedcore.registry import Registry
-
-
-@dataclass(frozen=True)
-class MergeHistory:
-    """What the server remembers between arrivals (checkpointed with the flow)."""
-
-    sigmas: Tuple[float, ...] = ()
-    weights: Tuple[float, ...] = ()
-    merged: int = 0  # client models merged so far
+from fedcore.types import MergeHistory
 
 
 class NoMerge:
@@ -61,29 +50,6 @@ class FedAvgMerge:
         return running_average_merge(global_state, client_state, count=history.merged + 1), rate
 
 
-@dataclass(frozen=True)
-class UGSAMerge:
-    """Uncertainty-gated sequential aggregation: θ_G ← θ_G + γ · w_k · (θ'_k − θ_G)."""
-
-    gamma: float = 0.5
-    beta: float = 0.2
-    normalizer: str = "history"
-
-    def __post_init__(self) -> None:
-        if self.gamma < 0:
-            raise ValueError(f"UGSA gamma must be >= 0, got {self.gamma}")
-        if self.beta < 0:
-            raise ValueError(f"UGSA beta must be >= 0, got {self.beta}")
-        if self.normalizer not in UGSA_NORMALIZERS:
-            raise ValueError(f"unknown UGSA normalizer {self.normalizer!r}; valid names are: "
-                             f"{', '.join(UGSA_NORMALIZERS)}")
-
-    def merge(self, global_state: State, client_state: State, *, sigma: float,
-              history: MergeHistory) -> Tuple[State, float]:
-        w = ugsa_weight(list(history.sigmas) + [sigma], beta=self.beta, normalizer=self.normalizer)
-        return ugsa_merge(global_state, client_state, gamma=self.gamma, weight=w), w
-
-
 AGGREGATORS: Registry = Registry("aggregator")
 AGGREGATORS.register("none")(NoMerge)
 AGGREGATORS.register("sequential")(SequentialMerge)
@@ -102,4 +68,9 @@ def advance(history: MergeHistory, *, sigma: float, weight: float) -> MergeHisto
 
 __all__: List[str] = ["AGGREGATORS", "create_aggregator", "MergeHistory", "advance", "NoMerge", "SequentialMerge", "FedAvgMerge",
                       "UGSAMerge", "weighted_average", "interpolate", "ugsa_weight", "ugsa_merge",
-                      "running_average_merge", "l2_distance", "State"]
+                      "running_average_merge", "l2_distance", "State", "UGSA_NORMALIZERS", "STRATEGIES",
+                      "create_strategy"]
+
+# Importing the package registers every round strategy by name (the baselines, FedPAD, FedPD++, PP-FCIL).
+from fedcore.aggregate import fedpad, fedpd, ppfcil, strategies  # noqa: E402,F401
+from fedcore.aggregate.base import STRATEGIES, create_strategy  # noqa: E402

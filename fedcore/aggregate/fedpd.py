@@ -8,7 +8,7 @@ Settings, each switchable for the paper's ablations:
 * ``part_cost``: how a part's units are compared: ``weighted`` (on the coordinates both parts
   hold) or ``masked`` (the masked weights, the literal Eq. 19–21; see :func:`~fedcore.openset.align.align_chain`);
 * ``sba``: add the distance between the clients' BatchNorm-statistics histories to each BatchNorm
-  layer's cost, with ``sba_weight`` (see :func:`~fedcore.openset.align.bank_cost` for why added);
+  layer's cost, with ``sba_weight`` (see :func:`~fedcore.openset.sba.bank_cost` for why added);
 * ``reg``, ``max_iter``, ``tol``: Sinkhorn's relative entropy, iteration cap and stopping tolerance
   on the marginals (1e-6; 1e-3 halves the three parts' alignment time on a ResNet-18, ``benchmarks/fedpd_align.py``);
 * ``quality``: also solve every layer exactly, to log Sinkhorn's cost over Hungarian's (slower);
@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Sequence
 import torch
 
 from fedcore.aggregate.functions import State
-from fedcore.aggregate.strategies import STRATEGIES, Aggregated, Strategy, Updates
+from fedcore.aggregate.base import STRATEGIES, Aggregated, Strategy, Updates
 from fedcore.openset.align import ALIGN_METHODS, PART_COSTS, layer_plan
 from fedcore.openset.gdca import fuse
 from fedcore.openset.masks import PART_MODES, split_parts

@@ -15,9 +15,8 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-State = Dict[str, torch.Tensor]
+from fedcore.types import State
 
-UGSA_NORMALIZERS = ("history", "mean", "none")
 
 
 def _is_mergeable(t: torch.Tensor) -> bool:
@@ -59,34 +58,6 @@ def interpolate(global_state: State, client_state: State, *, rate: float) -> Sta
         c = client_state[key]
         out[key] = g + rate * (c - g) if _is_mergeable(g) else c.clone()
     return out
-
-
-def ugsa_weight(sigmas: Sequence[float], *, beta: float, normalizer: str = "history") -> float:
-    """The gate weight w_k of the newest client from the entropies σ_1..σ_k merged so far.
-
-    ``history`` (the paper's rule): w_k = exp(−β σ_k) / Σ_{j≤k} exp(−β σ_j).
-    ``mean``: divides by the mean instead of the sum, so w stays near 1 as k grows.
-    ``none``: w_k = exp(−β σ_k).
-    """
-    if beta < 0:
-        raise ValueError(f"UGSA beta must be >= 0, got {beta}")
-    if not sigmas:
-        raise ValueError("ugsa_weight needs the newest client's sigma")
-    scores = [math.exp(-beta * s) for s in sigmas]
-    if normalizer == "history":
-        return scores[-1] / sum(scores)
-    if normalizer == "mean":
-        return scores[-1] / (sum(scores) / len(scores))
-    if normalizer == "none":
-        return scores[-1]
-    raise ValueError(f"unknown UGSA normalizer {normalizer!r}; valid names are: {', '.join(UGSA_NORMALIZERS)}")
-
-
-def ugsa_merge(global_state: State, client_state: State, *, gamma: float, weight: float) -> State:
-    """UGSA: θ_G ← θ_G + γ · w_k · (θ'_k − θ_G)."""
-    if gamma < 0:
-        raise ValueError(f"UGSA gamma must be >= 0, got {gamma}")
-    return interpolate(global_state, client_state, rate=gamma * weight)
 
 
 def running_average_merge(global_state: State, client_state: State, *, count: int) -> State:

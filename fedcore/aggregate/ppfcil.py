@@ -24,7 +24,7 @@ import numpy as np
 
 from fedcore.aggregate import multifactor as MF
 from fedcore.aggregate.functions import State, weighted_average
-from fedcore.aggregate.strategies import STRATEGIES, Aggregated, Strategy, Updates
+from fedcore.aggregate.base import STRATEGIES, Aggregated, Strategy, Updates
 from fedcore.registry import check_choice
 
 WEIGHTINGS = ("multifactor", "examples")

@@ -1,80 +1,24 @@
-"""Round strategies: the server side of synchronous federated training, chosen by name.
+"""The baseline round strategies: FedAvg, SCAFFOLD, FedDyn, FedAdam and FedProto.
 
 A strategy is a thin holder of settings and server state around the pure functions in
-:mod:`fedcore.aggregate.functions` and :mod:`fedcore.aggregate.prototypes`:
-
-* ``setup(global_state, num_clients)``: fresh server state for a new run;
-* ``broadcast()``: what every selected client receives besides the weights;
-* ``aggregate(global_state, updates, num_clients)`` -> :class:`Aggregated`;
-* ``state_dict()`` / ``load_state_dict()``: everything it must remember, checkpointed each round.
-
-``trainer`` names the local objective it is written for; the engine refuses other pairings.
+:mod:`fedcore.aggregate.functions` and :mod:`fedcore.aggregate.prototypes`; what every strategy
+offers is :class:`fedcore.aggregate.base.Strategy`. FedPAD, FedPD++ and PP-FCIL have modules of
+their own (:mod:`~fedcore.aggregate.fedpad`, :mod:`~fedcore.aggregate.fedpd`,
+:mod:`~fedcore.aggregate.ppfcil`); importing :mod:`fedcore.aggregate` registers them all.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, Sequence
 
 import torch
 
 from fedcore.aggregate import prototypes as P
+from fedcore.aggregate.base import STRATEGIES, Aggregated, Strategy, Updates, create_strategy
 from fedcore.aggregate.functions import State, fedadam_step, weighted_average
-from fedcore.registry import Registry
-from fedcore.train.base import ClientUpdate
 
-Updates = Sequence[Tuple[int, ClientUpdate]]
-
-
-@dataclass
-class Aggregated:
-    """A round's server result: the new global weights, round metrics, and per-client diagnostics."""
-
-    state: State
-    metrics: Dict[str, float] = field(default_factory=dict)
-    per_client: Dict[int, Dict[str, float]] = field(default_factory=dict)
-
-
-class Strategy:
-    """FedAvg: the example-weighted average of the client models (McMahan et al. 2017)."""
-
-    trainer: Tuple[str, ...] = ("sgd", "prox", "proser")  # local objectives this server rule is written for
-    needs_model = False  # True: the engine calls bind_model(network) before setup (alignment needs the layers)
-
-    def setup(self, global_state: State, *, num_clients: int, param_keys: Sequence[str]) -> None:
-        """Fresh server state; ``param_keys`` are the trainable entries (the rest are buffers)."""
-        self.param_keys = list(param_keys)
-
-    def broadcast(self) -> Dict[str, Any]:
-        return {}
-
-    def select(self, round_index: int, default: List[int], *, num_clients: int) -> List[int]:
-        """The clients of round ``round_index``; ``default`` is the run's seeded sample (or everyone)."""
-        return default
-
-    def aggregate(self, global_state: State, updates: Updates, *, num_clients: int) -> Aggregated:
-        return Aggregated(weighted_average([(u.state, u.num_examples) for _, u in updates]))
-
-    def discarded(self, updates: Updates) -> Dict[int, Dict[str, float]]:
-        """Updates of this round that the engine will not merge (weights with NaN or inf), before
-        :meth:`aggregate`: their weights are unusable, but what their sending implies (a privacy budget
-        spent) still holds. Returns per-client diagnostics for the round's record (merged into
-        ``Aggregated.per_client``, also in a round where every update is discarded). Most servers ignore them."""
-        return {}
-
-    def state_dict(self) -> Dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        pass
-
-
-STRATEGIES: Registry[Strategy] = Registry("strategy")
-
-
-def create_strategy(name: str, **settings) -> Strategy:
-    """A strategy by name, e.g. ``create_strategy("fedpad", gamma=0.1)``; bad names and settings list the valid ones."""
-    return STRATEGIES.create(name, **settings)
+__all__ = ["STRATEGIES", "Aggregated", "Strategy", "Updates", "create_strategy", "FedAvg", "Scaffold", "FedDyn",
+           "FedAdam", "PrototypeServer", "FedProto"]
 
 
 @STRATEGIES.register("fedavg")
@@ -190,7 +134,9 @@ class FedAdam(Strategy):
         self.m, self.v = dict(state["m"]), dict(state["v"])
 
 
-class _PrototypeServer(Strategy):
+class PrototypeServer(Strategy):
+    """A server that keeps global class prototypes and broadcasts them (FedProto, FedPAD)."""
+
     trainer = ("proto",)
 
     def setup(self, global_state: State, *, num_clients: int, param_keys: Sequence[str]) -> None:
@@ -202,7 +148,7 @@ class _PrototypeServer(Strategy):
 
 
 @STRATEGIES.register("fedproto")
-class FedProto(_PrototypeServer):
+class FedProto(PrototypeServer):
     """FedProto (Tan et al. 2022) under one global model: count-weighted class prototypes, FedAvg weights.
 
     The original keeps a personal model per client and shares prototypes only; here every
@@ -221,72 +167,3 @@ class FedProto(_PrototypeServer):
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.protos = dict(state["protos"])
-
-
-@STRATEGIES.register("fedpad")
-class FedPAD(_PrototypeServer):
-    """FedPAD: coverage-oriented prototype weights θ, stability-oriented model weights α(θ).
-
-    Parameters
-    ----------
-    gamma:
-        Prototype temperature γ in θ = softmax(γ d). The paper gives no default; ours is
-        chosen from the scale of d on our data (see docs/fedpad.md).
-    tau:
-        Model temperature τ in α = softmax(−θ/τ) (paper default 0.1).
-    alpha_mode:
-        ``fedpad`` (the paper), or the ablations ``uniform`` (α ≡ 1/m), ``direct`` (d → α),
-        ``normalized`` (d/Σd → α).
-    proto_weighting:
-        ``theta`` (the paper) or ``uniform`` (the "no θ-weighting" ablation).
-    """
-
-    def __init__(self, *, gamma: float = 0.01, tau: float = 0.1, alpha_mode: str = "fedpad",
-                 proto_weighting: str = "theta") -> None:
-        if gamma < 0:
-            raise ValueError(f"FedPAD gamma must be >= 0, got {gamma}")
-        if tau <= 0:
-            raise ValueError(f"FedPAD tau must be > 0, got {tau}")
-        if alpha_mode not in P.ALPHA_MODES:
-            raise ValueError(f"unknown FedPAD alpha_mode {alpha_mode!r}; valid names are: {', '.join(P.ALPHA_MODES)}")
-        if proto_weighting not in P.PROTO_WEIGHTINGS:
-            raise ValueError(f"unknown FedPAD proto_weighting {proto_weighting!r}; valid names are: "
-                             f"{', '.join(P.PROTO_WEIGHTINGS)}")
-        self.gamma, self.tau, self.alpha_mode, self.proto_weighting = float(gamma), float(tau), alpha_mode, \
-            proto_weighting
-
-    def setup(self, global_state: State, *, num_clients: int, param_keys: Sequence[str]) -> None:
-        super().setup(global_state, num_clients=num_clients, param_keys=param_keys)
-        self.last_alpha: Dict[int, float] = {}
-        self.last_d: Dict[int, float] = {}
-
-    def aggregate(self, global_state: State, updates: Updates, *, num_clients: int) -> Aggregated:
-        ids = [cid for cid, _ in updates]
-        client_protos = [u.payload["prototypes"] for _, u in updates]
-        d = [P.deviation(p, self.protos) for p in client_protos]
-        theta = P.prototype_weights(d, gamma=self.gamma)
-        alpha = P.model_weights(theta, tau=self.tau, mode=self.alpha_mode, deviations=d)
-        state = weighted_average([(u.state, a) for (_, u), a in zip(updates, alpha)])
-        pw = theta if self.proto_weighting == "theta" else [1.0] * len(updates)
-        self.protos = P.aggregate_prototypes(client_protos, pw, self.protos)
-        alpha_now, d_now = dict(zip(ids, alpha)), dict(zip(ids, d))
-        metrics = {"weight_drift": P.l1_change(alpha_now, self.last_alpha) if self.last_alpha else float("nan"),
-                   "deviation_change": P.max_change(d_now, self.last_d) if self.last_d else float("nan")}
-        self.last_alpha, self.last_d = alpha_now, d_now
-        per = {cid: {"alpha": a, "theta": t, "deviation": dv, "proto_dist": P.mean_distance(p, self.protos)}
-               for cid, a, t, dv, p in zip(ids, alpha, theta, d, client_protos)}
-        return Aggregated(state, metrics, per)
-
-    def state_dict(self) -> Dict[str, Any]:
-        return {"protos": self.protos, "last_alpha": dict(self.last_alpha), "last_d": dict(self.last_d)}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.protos = dict(state["protos"])
-        self.last_alpha = {int(k): float(v) for k, v in state["last_alpha"].items()}
-        self.last_d = {int(k): float(v) for k, v in state["last_d"].items()}
-
-
-# FedPD++ lives in its own module (it brings the open-set alignment); importing it registers "fedpd".
-from fedcore.aggregate import fedpd as _fedpd  # noqa: E402,F401
-# PP-FCIL's multi-factor weights and Mahalanobis selection; importing it registers "ppfcil".
-from fedcore.aggregate import ppfcil as _ppfcil  # noqa: E402,F401

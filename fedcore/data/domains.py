@@ -71,7 +71,7 @@ from typing import Callable, Dict, List, Mapping, Sequence, Tuple
 import numpy as np
 
 from fedcore.data.partition import dirichlet_label_split, read_arrays, sha256_arrays, write_arrays
-from fedcore.data.sources import CIFAR10_CLASSES, _cifar_from_zip
+from fedcore.data.sources import CIFAR10_CLASSES, cifar_from_zip
 
 DIGIT_CLASSES: Tuple[str, ...] = tuple(str(k) for k in range(10))
 PACS_DOMAINS: Tuple[str, ...] = ("photo", "art_painting", "cartoon", "sketch")
@@ -812,8 +812,8 @@ def _load_fashion(root, size, seed, cap, set_name):
 @functools.lru_cache(maxsize=1)
 def _cifar10_arrays(path_s: str, mtime_ns: int, nbytes: int) -> Tuple[np.ndarray, np.ndarray]:
     """All 60,000 CIFAR-10 images (N,32,32,3) and labels from ``cifar10-jpeg.zip``, train then test,
-    decoded by :func:`fedcore.data.sources._cifar_from_zip` once per process and file version (read-only)."""
-    images = _cifar_from_zip(Path(path_s))
+    decoded by :func:`fedcore.data.sources.cifar_from_zip` once per process and file version (read-only)."""
+    images = cifar_from_zip(Path(path_s))
     if len(images) != CIFAR10_IMAGES or images.x.shape[1:] != (32, 32, 3):
         raise ValueError(f"{path_s} holds {len(images)} CIFAR-10 images of shape {images.x.shape[1:]}, expected "
                          f"{CIFAR10_IMAGES} of (32, 32, 3); the file is incomplete: replace it with the original "

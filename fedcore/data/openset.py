@@ -24,7 +24,7 @@ from typing import Any, Dict, Mapping, Sequence, Tuple
 import numpy as np
 
 from fedcore.data.domains import DomainPartition
-from fedcore.engine.rounds import RoundData
+from fedcore.types import RoundData
 
 
 def _is_int(v: Any) -> bool:

@@ -75,7 +75,7 @@ def load_cifar10(root: str | Path) -> ImageSet:
     root = Path(root)
     zpath = root / "cifar10-jpeg.zip"
     if zpath.is_file():
-        return _cifar_from_zip(zpath)
+        return cifar_from_zip(zpath)
     if (root / "cifar-10-batches-py").is_dir():
         from torchvision.datasets import CIFAR10
 
@@ -86,7 +86,7 @@ def load_cifar10(root: str | Path) -> ImageSet:
     raise _missing(root, "CIFAR-10")
 
 
-def _cifar_from_zip(path: Path) -> ImageSet:
+def cifar_from_zip(path: Path) -> ImageSet:
     from PIL import Image
 
     xs, ys, split = [], [], []

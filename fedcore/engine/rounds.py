@@ -23,15 +23,15 @@ from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 import numpy as np
 import torch
 
-from fedcore.aggregate.functions import State
 from fedcore.aggregate.strategies import STRATEGIES, Aggregated, Strategy, create_strategy
 from fedcore.engine.checkpoint import RunInterrupted, load_state, save_state
-from fedcore.engine.spec import ModelSpec, init_state
+from fedcore.engine.spec import init_state
 from fedcore.engine.submit import Submit, SubmitRound, run_now
 from fedcore.evaluate import accuracy
 from fedcore.models import check_feature_layer
 from fedcore.tensors import resolve_device
-from fedcore.train import TRAINERS, ClientUpdate, create_trainer
+from fedcore.train import TRAINERS, create_trainer
+from fedcore.types import ClientUpdate, ModelSpec, RoundData, State
 
 
 @dataclass(frozen=True)
@@ -85,57 +85,6 @@ class RoundConfig:
 
     def fingerprint(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-@dataclass
-class RoundData:
-    """Who holds what: each client's labelled data, its group (domain), and the evaluation sets.
-
-    Data that arrives in tasks (class-incremental learning) also gives ``client_task`` (the task
-    of every sample), ``task_classes`` (the classes of each task) and ``rounds_per_task``: in
-    task t a client trains only on its samples of task t, and every client is told the task.
-    """
-
-    client_x: List[np.ndarray]
-    client_y: List[np.ndarray]
-    client_group: List[str]
-    eval_sets: Dict[str, Tuple[np.ndarray, np.ndarray]]
-    client_task: List[np.ndarray] | None = None
-    task_classes: List[List[int]] | None = None
-    rounds_per_task: int | None = None
-
-    def __post_init__(self) -> None:
-        if not self.client_x:
-            raise ValueError("a round-based run needs at least one client")
-        if not len(self.client_x) == len(self.client_y) == len(self.client_group):
-            raise ValueError("client_x, client_y and client_group must have one entry per client")
-        staged = (self.client_task is not None, self.task_classes is not None, self.rounds_per_task is not None)
-        if any(staged) and not all(staged):
-            raise ValueError("data in tasks needs all of client_task, task_classes and rounds_per_task")
-        if self.staged:
-            if len(self.client_task) != self.num_clients or any(
-                    len(t) != len(y) for t, y in zip(self.client_task, self.client_y)):
-                raise ValueError("client_task must give the task of every sample of every client")
-            if int(self.rounds_per_task) < 1:
-                raise ValueError(f"rounds_per_task must be >= 1, got {self.rounds_per_task}")
-
-    @property
-    def num_clients(self) -> int:
-        return len(self.client_x)
-
-    @property
-    def staged(self) -> bool:
-        return self.client_task is not None
-
-    def task_of(self, round_index: int) -> int:
-        return min(round_index // int(self.rounds_per_task), len(self.task_classes) - 1) if self.staged else 0
-
-    def client_data(self, client: int, round_index: int) -> Tuple[np.ndarray, np.ndarray]:
-        """What client ``client`` trains on in round ``round_index``: all its data, or its data of that task."""
-        if not self.staged:
-            return self.client_x[client], self.client_y[client]
-        keep = self.client_task[client] == self.task_of(round_index)
-        return self.client_x[client][keep], self.client_y[client][keep]
 
 
 def train_step(*, global_state: State, spec: ModelSpec, x: np.ndarray, y: np.ndarray, trainer: str,

@@ -8,29 +8,15 @@ A saved network is a folder of two files that nothing can execute: ``spec.json``
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Dict
 
 import torch
 from torch import nn
 
-from fedcore.aggregate.functions import State
-from fedcore.models import create_model
 from fedcore.tensors import state_to_cpu
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Enough to rebuild the network on any worker."""
-
-    name: str
-    in_channels: int
-    num_classes: int
-    norm: str = "batch"
-
-    def build(self) -> nn.Module:
-        return create_model(self.name, in_channels=self.in_channels, num_classes=self.num_classes, norm=self.norm)
+from fedcore.types import ModelSpec, State
 
 
 def init_state(spec: ModelSpec, seed: int) -> State:

@@ -87,3 +87,52 @@ def forgetting(acc_matrix: np.ndarray, last_visit: Sequence[int]) -> float:
     final = acc_matrix.shape[0] - 1
     drops = [acc_matrix[a, j] - acc_matrix[final, j] for j, a in enumerate(last_visit) if a != final]
     return float(np.mean(drops)) if drops else 0.0
+
+
+def _labels(name: str, value, num_classes: int) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{name} must hold integer class labels, got dtype {arr.dtype}")
+    if arr.size and (arr.min() < 0 or arr.max() >= num_classes):
+        raise ValueError(f"{name} has labels outside [0, {num_classes}); raise num_classes or fix the labels")
+    return arr.astype(np.int64)
+
+
+def cohen_kappa(*, y_true: Sequence[int], y_pred: Sequence[int], num_classes: int) -> float:
+    """Cohen's κ = (p_o − p_e) / (1 − p_e) of predictions against labels.
+
+    p_o is the observed agreement (the accuracy) and p_e = Σ_c P(true = c)·P(pred = c) the
+    agreement expected by chance. When p_e = 1 (labels and predictions are one and the same
+    single class) κ is 0/0; it is defined as 0 here.
+
+    Parameters
+    ----------
+    y_true, y_pred:
+        (n,) integer labels in [0, num_classes), n >= 1.
+    num_classes:
+        The number of classes, >= 1.
+
+    Returns
+    -------
+    float
+        κ in [−1, 1].
+    """
+    if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)):
+        raise ValueError(f"num_classes must be an integer, got {num_classes!r}")
+    if num_classes < 1:
+        raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+    c = int(num_classes)
+    yt, yp = _labels("y_true", y_true, c), _labels("y_pred", y_pred, c)
+    if yt.size != yp.size:
+        raise ValueError(f"y_true and y_pred must have the same length, got {yt.size} and {yp.size}")
+    if yt.size == 0:
+        raise ValueError("y_true and y_pred are empty; κ needs at least one prediction")
+    n = float(yt.size)
+    confusion = np.bincount(yt * c + yp, minlength=c * c).reshape(c, c).astype(np.float64)
+    p_o = np.trace(confusion) / n
+    p_e = float(confusion.sum(axis=1) @ confusion.sum(axis=0)) / (n * n)
+    if p_e >= 1.0:
+        return 0.0
+    return float((p_o - p_e) / (1.0 - p_e))

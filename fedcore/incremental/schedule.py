@@ -108,7 +108,7 @@ def incremental_view(x: np.ndarray, y: np.ndarray, test_x: np.ndarray, test_y: n
     Clients get Dirichlet shares of each task (:func:`split_by_task`); the test set keeps the
     schedule's classes and is the one evaluation set.
     """
-    from fedcore.engine.rounds import RoundData
+    from fedcore.types import RoundData
 
     owned = split_by_task(y, schedule, num_clients=num_clients, alpha=alpha, seed=seed)
     task_of = schedule.task_of_class()

@@ -1,29 +1,34 @@
-"""Network builders; the norm layer (batch / group / layer) is a parameter."""
+"""Network builders by name; the norm layer (batch / group / layer) is a parameter.
+
+``create_model("lenet", in_channels=3, num_classes=10, norm="group")``; ``MODELS.names()`` lists them,
+``dual-<backbone>`` included (PP-FCIL's dual model, :mod:`fedcore.models.dual`).
+"""
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from fedcore.models.cnn import LeNet, SmallCNN
-from fedcore.models.norm import NORMS, make_norm
-from fedcore.models.resnet import ResNet20, resnet18_32
-from fedcore.registry import Registry
-
-MODELS: Registry[nn.Module] = Registry("model")
-MODELS.register("cnn")(SmallCNN)
-MODELS.register("lenet")(LeNet)
-MODELS.register("resnet20")(ResNet20)
-MODELS.register("resnet18")(resnet18_32)
+from fedcore.models.base import (
+    MODELS,
+    NORMS,
+    LeNet,
+    ResNet20,
+    SmallCNN,
+    check_feature_layer,
+    create_model,
+    embed_and_classify,
+    make_norm,
+    mix_split,
+    resnet18_32,
+)
+from fedcore.models.dual import DualNet
 
 
 def _dual(base: str):
     def build(*, in_channels: int, num_classes: int, norm: str = "batch") -> nn.Module:
-        from fedcore.incremental.dual import DualNet  # PP-FCIL's dual model over a registered backbone
-
         return DualNet(backbone=base, in_channels=in_channels, num_classes=num_classes, norm=norm)
 
-    build.__doc__ = f"PP-FCIL's dual model (fedcore.incremental.dual.DualNet) over the {base!r} backbone."
+    build.__doc__ = f"PP-FCIL's dual model (fedcore.models.dual.DualNet) over the {base!r} backbone."
     return build
 
 
@@ -31,50 +36,5 @@ for _base in ("cnn", "lenet", "resnet20", "resnet18"):
     MODELS.register(f"dual-{_base}")(_dual(_base))
 
 
-def create_model(name: str, *, in_channels: int, num_classes: int, norm: str = "batch") -> nn.Module:
-    """Build a model by name, e.g. ``create_model("cnn", in_channels=1, num_classes=10, norm="group")``."""
-    return MODELS.create(name, in_channels=in_channels, num_classes=num_classes, norm=norm)
-
-
-def embed_and_classify(model: nn.Module, x):
-    """(features, logits) of a model with a feature layer: ``embed(x)`` then its ``fc`` head.
-
-    Prototype methods (FedProto, FedPAD) need the penultimate features; a model without
-    them is refused with the names of the models that have them.
-    """
-    check_feature_layer(model)
-    feats = model.embed(x)
-    return feats, model.fc(feats)
-
-
-def check_feature_layer(model: nn.Module) -> None:
-    """Raise a ValueError naming the usable models when ``model`` has no ``embed`` + ``fc`` pair."""
-    if not (callable(getattr(model, "embed", None)) and isinstance(getattr(model, "fc", None), nn.Module)):
-        raise ValueError(f"{type(model).__name__} exposes no feature layer (an embed(x) method and an fc head); "
-                         f"prototype methods need one: use one of the models {', '.join(MODELS.names())}")
-
-
-__all__ = ["embed_and_classify", "mix_split", "check_feature_layer", "create_model", "MODELS", "NORMS", "make_norm", "SmallCNN", "LeNet", "ResNet20", "resnet18_32"]
-
-
-def mix_split(model: nn.Module):
-    """``(pre, post)``: the layers before and after the model's mixing point, for PROSER's manifold mixup.
-
-    ``post(pre(x))`` equals ``model(x)``. A model declares its mixing point with ``mix_at``, an index
-    into its ``features``, or with a ``mix_parts()`` method that returns the pair (the ResNets); a
-    model without one is refused with the names of those that have one.
-    """
-    if callable(getattr(model, "mix_parts", None)):
-        return model.mix_parts()
-    at = getattr(model, "mix_at", None)
-    if at is None or not isinstance(getattr(model, "features", None), nn.Sequential):
-        usable = [n for n in MODELS.names()
-                  if getattr(MODELS.get(n), "mix_at", None) is not None or getattr(MODELS.get(n), "mixable", False)]
-        raise ValueError(f"{type(model).__name__} has no layer to mix at: PROSER mixes features at a middle layer "
-                         f"(a `mix_at` index into `features`); use one of the models {', '.join(usable)}")
-    head, tail = model.features[:at], model.features[at:]
-
-    def post(h):
-        return model.fc(torch.flatten(tail(h), 1))
-
-    return head, post
+__all__ = ["embed_and_classify", "mix_split", "check_feature_layer", "create_model", "MODELS", "NORMS", "make_norm",
+           "SmallCNN", "LeNet", "ResNet20", "resnet18_32", "DualNet"]

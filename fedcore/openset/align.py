@@ -428,7 +428,7 @@ def align_chain(state: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tenso
     ``part_cost="weighted"`` compares units on the coordinates both parts hold (:func:`unit_distance`);
     ``"masked"`` compares the masked weights ``S ⊙ P`` themselves, the literal reading, under which
     two copies of one model with different masks are matched by their mask patterns.
-    ``bank_costs`` maps a layer name to SBA's cost between channels (:func:`bank_cost`), added to
+    ``bank_costs`` maps a layer name to SBA's cost between channels (:func:`fedcore.openset.sba.bank_cost`), added to
     the weights' cost with ``sba_weight``.
     """
     check_choice("part_cost", part_cost, PART_COSTS)
@@ -490,16 +490,3 @@ def apply_chain(tensors: Mapping[str, torch.Tensor], plan: Sequence[Layer], chai
 
 def identity_chain(plan: Sequence[Layer]) -> Chain:
     return Chain(P=[None] * len(plan))
-
-
-# ------------------------------------------------------------------------------------------ SBA
-def bank_cost(bank: torch.Tensor, ref_bank: torch.Tensor) -> torch.Tensor:
-    """SBA: the distance between channels' BatchNorm histories over the rounds both clients kept.
-
-    ``bank`` and ``ref_bank`` are ``(rounds, C)`` running means; a channel is described by its
-    history (a column). The paper applies this matching first and then aligns the refined layer;
-    with a transport that does not depend on the order of A's units (Sinkhorn with uniform
-    marginals, or an exact assignment) that composition gives back exactly the transport of the
-    weights alone, so SBA would change nothing. We add this cost to the weights' cost instead.
-    """
-    return torch.cdist(bank.double().t(), ref_bank.double().t())

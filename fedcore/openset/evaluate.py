@@ -23,7 +23,7 @@ from typing import Dict, Mapping, Sequence, Tuple
 import numpy as np
 import torch
 
-from fedcore.engine.spec import ModelSpec
+from fedcore.types import ModelSpec
 from fedcore.openset.metrics import auroc, msp_score, oscr, proser_predict, proser_score
 from fedcore.openset.openmax import OpenMax
 from fedcore.tensors import batches, resolve_device, to_tensor

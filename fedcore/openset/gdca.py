@@ -17,7 +17,8 @@ from typing import Dict, List, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from fedcore.openset.align import Layer, align_chain, apply_chain, bank_cost, identity_chain
+from fedcore.openset.align import Layer, align_chain, apply_chain, identity_chain
+from fedcore.openset.sba import sba_costs
 
 State = Dict[str, torch.Tensor]
 
@@ -49,7 +50,7 @@ def fuse(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float],
         How a part's units are compared (:func:`fedcore.openset.align.align_chain`).
     banks:
         Per client, ``{"rounds": (t,), layer name: (t, C) BatchNorm running means}`` (SBA,
-        :func:`_sba`); ``None`` turns SBA off.
+        :func:`~fedcore.openset.sba.sba_costs`); ``None`` turns SBA off.
     names:
         Client ids for ``per_client`` (default: positions).
     """
@@ -74,7 +75,7 @@ def fuse(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float],
             whole = identity_chain(plan)
             chains = {p: whole for p in cut}
         else:
-            sba = dict(bank_costs=_sba(banks[k], banks[ref], plan), sba_weight=sba_weight) if banks else {}
+            sba = dict(bank_costs=sba_costs(banks[k], banks[ref], plan), sba_weight=sba_weight) if banks else {}
             whole = align_chain(state, states[ref], plan, method=method, reg=reg, max_iter=max_iter, tol=tol,
                                 quality=quality, where=f"client {names[k]}", **sba)
             chains = {p: whole if p in ("rest", "whole") else
@@ -114,24 +115,3 @@ def fuse(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float],
     if quality_vals:
         metrics["align_quality"] = float(np.mean(quality_vals))
     return Fused(state=out, metrics=metrics, per_client=per_client)
-
-
-def _sba(bank: Optional[Mapping[str, torch.Tensor]], ref_bank: Optional[Mapping[str, torch.Tensor]],
-         plan: Sequence[Layer]) -> Dict[str, torch.Tensor]:
-    """SBA's per-layer costs between channels, over the rounds both clients have BatchNorm statistics for.
-
-    A bank is ``{"rounds": (t,) round indices, <layer name>: (t, C) running means}``.
-    """
-    costs: Dict[str, torch.Tensor] = {}
-    if not bank or not ref_bank:
-        return costs
-    mine, theirs = bank["rounds"].tolist(), ref_bank["rounds"].tolist()
-    common = sorted(set(mine) & set(theirs))
-    if not common:
-        return costs
-    ia = torch.tensor([mine.index(r) for r in common])
-    ib = torch.tensor([theirs.index(r) for r in common])
-    for layer in plan:
-        if not layer.last and layer.name in bank and layer.name in ref_bank:
-            costs[layer.name] = bank_cost(bank[layer.name][ia], ref_bank[layer.name][ib])
-    return costs

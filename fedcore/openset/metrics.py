@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 
-def _as_numpy(a: Any) -> np.ndarray:
+def as_numpy(a: Any) -> np.ndarray:
+    """``a`` (a tensor, array or list) as a NumPy array on the CPU; half precision is widened to float64."""
     if isinstance(a, torch.Tensor):
         a = a.detach().cpu()
         return (a.double() if a.dtype in (torch.float16, torch.bfloat16) else a).numpy()
@@ -25,7 +26,7 @@ def _as_numpy(a: Any) -> np.ndarray:
 
 def _scores(a: Any, name: str) -> np.ndarray:
     """A 1-D, non-empty, finite float64 array, or a ValueError that names ``name``."""
-    s = _as_numpy(a)
+    s = as_numpy(a)
     if s.ndim != 1:
         raise ValueError(f"{name} must be 1-D (one score per sample), got shape {s.shape}; "
                          "flatten it or pass one score per sample")
@@ -41,8 +42,9 @@ def _scores(a: Any, name: str) -> np.ndarray:
     return s
 
 
-def _logits(logits: Any, name: str = "logits", *, min_classes: int = 1) -> np.ndarray:
-    z = _as_numpy(logits)
+def check_logits(logits: Any, name: str = "logits", *, min_classes: int = 1) -> np.ndarray:
+    """``logits`` as a 2-D (N, C) NumPy array with C >= ``min_classes``; anything else is a ValueError naming ``name``."""
+    z = as_numpy(logits)
     if z.ndim != 2 or z.shape[1] < min_classes:
         raise ValueError(f"{name} must be 2-D (N, C) with C >= {min_classes}, got shape {z.shape}")
     z = z.astype(np.float64)
@@ -124,7 +126,7 @@ def oscr(score_known: Any, correct: Any, score_unknown: Any) -> float:
     """
     sk = _scores(score_known, "score_known")
     su = _scores(score_unknown, "score_unknown")
-    ok = _as_numpy(correct)
+    ok = as_numpy(correct)
     if ok.shape != sk.shape:
         raise ValueError(f"correct must have one entry per known sample, shape {sk.shape}, got {ok.shape}")
     if ok.dtype != np.bool_:
@@ -155,7 +157,7 @@ def msp_score(logits: Any) -> np.ndarray:
     numpy.ndarray
         float64 (N,), in [-1, -1/C]; higher = less confident = more likely unknown.
     """
-    z = _logits(logits)
+    z = check_logits(logits)
     z = z - z.max(axis=1, keepdims=True)  # the max softmax is then 1 / sum(exp(z)), overflow-free
     return -1.0 / np.exp(z).sum(axis=1)
 
@@ -187,7 +189,7 @@ def proser_score(logits: Any) -> np.ndarray:
     --------
     proser_predict : the closed-set label of a PROSER model (argmax over the known logits only).
     """
-    z = _logits(logits, min_classes=2)
+    z = check_logits(logits, min_classes=2)
     return z[:, -1] - z[:, :-1].max(axis=1)
 
 
@@ -199,7 +201,7 @@ def proser_predict(logits: Any) -> np.ndarray:
     numpy.ndarray
         int64 (N,) in ``0..K-1``; the dummy class is never predicted.
     """
-    z = _logits(logits, min_classes=2)
+    z = check_logits(logits, min_classes=2)
     return z[:, :-1].argmax(axis=1).astype(np.int64)
 
 
@@ -220,7 +222,7 @@ def open_set_metrics(pred: Any, y: Any, score_known: Any, score_unknown: Any) ->
     dict
         ``{"closed_acc": float, "auroc": float, "oscr": float}``.
     """
-    p, t = _as_numpy(pred), _as_numpy(y)
+    p, t = as_numpy(pred), as_numpy(y)
     n = _scores(score_known, "score_known").shape
     if p.shape != n or t.shape != n:
         raise ValueError(f"pred, y and score_known must describe the same known samples: shapes {p.shape}, "

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from fedcore.openset.metrics import _as_numpy, _logits
+from fedcore.openset.metrics import as_numpy, check_logits
 
 DISTANCES = ("eucos", "euclidean")
 EUCOS_EUCLIDEAN_SCALE = 200.0  # the authors' eucos divides the euclidean distance by 200
@@ -163,8 +163,8 @@ class OpenMax:
             If a class has no correctly classified training sample, or too few distinct nonzero
             distances for a Weibull fit; or on malformed inputs.
         """
-        z = _logits(logits)
-        labels = _as_numpy(y)
+        z = check_logits(logits)
+        labels = as_numpy(y)
         n, c = z.shape
         if labels.shape != (n,) or not np.issubdtype(labels.dtype, np.integer):
             raise ValueError(f"y must be an int array of shape ({n},) to match logits, "
@@ -204,7 +204,7 @@ class OpenMax:
 
     def _checked(self, logits: Any) -> np.ndarray:
         self._check_fitted()
-        z = _logits(logits)
+        z = check_logits(logits)
         if z.shape[1] != self.mav_.shape[0]:
             raise ValueError(f"logits have {z.shape[1]} columns but OpenMax was fitted on {self.mav_.shape[0]} "
                              "classes; score logits of the same model")

@@ -12,7 +12,6 @@ A trainer is a small object holding its settings (keyword-only, defaults written
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Dict
 
 import math
@@ -23,35 +22,8 @@ from torch import nn
 
 from fedcore.registry import Registry
 from fedcore.tensors import batches, state_to_cpu, to_tensor
+from fedcore.types import ClientUpdate, State
 
-State = Dict[str, torch.Tensor]
-
-
-@dataclass
-class ClientUpdate:
-    """What a client sends back after a round.
-
-    Attributes
-    ----------
-    state:
-        The client's weights (a CPU ``state_dict``).
-    num_examples:
-        How many labelled samples it trained on.
-    metrics:
-        Scalars for the record (``train_loss``, ...).
-    client_state:
-        What the server keeps for this client until its next round (SCAFFOLD's c_i, FedDyn's
-        gradient memory): checkpointed with the server, never kept on a worker.
-    payload:
-        Typed extras for the strategy: prototypes with class counts now; masks, BN statistics
-        or accuracy vectors later.
-    """
-
-    state: State
-    num_examples: int
-    metrics: Dict[str, float] = field(default_factory=dict)
-    client_state: Dict[str, Any] = field(default_factory=dict)
-    payload: Dict[str, Any] = field(default_factory=dict)
 
 
 class LocalTrainer:

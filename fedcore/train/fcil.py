@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from fedcore.incremental import losses as L
-from fedcore.incremental.dual import NEW_INITS, DualNet
+from fedcore.models.dual import NEW_INITS, DualNet
 from fedcore.incremental.exemplars import ExemplarMemory, herding
 from fedcore.privacy.nbafl import planned_uploads
 from fedcore.registry import check_choice
@@ -483,7 +483,7 @@ def _mask(num_classes: int, classes: Sequence[int]) -> torch.Tensor:
 def _local_report(model: DualNet, xt: torch.Tensor, yt: torch.Tensor, *, seen: torch.Tensor,
                   num_classes: int) -> Dict[str, float]:
     """Accuracy, loss and Cohen's kappa of the trained local model on the client's round data."""
-    from fedcore.aggregate.multifactor import cohen_kappa
+    from fedcore.evaluate.metrics import cohen_kappa
 
     model.eval()
     if len(xt) == 0:

@@ -15,7 +15,7 @@ The model has one more output than there are known classes: the last logit is th
 α = 1); the FedPD++ paper's two learning rates (10⁻² closed, 10⁻⁴ open) would be γ = β = 0.01.
 
 When ``importance`` is not ``none`` the trainer scores every parameter for each loss
-(:mod:`fedcore.openset.masks`): DPI sums ``|∇L · ω| · Δt`` over every local step of the round
+(:mod:`fedcore.openset.dpi`, :mod:`fedcore.openset.masks`): DPI sums ``|∇L · ω| · Δt`` over every local step of the round
 (Δt = the learning rate; the path is the round's local optimisation, since the masks go to the
 server every round), ``gradient`` keeps the last step only. The closed- and open-set gradients come
 from two backward passes, summed before the optimizer step, so the update is the same as one
@@ -30,11 +30,11 @@ import torch
 from torch import nn
 
 from fedcore.models import mix_split
+from fedcore.openset.dpi import IMPORTANCE, empty_scores, importance_step
 from fedcore.openset.masks import MASK_MODES, SCORE_NORMS, delta_soft, masks_from_scores
 from fedcore.registry import check_choice
 from fedcore.train.base import TRAINERS, LocalTrainer, State
 
-IMPORTANCE = ("dpi", "gradient", "none")
 
 
 @TRAINERS.register("proser")
@@ -74,8 +74,7 @@ class ProserTrainer(LocalTrainer):
         self._round = int(broadcast.get("round", 0))
         self._rounds = self.mask_rounds or int(broadcast.get("rounds", 1))
         self._params = dict(model.named_parameters())
-        self._scores = {"close": {k: torch.zeros_like(p) for k, p in self._params.items()},
-                        "open": {k: torch.zeros_like(p) for k, p in self._params.items()}}
+        self._scores = empty_scores(self._params)
         self._g_close = None
         self._gen = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, (1,))))
 
@@ -111,18 +110,11 @@ class ProserTrainer(LocalTrainer):
     def after_backward(self, model: nn.Module) -> None:
         if self.importance == "none":
             return
-        dt = self.lr
+        g_open = {k: torch.zeros_like(p) if p.grad is None else p.grad.detach() for k, p in self._params.items()}
+        importance_step(self._scores, self._params, g_close=self._g_close, g_open=g_open, dt=self.lr,
+                        mode=self.importance)
         for k, p in self._params.items():
-            g_open = torch.zeros_like(p) if p.grad is None else p.grad.detach()
-            g_close = self._g_close[k]
-            w = p.detach()
-            if self.importance == "dpi":
-                self._scores["close"][k].add_((g_close * w).abs(), alpha=dt)
-                self._scores["open"][k].add_((g_open * w).abs(), alpha=dt)
-            else:  # the last step's |∇L · ω| only (Eq. 7–8)
-                self._scores["close"][k] = (g_close * w).abs()
-                self._scores["open"][k] = (g_open * w).abs()
-            p.grad = g_open + g_close
+            p.grad = g_open[k] + self._g_close[k]
 
     def finish(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: int):
         if self.importance == "none":

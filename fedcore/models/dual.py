@@ -28,13 +28,13 @@ from typing import Tuple
 import torch
 from torch import nn
 
+from fedcore.models.base import MODELS, check_feature_layer
+
 NEW_INITS = ("random", "old")
 
 
 def _backbone(name: str, *, in_channels: int, norm: str) -> Tuple[nn.Module, int]:
     """A registered network without its classifier (``embed`` only) and its feature width."""
-    from fedcore.models import MODELS, check_feature_layer
-
     net = MODELS.create(name, in_channels=in_channels, num_classes=2, norm=norm)
     check_feature_layer(net)
     width = int(net.fc.in_features)

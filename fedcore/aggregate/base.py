@@ -1,0 +1,74 @@
+"""What every round strategy is: the server side of synchronous federated training, chosen by name.
+
+A strategy is a thin holder of settings and server state around the pure functions in
+:mod:`fedcore.aggregate.functions` and :mod:`fedcore.aggregate.prototypes`:
+
+* ``setup(global_state, num_clients)``: fresh server state for a new run;
+* ``broadcast()``: what every selected client receives besides the weights;
+* ``aggregate(global_state, updates, num_clients)`` -> :class:`Aggregated`;
+* ``state_dict()`` / ``load_state_dict()``: everything it must remember, checkpointed each round.
+
+``trainer`` names the local objective it is written for; the engine refuses other pairings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Sequence, Tuple
+
+from fedcore.aggregate.functions import weighted_average
+from fedcore.registry import Registry
+from fedcore.types import ClientUpdate, State
+
+Updates = Sequence[Tuple[int, ClientUpdate]]
+
+
+@dataclass
+class Aggregated:
+    """A round's server result: the new global weights, round metrics, and per-client diagnostics."""
+
+    state: State
+    metrics: Dict[str, float] = field(default_factory=dict)
+    per_client: Dict[int, Dict[str, float]] = field(default_factory=dict)
+
+
+class Strategy:
+    """FedAvg: the example-weighted average of the client models (McMahan et al. 2017)."""
+
+    trainer: Tuple[str, ...] = ("sgd", "prox", "proser")  # local objectives this server rule is written for
+    needs_model = False  # True: the engine calls bind_model(network) before setup (alignment needs the layers)
+
+    def setup(self, global_state: State, *, num_clients: int, param_keys: Sequence[str]) -> None:
+        """Fresh server state; ``param_keys`` are the trainable entries (the rest are buffers)."""
+        self.param_keys = list(param_keys)
+
+    def broadcast(self) -> Dict[str, Any]:
+        return {}
+
+    def select(self, round_index: int, default: List[int], *, num_clients: int) -> List[int]:
+        """The clients of round ``round_index``; ``default`` is the run's seeded sample (or everyone)."""
+        return default
+
+    def aggregate(self, global_state: State, updates: Updates, *, num_clients: int) -> Aggregated:
+        return Aggregated(weighted_average([(u.state, u.num_examples) for _, u in updates]))
+
+    def discarded(self, updates: Updates) -> Dict[int, Dict[str, float]]:
+        """Updates of this round that the engine will not merge (weights with NaN or inf), before
+        :meth:`aggregate`: their weights are unusable, but what their sending implies (a privacy budget
+        spent) still holds. Returns per-client diagnostics for the round's record (merged into
+        ``Aggregated.per_client``, also in a round where every update is discarded). Most servers ignore them."""
+        return {}
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        pass
+
+
+STRATEGIES: Registry[Strategy] = Registry("strategy")
+
+
+def create_strategy(name: str, **settings) -> Strategy:
+    """A strategy by name, e.g. ``create_strategy("fedpad", gamma=0.1)``; bad names and settings list the valid ones."""
+    return STRATEGIES.create(name, **settings)
