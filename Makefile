@@ -2,12 +2,13 @@
 #   make run    set up .venv, then the quick default of every system on data that ships with the packages:
 #               `dvc repro adapt@mnist fedpad@quick fedpd@quick ppfcil@quick` (BPFedCTTA and PP-FCIL on MNIST digits,
 #               FedPAD and FedPD++ on three digit domains)
-#   make test   set up if needed, then run the test suite
+#   make test   set up if needed, then lint (ruff, mypy) and run the whole test suite
+#   make test-fast   the library and flow tests (tests/fedcore, tests/flows) without the slow end-to-end runs
 # and, when there is time (about 20 min on 2 cores):
 #   make private  the private-TTA grid (6 methods x plain/clip/dp0/DP at 4 epsilons) and the canary audit
 #   make stress   BPFedCTTA's stress protocol; make stress-private: DP-TTA's (lr x plain/clip/DP, 3 seeds);
 #                 make stress-cifar: BPFedCTTA's on CIFAR-10-C (needs ../shared/data/cifar10-jpeg.zip)
-# Sharing a run between clones or machines (README: Sharing a run):
+# Sharing a run between clones or machines (docs/tracking.md):
 #   make push   every output dvc.lock records -> the DVC remote (FEDCORE_DVC_REMOTE, default ../fedcore-dvc-remote)
 #   make pull   on another clone: fetch, check every md5 against dvc.lock, restore; rebuilds nothing
 #   STAGES="adapt@mnist fedpad@quick" limits either to those stages
@@ -21,7 +22,7 @@ export MLFLOW_ENABLE_TELEMETRY ?= false
 export DO_NOT_TRACK ?= 1
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup browser run private stress stress-private stress-cifar fedpad fedpd ppfcil push pull test test-fast params bench clean
+.PHONY: setup browser lint run private stress stress-private stress-cifar fedpad fedpd ppfcil push pull test test-fast params bench clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -106,11 +107,16 @@ browser:
 	      >/dev/null) || echo "could not install chromium: tests/test_ui.py will be skipped"; \
 	  else echo "no chromium, and not root: tests/test_ui.py will be skipped (apt-get install chromium)"; fi; }
 
-test: setup browser
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: setup browser lint
 	$(BIN)/python -m pytest -q
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" tests/fedcore tests/flows
 
 bench: setup
 	$(BIN)/python benchmarks/overhead.py

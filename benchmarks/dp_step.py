@@ -75,8 +75,10 @@ def _time(model_name: str, which: str, batch: int, steps: int, rounds: int, devi
                 method(x[:batch])
             _sync(device)
             times[form].append((time.perf_counter() - t0) / steps)
-    out.put({form: statistics.median(v) for form, v in times.items()} |
-            {"n_params": sum(p.numel() for p in built["plain"][0].params.values())})
+    out.put(
+        {form: statistics.median(v) for form, v in times.items()}
+        | {"n_params": sum(p.numel() for p in built["plain"][0].params.values())}
+    )
 
 
 def _memory(model_name: str, which: str, backend: str | None, batch: int, device: str, out) -> None:
@@ -88,8 +90,11 @@ def _memory(model_name: str, which: str, backend: str | None, batch: int, device
     for _ in range(5):
         method(x[:batch])
     _sync(device)
-    out.put(torch.cuda.max_memory_allocated() / 2**20 if device.startswith("cuda")
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    out.put(
+        torch.cuda.max_memory_allocated() / 2**20
+        if device.startswith("cuda")
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    )
 
 
 def _child(target, *args):
@@ -112,8 +117,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args(argv)
     rows = []
-    print(f"one Tent step, batch {args.batch}, median of {args.rounds} interleaved rounds of {args.steps} steps, "
-          f"device {args.device}")
+    print(
+        f"one Tent step, batch {args.batch}, median of {args.rounds} interleaved rounds of {args.steps} steps, "
+        f"device {args.device}"
+    )
     print(f"{'model':9} {'params':6} {'form':16} {'ms/step':>8} {'ratio':>6} {'peak MiB':>9}  target")
     for m in args.models:
         for which in ("norm", "all"):
@@ -124,8 +131,17 @@ def main(argv=None) -> int:
                 ratio = t[form] / base
                 ok = "" if backend is None else ("ok" if ratio <= TARGET[which] else f"MISSED (<= {TARGET[which]})")
                 print(f"{m:9} {which:6} {form:16} {t[form] * 1e3:8.2f} {ratio:6.2f} {peak:9.0f}  {ok}", flush=True)
-                rows.append({"model": m, "params": which, "form": form, "n_params": t["n_params"],
-                             "sec": t[form], "ratio": ratio, "peak_mib": peak})
+                rows.append(
+                    {
+                        "model": m,
+                        "params": which,
+                        "form": form,
+                        "n_params": t["n_params"],
+                        "sec": t[form],
+                        "ratio": ratio,
+                        "peak_mib": peak,
+                    }
+                )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

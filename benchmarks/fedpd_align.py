@@ -40,8 +40,10 @@ def clients(n: int, model: str = "resnet18", seed: int = 0):
     plan = layer_plan(base)
     states, shuffles = [], []
     for k in range(n):
-        noisy = {key: v + 0.2 * v.std() * torch.randn_like(v) if v.is_floating_point() and v.numel() > 1 else v.clone()
-                 for key, v in base.state_dict().items()}
+        noisy = {
+            key: v + 0.2 * v.std() * torch.randn_like(v) if v.is_floating_point() and v.numel() > 1 else v.clone()
+            for key, v in base.state_dict().items()
+        }
         chain = shuffled_chain(plan, torch.Generator().manual_seed(seed * 1000 + k))
         if not k:
             chain.P = [None] * len(plan)
@@ -72,22 +74,27 @@ def main(argv=None) -> int:
     base, plan, states, shuffles = clients(args.clients, args.model)
     params = sum(p.numel() for p in base.parameters())
     decided = sum(1 for layer in plan if not layer.last and layer.tie is None)
-    print(f"{args.model}: {params / 1e6:.1f} M parameters, {len(plan)} layers, {decided} transports per chain "
-          f"(the rest follow a residual sum), {args.clients} clients, {args.threads} thread(s)")
+    print(
+        f"{args.model}: {params / 1e6:.1f} M parameters, {len(plan)} layers, {decided} transports per chain "
+        f"(the rest follow a residual sum), {args.clients} clients, {args.threads} thread(s)"
+    )
     keys = [k for k, _ in base.named_parameters()]
     g = torch.Generator().manual_seed(0)
 
     def cut(state):  # each client its own masks, as from its own importance scores
-        return split_parts(masks_from_scores({k: torch.rand(state[k].shape, generator=g) for k in keys},
-                                             mode="soft", delta=0.6),
-                           masks_from_scores({k: torch.rand(state[k].shape, generator=g) for k in keys},
-                                             mode="soft", delta=0.6))
+        return split_parts(
+            masks_from_scores({k: torch.rand(state[k].shape, generator=g) for k in keys}, mode="soft", delta=0.6),
+            masks_from_scores({k: torch.rand(state[k].shape, generator=g) for k in keys}, mode="soft", delta=0.6),
+        )
 
     parts = [cut(s) for s in states]
     align_chain(states[1], states[0], plan, method="sinkhorn", reg=args.reg)  # warm-up (imports)
     rows = {}
-    for label, method, tol in (("sinkhorn", "sinkhorn", 1e-6), ("sinkhorn tol 1e-3", "sinkhorn", 1e-3),
-                               ("hungarian", "hungarian", 1e-6)):
+    for label, method, tol in (
+        ("sinkhorn", "sinkhorn", 1e-6),
+        ("sinkhorn tol 1e-3", "sinkhorn", 1e-3),
+        ("hungarian", "hungarian", 1e-6),
+    ):
         t0 = time.perf_counter()
         costs, hits = [], []
         for s, shuffle in zip(states[1:], shuffles[1:]):
@@ -98,17 +105,22 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         for s, cut_k in zip(states[1:], parts[1:]):
             for p in ("close", "open", "share"):
-                align_chain(s, states[0], plan, method=method, reg=args.reg, tol=tol, mask=cut_k[p],
-                            ref_mask=parts[0][p])
+                align_chain(
+                    s, states[0], plan, method=method, reg=args.reg, tol=tol, mask=cut_k[p], ref_mask=parts[0][p]
+                )
         three = time.perf_counter() - t0
         rows[label] = (whole, three, sum(costs), sum(hits) / len(hits))
     s_whole, s_three, _, _ = rows["sinkhorn"]
     exact = rows["hungarian"][2]
-    print(f"{'method':<18} {'whole model s':>14} {'x sinkhorn':>10} {'3 parts s':>10} {'x sinkhorn':>10} "
-          f"{'units back':>10} {'quality':>8}")
+    print(
+        f"{'method':<18} {'whole model s':>14} {'x sinkhorn':>10} {'3 parts s':>10} {'x sinkhorn':>10} "
+        f"{'units back':>10} {'quality':>8}"
+    )
     for label, (whole, three, cost, hit) in rows.items():
-        print(f"{label:<18} {whole:>14.2f} {whole / s_whole:>10.2f} {three:>10.2f} {three / s_three:>10.2f} "
-              f"{hit:>10.3f} {exact / cost if cost > 0 else 1.0:>8.4f}")
+        print(
+            f"{label:<18} {whole:>14.2f} {whole / s_whole:>10.2f} {three:>10.2f} {three / s_three:>10.2f} "
+            f"{hit:>10.3f} {exact / cost if cost > 0 else 1.0:>8.4f}"
+        )
     print("quality: the exact assignment's transport cost over this method's (whole model; 1 = as good as Hungarian)")
     return 0
 

@@ -30,6 +30,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from paired import median_summary  # noqa: E402  (this folder; opacus installs a package named benchmarks)
+
 from flows import config as C  # noqa: E402
 
 
@@ -88,13 +89,18 @@ def without_mlflow(F, tracking, model_registry):
     checkpoints are still written."""
     import mlflow
 
-    patches = [(F, "_start_experiment_run", lambda *a, **kw: contextlib.nullcontext()),
-               (tracking, "setup", lambda *a, **kw: None), (tracking, "log_arrival", lambda *a, **kw: None),
-               (tracking, "log_arrival_series", lambda *a, **kw: None),
-               (tracking, "log_arrival_series_batch", lambda *a, **kw: None),
-               (tracking, "log_arrival_run", lambda *a, **kw: None),
-               (tracking, "log_files", lambda *a, **kw: None), (tracking, "log_model", lambda *a, **kw: "models:/x"),
-               (mlflow, "log_metrics", lambda *a, **kw: None), (model_registry, "model_name", lambda cfg: None)]
+    patches = [
+        (F, "_start_experiment_run", lambda *a, **kw: contextlib.nullcontext()),
+        (tracking, "setup", lambda *a, **kw: None),
+        (tracking, "log_arrival", lambda *a, **kw: None),
+        (tracking, "log_arrival_series", lambda *a, **kw: None),
+        (tracking, "log_arrival_series_batch", lambda *a, **kw: None),
+        (tracking, "log_arrival_run", lambda *a, **kw: None),
+        (tracking, "log_files", lambda *a, **kw: None),
+        (tracking, "log_model", lambda *a, **kw: "models:/x"),
+        (mlflow, "log_metrics", lambda *a, **kw: None),
+        (model_registry, "model_name", lambda cfg: None),
+    ]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, stub in patches:
         setattr(obj, name, stub)
@@ -143,20 +149,27 @@ def cold_runs(n: int, overrides: list[str]) -> None:
     runs = []
     for i in range(n):
         try:
-            proc = subprocess.run([sys.executable, __file__, COLD_ONCE, *overrides], capture_output=True, text=True,
-                                  timeout=900)
+            proc = subprocess.run(
+                [sys.executable, __file__, COLD_ONCE, *overrides], capture_output=True, text=True, timeout=900
+            )
         except subprocess.TimeoutExpired as exc:
-            raise SystemExit(f"cold run {i + 1} took longer than 900 s:\n{exc.stdout or ''}\n{exc.stderr or ''}")
+            raise SystemExit(
+                f"cold run {i + 1} took longer than 900 s:\n{exc.stdout or ''}\n{exc.stderr or ''}"
+            ) from None
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(COLD_LINE)]
         if proc.returncode != 0 or not lines:
-            raise SystemExit(f"cold run {i + 1} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-        run = json.loads(lines[-1][len(COLD_LINE):])
+            raise SystemExit(
+                f"cold run {i + 1} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+            )
+        run = json.loads(lines[-1][len(COLD_LINE) :])
         runs.append(run)
-        print(f"cold run {i + 1}/{n}: plain loop {run['plain']:.1f} s, flow {run['wall']:.1f} s, ratio "
-              f"{run['wall'] / run['plain']:.2f}; start-up {run['start']:.1f} s, fixed before the first arrival "
-              f"{run['fixed_before']:.1f} s, teardown {run['teardown']:.1f} s, final logging {run['final']:.1f} s; "
-              f"every fixed cost out {(run['wall'] - run['fixed_before'] - run['teardown']) / run['plain']:.2f}",
-              flush=True)
+        print(
+            f"cold run {i + 1}/{n}: plain loop {run['plain']:.1f} s, flow {run['wall']:.1f} s, ratio "
+            f"{run['wall'] / run['plain']:.2f}; start-up {run['start']:.1f} s, fixed before the first arrival "
+            f"{run['fixed_before']:.1f} s, teardown {run['teardown']:.1f} s, final logging {run['final']:.1f} s; "
+            f"every fixed cost out {(run['wall'] - run['fixed_before'] - run['teardown']) / run['plain']:.2f}",
+            flush=True,
+        )
     ratio = [r["wall"] / r["plain"] for r in runs]
     after_start = [(r["wall"] - r["start"]) / r["plain"] for r in runs]
     after_first = [(r["wall"] - r["fixed_before"]) / r["plain"] for r in runs]
@@ -166,8 +179,10 @@ def cold_runs(n: int, overrides: list[str]) -> None:
     print(f"cold, the fixed costs before the first arrival taken out: {median_summary(after_first, TARGET_COLD)}")
     print(f"cold, every fixed cost taken out (the teardown included): {median_summary(after_fixed, TARGET_COLD)}")
     cols = {k: ", ".join(f"{r[k]:.1f}" for r in runs) for k in ("start", "fixed_before", "teardown")}
-    print(f"start-up s: {cols['start']}; fixed before the first arrival s (until its state reaches the driver, less "
-          f"one plain arrival): {cols['fixed_before']}; teardown s: {cols['teardown']}")
+    print(
+        f"start-up s: {cols['start']}; fixed before the first arrival s (until its state reaches the driver, less "
+        f"one plain arrival): {cols['fixed_before']}; teardown s: {cols['teardown']}"
+    )
 
 
 def main(overrides: list[str]) -> None:
@@ -191,14 +206,18 @@ def main(overrides: list[str]) -> None:
 
     variant = ["variant=cifar10"] if cifar else []
     # the cifar10 variant sets flow.experiment itself (an override of it would be refused), so it is set after
-    cfg = C.compose(["flow.progress=false", *variant]
-                    + [o for o in overrides if o not in ("--cifar", COLD_ONCE) and not o.startswith("--pairs=")])
+    cfg = C.compose(
+        ["flow.progress=false", *variant]
+        + [o for o in overrides if o not in ("--cifar", COLD_ONCE) and not o.startswith("--pairs=")]
+    )
     cfg.flow.experiment = "benchmark-overhead-cifar10" if cifar else "benchmark-overhead"
     partition, spec, source = F.load_inputs(cfg)
     acfg = C.arrival_config(cfg)
     A = len(acfg.schedule(len(partition.targets)))
-    print(f"default experiment: {acfg.method}+{acfg.aggregator}, {A} arrivals on {cfg.data.name}, "
-          f"flow.num_cpus={cfg.flow.num_cpus}")
+    print(
+        f"default experiment: {acfg.method}+{acfg.aggregator}, {A} arrivals on {cfg.data.name}, "
+        f"flow.num_cpus={cfg.flow.num_cpus}"
+    )
 
     run_arrivals(partition, spec, source, acfg)  # warm-up: the first run in a process pays one-off costs
     plain_walls = []
@@ -208,7 +227,9 @@ def main(overrides: list[str]) -> None:
             plain = run_arrivals(partition, spec, source, acfg)
             plain_walls.append(time.perf_counter() - t0)
     t_plain = float(np.mean(plain_walls))
-    print(f"plain loop: {' / '.join(f'{w:.1f}' for w in plain_walls)} s after one warm-up run; the baseline is their mean")
+    print(
+        f"plain loop: {' / '.join(f'{w:.1f}' for w in plain_walls)} s after one warm-up run; the baseline is their mean"
+    )
     rows = [("plain fedcore loop", t_plain, mem.peak, None, None, None, None, None)]
     final_logging = Stopwatch(F, "_log_experiment")
     started: list = []
@@ -232,7 +253,9 @@ def main(overrides: list[str]) -> None:
 
     def same(label: str, res) -> None:
         if res.summary != plain.summary:
-            raise SystemExit(f"{label}: the flow's metrics differ from the plain loop's: {res.summary} != {plain.summary}")
+            raise SystemExit(
+                f"{label}: the flow's metrics differ from the plain loop's: {res.summary} != {plain.summary}"
+            )
 
     def flowed(label: str) -> None:
         started.clear()
@@ -244,8 +267,18 @@ def main(overrides: list[str]) -> None:
             res = F.arrival(cfg)
             end = time.perf_counter()
             teardown = end - final_logging.ended  # read before reset() clears it
-            rows.append((label, end - t, m.peak, final_logging.reset(), started[0][0] - t,
-                         started[0][1], received[0] - t, teardown))
+            rows.append(
+                (
+                    label,
+                    end - t,
+                    m.peak,
+                    final_logging.reset(),
+                    started[0][0] - t,
+                    started[0][1],
+                    received[0] - t,
+                    teardown,
+                )
+            )
         same(label, res)
 
     # 1. Nothing running: the flow starts a temporary Prefect server and a local Ray.
@@ -255,8 +288,19 @@ def main(overrides: list[str]) -> None:
         import json
 
         _, wall, _, fin, start, _, first, teardown = rows[-1]
-        print(COLD_LINE + json.dumps({"plain": t_plain, "wall": wall, "start": start, "fixed_before": first - t_plain / A,
-                          "teardown": teardown, "final": fin}))
+        print(
+            COLD_LINE
+            + json.dumps(
+                {
+                    "plain": t_plain,
+                    "wall": wall,
+                    "start": start,
+                    "fixed_before": first - t_plain / A,
+                    "teardown": teardown,
+                    "final": fin,
+                }
+            )
+        )
         return
     # 2. A Prefect server is up (a deployment's), Ray still starts with the flow.
     url = runtime.ensure_prefect_api()
@@ -275,8 +319,8 @@ def main(overrides: list[str]) -> None:
         t0 = time.perf_counter()
         run_arrivals(partition, spec, source, acfg)
         base = time.perf_counter() - t0
-        for with_mlflow in ((True, False) if i % 2 == 0 else (False, True)):  # alternate which runs nearer the loop
-            with (contextlib.nullcontext() if with_mlflow else without_mlflow(F, tracking, model_registry)):
+        for with_mlflow in (True, False) if i % 2 == 0 else (False, True):  # alternate which runs nearer the loop
+            with contextlib.nullcontext() if with_mlflow else without_mlflow(F, tracking, model_registry):
                 t0 = time.perf_counter()
                 same("paired flow", F.arrival(cfg))
                 (pairs if with_mlflow else bare).append((time.perf_counter() - t0) / base)
@@ -284,34 +328,52 @@ def main(overrides: list[str]) -> None:
     runtime.stop_ray()
     runtime.stop_prefect_api()
 
-    print(f"{'':40s}{'wall s':>9s}{'ratio':>8s}{'start-up s':>12s}{'after it':>10s}{'CPU-s':>8s}"
-          f"{'teardown s':>12s}{'all fixed s':>13s}{'after it':>10s}{'final log s':>13s}{'per arrival s':>15s}"
-          f"{'peak RSS MiB':>15s}{'RSS ratio':>11s}")
+    print(
+        f"{'':40s}{'wall s':>9s}{'ratio':>8s}{'start-up s':>12s}{'after it':>10s}{'CPU-s':>8s}"
+        f"{'teardown s':>12s}{'all fixed s':>13s}{'after it':>10s}{'final log s':>13s}{'per arrival s':>15s}"
+        f"{'peak RSS MiB':>15s}{'RSS ratio':>11s}"
+    )
     for label, t, rss, fin, start, start_cpu, first, teardown in rows:
         if fin is None:
             extra = f"{'':12s}{'':10s}{'':8s}{'':12s}{'':13s}{'':10s}{'':13s}{'':15s}"
         else:
             fixed = first - t_plain / A + teardown
-            extra = (f"{start:12.1f}{(t - start) / t_plain:10.2f}{start_cpu:8.1f}{teardown:12.1f}{fixed:13.1f}"
-                     f"{(t - fixed) / t_plain:10.2f}{fin:13.1f}{(t - start - fin - teardown - t_plain) / A:15.3f}")
+            extra = (
+                f"{start:12.1f}{(t - start) / t_plain:10.2f}{start_cpu:8.1f}{teardown:12.1f}{fixed:13.1f}"
+                f"{(t - fixed) / t_plain:10.2f}{fin:13.1f}{(t - start - fin - teardown - t_plain) / A:15.3f}"
+            )
         print(f"{label:40s}{t:9.1f}{t / t_plain:8.2f}{extra}{rss / 2**20:15.0f}{rss / rows[0][2]:11.2f}")
-    print("start-up s: until the flow, its services up, starts its arrivals' stream; after it: the ratio with it taken out")
-    print("teardown s: from the end of the final logging to the flow's return: almost all of it Ray's shutdown when "
-          "the flow started Ray; the end of the MLflow and Prefect runs")
-    print(f"all fixed s: until the first arrival's state reaches the driver, less one plain arrival ({t_plain / A:.2f} s), "
-          "plus the teardown: the services' start-up, the worker's start and imports, its first arrival's one-off costs "
-          "and the teardown (these do not grow with the workload); after it: the ratio with them taken out")
-    print("per arrival s: the flow's wall time over the plain loop's, start-up, final logging and teardown excluded, "
-          "per arrival")
-    print("CPU-s: the CPU time the processes (this one, Prefect's, Ray's) spent until the flow started its "
-          f"arrivals' stream (a lower bound: one that ended before is not counted); on {psutil.cpu_count()} cores "
-          f"it takes at least CPU-s / {psutil.cpu_count()} of wall, however the start-up overlaps")
+    print(
+        "start-up s: until the flow, its services up, starts its arrivals' stream; after it: the ratio with it taken out"
+    )
+    print(
+        "teardown s: from the end of the final logging to the flow's return: almost all of it Ray's shutdown when "
+        "the flow started Ray; the end of the MLflow and Prefect runs"
+    )
+    print(
+        f"all fixed s: until the first arrival's state reaches the driver, less one plain arrival ({t_plain / A:.2f} s), "
+        "plus the teardown: the services' start-up, the worker's start and imports, its first arrival's one-off costs "
+        "and the teardown (these do not grow with the workload); after it: the ratio with them taken out"
+    )
+    print(
+        "per arrival s: the flow's wall time over the plain loop's, start-up, final logging and teardown excluded, "
+        "per arrival"
+    )
+    print(
+        "CPU-s: the CPU time the processes (this one, Prefect's, Ray's) spent until the flow started its "
+        f"arrivals' stream (a lower bound: one that ended before is not counted); on {psutil.cpu_count()} cores "
+        f"it takes at least CPU-s / {psutil.cpu_count()} of wall, however the start-up overlaps"
+    )
     if pairs:
-        print(f"paired (Prefect + Ray up, warm workers; plain loop, then the flow and the flow without MLflow, "
-              f"in turn first; "
-              f"{len(pairs)} triples): wall ratio "
-              + ", ".join(f"{r:.2f}" for r in pairs) + f" (median {np.median(pairs):.2f}); without MLflow "
-              + ", ".join(f"{r:.2f}" for r in bare) + f" (median {np.median(bare):.2f})")
+        print(
+            f"paired (Prefect + Ray up, warm workers; plain loop, then the flow and the flow without MLflow, "
+            f"in turn first; "
+            f"{len(pairs)} triples): wall ratio "
+            + ", ".join(f"{r:.2f}" for r in pairs)
+            + f" (median {np.median(pairs):.2f}); without MLflow "
+            + ", ".join(f"{r:.2f}" for r in bare)
+            + f" (median {np.median(bare):.2f})"
+        )
         print(f"the flow: {median_summary(pairs, TARGET_WARM)}")
         print(f"without MLflow: {median_summary(bare, TARGET_WARM)}")
     print(f"targets: warm (Prefect + Ray up, warm workers) <= {TARGET_WARM}; cold <= {TARGET_COLD}")

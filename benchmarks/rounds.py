@@ -32,9 +32,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from paired import median_summary  # noqa: E402  (this folder; opacus installs a package named benchmarks)
+
 from fedcore.engine import ModelSpec, RoundConfig, RoundData, run_now, run_rounds, train_step  # noqa: E402
 
-TARGET_TOTAL, TARGET_ROUND = 1.3, 1.10  # issue 13: warm, services up
+TARGET_TOTAL, TARGET_ROUND = 1.3, 1.10  # warm, services up
 
 
 def workload() -> tuple[RoundData, ModelSpec, RoundConfig]:
@@ -44,10 +45,19 @@ def workload() -> tuple[RoundData, ModelSpec, RoundConfig]:
     idx = np.random.default_rng(0).permutation(len(d.y))
     train, test = idx[:4000], idx[4000:]
     parts = np.array_split(train, 10)
-    data = RoundData(client_x=[d.x[p] for p in parts], client_y=[d.y[p] for p in parts],
-                     client_group=["mnist"] * 10, eval_sets={"test": (d.x[test], d.y[test])})
-    cfg = RoundConfig(rounds=5, trainer="sgd", trainer_params={"lr": 0.05, "local_epochs": 1, "batch_size": 32},
-                      strategy="fedavg", seed=0)
+    data = RoundData(
+        client_x=[d.x[p] for p in parts],
+        client_y=[d.y[p] for p in parts],
+        client_group=["mnist"] * 10,
+        eval_sets={"test": (d.x[test], d.y[test])},
+    )
+    cfg = RoundConfig(
+        rounds=5,
+        trainer="sgd",
+        trainer_params={"lr": 0.05, "local_epochs": 1, "batch_size": 32},
+        strategy="fedavg",
+        seed=0,
+    )
     return data, ModelSpec(name="lenet", in_channels=1, num_classes=10), cfg
 
 
@@ -83,6 +93,7 @@ def run_flow(kind: str, data, spec, cfg, tracking_uri: str):
         tracking.setup(tracking_uri, "bench-rounds")
         submit, submit_round = run_now, None
         if kind == "naive":
+
             def submit(fn, **kw):
                 return naive_task().submit(**kw)
         elif kind == "client":
@@ -126,8 +137,11 @@ def client_task_submit(data):
 
     def submit(fn, **kw):
         i = kw["client_id"]
-        kw.update(x=arrays((i, "x"), kw["x"]), y=arrays((i, "y"), kw["y"]),
-                  global_state=states(id(kw["global_state"]), kw["global_state"]))
+        kw.update(
+            x=arrays((i, "x"), kw["x"]),
+            y=arrays((i, "y"), kw["y"]),
+            global_state=states(id(kw["global_state"]), kw["global_state"]),
+        )
         return client_task.with_options(task_run_name=f"round-{kw['round_index']:03d}-client-{i:02d}").submit(**kw)
 
     return submit
@@ -153,8 +167,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--skip-naive", action="store_true", help="leave out the naive design's row (about a minute)")
-    ap.add_argument("--paired", type=int, default=5, metavar="N",
-                    help="then time N back-to-back (plain loop, flow) pairs with Prefect and Ray up (0: skip)")
+    ap.add_argument(
+        "--paired",
+        type=int,
+        default=5,
+        metavar="N",
+        help="then time N back-to-back (plain loop, flow) pairs with Prefect and Ray up (0: skip)",
+    )
     args = ap.parse_args()
     import ray
 
@@ -162,15 +181,19 @@ def main() -> int:
     from flows.config import ROOT
 
     data, spec, cfg = workload()
-    print(f"workload: FedAvg, {len(data.client_x)} clients x {cfg.rounds} rounds x 1 epoch, "
-          f"{sum(p.numel() for p in spec.build().parameters()):,} parameters, {sum(map(len, data.client_y))} images")
+    print(
+        f"workload: FedAvg, {len(data.client_x)} clients x {cfg.rounds} rounds x 1 epoch, "
+        f"{sum(p.numel() for p in spec.build().parameters()):,} parameters, {sum(map(len, data.client_y))} images"
+    )
     tmp = Path(tempfile.mkdtemp(prefix="bench-rounds-"))
     uri = f"sqlite:///{tmp}/mlruns.db"
     rows = []
-    variants = (("naive", "naive", "1. a Prefect task per client on Ray (RayTaskRunner), cold", False),
-                ("client", "client", "2. a driver-side Prefect task per client that calls Ray, Prefect + Ray up", True),
-                ("lean", "round", "3. a Prefect task per round, clients as Ray tasks (the flows), cold", False),
-                ("up", "round", "3. the same, Prefect + Ray up, warm workers", True))
+    variants = (
+        ("naive", "naive", "1. a Prefect task per client on Ray (RayTaskRunner), cold", False),
+        ("client", "client", "2. a driver-side Prefect task per client that calls Ray, Prefect + Ray up", True),
+        ("lean", "round", "3. a Prefect task per round, clients as Ray tasks (the flows), cold", False),
+        ("up", "round", "3. the same, Prefect + Ray up, warm workers", True),
+    )
     for rep in range(args.repeat):
         torch.set_num_threads(1)
         base, wall1, per_round1 = timed_run(data, spec, cfg)
@@ -199,8 +222,10 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|")
     for label, rep, wall, startup, per_round in rows:
         b = next(r for r in rows if r[0] == "plain loop" and r[1] == rep)
-        print(f"| {label} | {rep} | {wall:.1f} | {startup:.1f} | {per_round:.2f} | {wall / b[2]:.2f} | "
-              f"{per_round / b[4]:.2f} |")
+        print(
+            f"| {label} | {rep} | {wall:.1f} | {startup:.1f} | {per_round:.2f} | {wall / b[2]:.2f} | "
+            f"{per_round / b[4]:.2f} |"
+        )
     if args.paired:
         # This machine's speed drifts by 20-40% over minutes, more than the effect measured: so the
         # deployment case is also timed as pairs (plain loop, then the flow, back to back) and each
@@ -216,10 +241,14 @@ def main() -> int:
             pairs.append((wall_f / wall, per_round_f / per_round))
         runtime.stop_ray()
         runtime.stop_prefect_api()
-        print(f"\npaired (Prefect + Ray up, warm workers; plain loop then flow, {args.paired} pairs): total ratio "
-              + ", ".join(f"{t:.2f}" for t, _ in pairs) + f" (median {np.median([t for t, _ in pairs]):.2f}); "
-              "per-round ratio " + ", ".join(f"{r:.2f}" for _, r in pairs)
-              + f" (median {np.median([r for _, r in pairs]):.2f})")
+        print(
+            f"\npaired (Prefect + Ray up, warm workers; plain loop then flow, {args.paired} pairs): total ratio "
+            + ", ".join(f"{t:.2f}" for t, _ in pairs)
+            + f" (median {np.median([t for t, _ in pairs]):.2f}); "
+            "per-round ratio "
+            + ", ".join(f"{r:.2f}" for _, r in pairs)
+            + f" (median {np.median([r for _, r in pairs]):.2f})"
+        )
         print(f"total: {median_summary([t for t, _ in pairs], TARGET_TOTAL)}")
         print(f"per round: {median_summary([r for _, r in pairs], TARGET_ROUND)}")
     print("\nAll flow runs gave bit-identical weights to the one-thread plain loop.")

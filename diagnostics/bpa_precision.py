@@ -7,7 +7,7 @@ target client's stream, prints the mean prediction entropy Ē, BPA's λ = (ln C 
 accuracy, once in eval mode (the source BatchNorm statistics) and once with batch statistics (how
 the client predicts), then the rank correlation of λ with the client's accuracy under each. λ
 should be large (a tight prior) where the global model does well: BPA reads Ē with batch
-statistics for this reason (docs/bpfedctta.md).
+statistics for this reason (docs/systems/bpfedctta.md).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
 Needs the private variant's source model (`dvc repro pretrain@private`). With SGD and every sample
 clipped, a step is lr · C times a mean of the samples' unit gradients, so lr and C should act only
 through their product. The stress cells compared lr 0.003 at C = 0.3 with lr 0.01 at C = 0.1
-(docs/dptta.md), whose products differ by 11% (0.0009 and 0.001), and COME ended 0.022 apart. This
+(docs/systems/dptta.md), whose products differ by 11% (0.0009 and 0.001), and COME ended 0.022 apart. This
 runs each method in the continual setting of those cells (clip-only form, 3 passes) at the two
 partners with the product made exact:
 
@@ -59,8 +59,9 @@ def normalised(privatize):
     def wrapped(per_sample, *, clip_norm, **kw):
         norms = dp.flatten_per_sample(per_sample).norm(dim=1)
         up = torch.where(norms > 0, (clip_norm / norms.clamp_min(1e-30)).clamp(min=1.0), torch.ones_like(norms))
-        return privatize({k: g * up.view(-1, *([1] * (g.dim() - 1))) for k, g in per_sample.items()},
-                         clip_norm=clip_norm, **kw)
+        return privatize(
+            {k: g * up.view(-1, *([1] * (g.dim() - 1))) for k, g in per_sample.items()}, clip_norm=clip_norm, **kw
+        )
 
     return wrapped
 
@@ -98,10 +99,14 @@ def main(argv=None) -> None:
                 mine = res.summary["final_avg_holdout_acc"]
                 theirs = summaries[partner_lr][f"{method}+sequential+{partner_form}+s{seed}"]["final_avg_holdout_acc"]
                 gaps.append(mine - theirs)
-                print(f"{method}, seed {seed}: lr {lr:g} {form} {mine:.4f} ({clipped:.3f} clipped); "
-                      f"recorded lr {partner_lr:g} {partner_form} {theirs:.4f}", flush=True)
-            print(f"{method}: lr {lr:g} {form} minus lr {partner_lr:g} {partner_form}: {mean_and_seeds(gaps)}",
-                  flush=True)
+                print(
+                    f"{method}, seed {seed}: lr {lr:g} {form} {mine:.4f} ({clipped:.3f} clipped); "
+                    f"recorded lr {partner_lr:g} {partner_form} {theirs:.4f}",
+                    flush=True,
+                )
+            print(
+                f"{method}: lr {lr:g} {form} minus lr {partner_lr:g} {partner_form}: {mean_and_seeds(gaps)}", flush=True
+            )
 
 
 def compare_normalised(cfgs, inputs, methods, seeds) -> None:
@@ -113,11 +118,17 @@ def compare_normalised(cfgs, inputs, methods, seeds) -> None:
                     acfg = C.arrival_config(cfgs[lr], method=method, aggregator="sequential", seed=seed, form=form)
                     with mock.patch.object(dp, "privatize", normalised(dp.privatize)):
                         ends[lr, seed] = run_arrivals(*inputs, acfg).summary["final_avg_holdout_acc"]
-                    print(f"{method}, seed {seed}: lr {lr:g}, C = {acfg.privacy['clip_norm']:g}, every sample at "
-                          f"norm C: {ends[lr, seed]:.4f}", flush=True)  # its clip_fraction means nothing here
+                    print(
+                        f"{method}, seed {seed}: lr {lr:g}, C = {acfg.privacy['clip_norm']:g}, every sample at "
+                        f"norm C: {ends[lr, seed]:.4f}",
+                        flush=True,
+                    )  # its clip_fraction means nothing here
             gaps = [ends[pair[0], s] - ends[pair[2], s] for s in seeds]
-            print(f"{method}, every sample at norm C: lr {pair[0]:g} {pair[1]} minus lr {pair[2]:g} {pair[3]}: "
-                  f"{mean_and_seeds(gaps)}", flush=True)
+            print(
+                f"{method}, every sample at norm C: lr {pair[0]:g} {pair[1]} minus lr {pair[2]:g} {pair[3]}: "
+                f"{mean_and_seeds(gaps)}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

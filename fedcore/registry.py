@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Dict, Generic, List, TypeVar
+from typing import Callable, Dict, Generic, List, TypeVar, cast
 
 T = TypeVar("T")
 
@@ -44,22 +44,28 @@ class Registry(Generic[T]):
         try:
             return self._items[name]
         except KeyError:
-            raise ValueError(
-                f"unknown {self.kind} {name!r}; valid names are: {', '.join(self.names())}"
-            ) from None
+            raise ValueError(f"unknown {self.kind} {name!r}; valid names are: {', '.join(self.names())}") from None
 
     def settings(self, name: str) -> List[str] | None:
         """The keyword settings ``name`` accepts; ``None`` when its factory takes any (``**kwargs``)."""
         factory = self.get(name)
         # A class whose __init__ passes **kwargs up takes its parents' settings too.
         is_class = inspect.isclass(factory)
-        inits = [c.__dict__["__init__"] for c in factory.__mro__ if "__init__" in c.__dict__ and c is not object] \
-            if is_class else [factory]
+        inits = (
+            [
+                c.__dict__["__init__"]
+                for c in cast(type, factory).__mro__
+                if "__init__" in c.__dict__ and c is not object
+            ]
+            if is_class
+            else [factory]
+        )
         names: set[str] = set()
         for fn in inits:
             params = list(inspect.signature(fn).parameters.values())
-            names.update(p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
-                         and p.name != "self")
+            names.update(
+                p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"
+            )
             if not any(p.kind is p.VAR_KEYWORD for p in params):
                 return sorted(names)
         return None if inits else []  # every __init__ passed **kwargs on (or there is none: no settings)
@@ -69,8 +75,10 @@ class Registry(Generic[T]):
         valid = self.settings(name)
         unknown = [] if valid is None else sorted(set(kwargs) - set(valid))
         if unknown:
-            raise ValueError(f"{self.kind} {name!r} has no setting {', '.join(map(repr, unknown))}; valid settings "
-                             f"are: {', '.join(valid) if valid else '(none)'}")
+            raise ValueError(
+                f"{self.kind} {name!r} has no setting {', '.join(map(repr, unknown))}; valid settings "
+                f"are: {', '.join(valid) if valid else '(none)'}"
+            )
         return self.get(name)(**kwargs)
 
     def __contains__(self, name: str) -> bool:

@@ -8,7 +8,7 @@ They live below the loops and methods that use them (``train``, ``aggregate``, `
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Tuple, cast
 
 import numpy as np
 import torch
@@ -58,11 +58,13 @@ class RoundData:
         staged = (self.client_task is not None, self.task_classes is not None, self.rounds_per_task is not None)
         if any(staged) and not all(staged):
             raise ValueError("data in tasks needs all of client_task, task_classes and rounds_per_task")
-        if self.staged:
-            if len(self.client_task) != self.num_clients or any(
-                    len(t) != len(y) for t, y in zip(self.client_task, self.client_y)):
+        if self.staged:  # then (checked above) client_task, task_classes and rounds_per_task are all set
+            client_task = cast(List[np.ndarray], self.client_task)
+            if len(client_task) != self.num_clients or any(
+                len(t) != len(y) for t, y in zip(client_task, self.client_y)
+            ):
                 raise ValueError("client_task must give the task of every sample of every client")
-            if int(self.rounds_per_task) < 1:
+            if int(cast(int, self.rounds_per_task)) < 1:
                 raise ValueError(f"rounds_per_task must be >= 1, got {self.rounds_per_task}")
 
     @property
@@ -74,13 +76,18 @@ class RoundData:
         return self.client_task is not None
 
     def task_of(self, round_index: int) -> int:
-        return min(round_index // int(self.rounds_per_task), len(self.task_classes) - 1) if self.staged else 0
+        # staged: __post_init__ checked that rounds_per_task and task_classes are set
+        return (
+            min(round_index // int(cast(int, self.rounds_per_task)), len(cast(List[List[int]], self.task_classes)) - 1)
+            if self.staged
+            else 0
+        )
 
     def client_data(self, client: int, round_index: int) -> Tuple[np.ndarray, np.ndarray]:
         """What client ``client`` trains on in round ``round_index``: all its data, or its data of that task."""
         if not self.staged:
             return self.client_x[client], self.client_y[client]
-        keep = self.client_task[client] == self.task_of(round_index)
+        keep = cast(List[np.ndarray], self.client_task)[client] == self.task_of(round_index)
         return self.client_x[client][keep], self.client_y[client][keep]
 
 

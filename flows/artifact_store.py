@@ -52,12 +52,13 @@ def store_root(tracking_uri: str | None = None) -> Path:
 
     for uri in (tracking_uri, os.environ.get(_SERVER_STORE_ENV), mlflow.get_tracking_uri()):
         if is_local_sqlite(uri):
-            return Path(str(uri)[len("sqlite:///"):]).resolve().parent
+            return Path(str(uri)[len("sqlite:///") :]).resolve().parent
     raise MlflowException(
         f"{SCHEME}: artifacts are stored relative to a local SQLite tracking store (sqlite:///<folder>/mlruns.db), "
         f"but the tracking URI is {tracking_uri or mlflow.get_tracking_uri()!r}; open the project's store with "
         "mlflow.set_tracking_uri('sqlite:///<project>/mlruns.db') or mlflow ui --backend-store-uri "
-        "sqlite:///<project>/mlruns.db")
+        "sqlite:///<project>/mlruns.db"
+    )
 
 
 class ProjectArtifactRepository(LocalArtifactRepository):

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from fedcore.data.corruptions import CORRUPTION_NAMES
 from fedcore.engine import ArrivalConfig, ModelSpec, RoundConfig
 from fedcore.privacy import NOISE_SOURCES, PrivacyConfig
+from flows import systems
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = ROOT / "conf"
@@ -33,12 +34,20 @@ def compose(overrides: List[str] | None = None, *, lay_variant: bool = True) -> 
     from hydra import initialize_config_dir
 
     overrides = list(overrides or [])
+    late = _plugin_block_overrides(overrides)  # a plug-in's own block is composed after Hydra, so set it then
+    overrides = [o for o in overrides if o not in late]
     settings = [o for o in overrides if not _is_group_choice(o)]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = hydra_compose(config_name="config", overrides=overrides)
+        cfg = with_plugins(hydra_compose(config_name="config", overrides=overrides))
         if settings:  # what the settings replaced: conf/ with the same groups chosen
-            base = hydra_compose(config_name="config", overrides=[o for o in overrides if o not in settings])
+            base = with_plugins(
+                hydra_compose(config_name="config", overrides=[o for o in overrides if o not in settings])
+            )
             check_overrides(base, cfg, settings)
+    if late:
+        base = cfg
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([o.lstrip("+") for o in late]))
+        check_overrides(base, cfg, late, source="the plug-in's config")
     validate(cfg)
     if lay_variant:
         check_not_replaced(cfg, overrides)
@@ -53,7 +62,7 @@ def load(params_file: str | Path | None = None, overrides: List[str] | None = No
     path = Path(params_file)
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; regenerate it with `make params`")
-    cfg = OmegaConf.load(path)
+    cfg = with_plugins(OmegaConf.load(path))
     if overrides:
         choices = [o for o in overrides if _is_group_choice(o)]
         if choices:
@@ -61,13 +70,41 @@ def load(params_file: str | Path | None = None, overrides: List[str] | None = No
                 f"{choices[0]}: {path.name} is conf/ already composed, so its config groups are chosen; a dot-list "
                 f"override can change a setting but cannot choose another group. Drop --params to compose conf/ "
                 f"with it (`python -m flows.stages <stage> {' '.join(overrides)}`), or run it through DVC: "
-                f"`dvc exp run -S {choices[0]}`")
+                f"`dvc exp run -S {choices[0]}`"
+            )
         base = cfg
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([o.lstrip("+") for o in overrides]))
         check_overrides(base, cfg, list(overrides), source=path.name)
     validate(cfg)
     check_not_replaced(cfg, list(overrides or []))
     return with_variant(cfg)
+
+
+def _plugin_block_overrides(overrides: List[str]) -> List[str]:
+    """The overrides that set a key of a plug-in system's own block (``toy.grid=tiny``), after importing the
+    plug-ins they and conf/config.yaml name: Hydra does not know those blocks, which are merged after it."""
+    import yaml
+
+    named = [o.split("=", 1)[1] for o in overrides if _override_key(o) == "plugins" and "=" in o]
+    root = yaml.safe_load((CONF_DIR / "config.yaml").read_text()) or {}
+    for value in [*named, str(root.get("plugins") or [])]:
+        systems.load_plugins(yaml.safe_load(value) or [])
+    blocks = {s.name for s in systems.all_systems() if s.config}
+    return [o for o in overrides if "=" in o and _override_key(o).split(".", 1)[0] in blocks]
+
+
+def with_plugins(cfg: DictConfig) -> DictConfig:
+    """Import the config's ``plugins``, then compose under its name each registered system's own config file
+    (:attr:`flows.systems.base.System.config`) that conf/ does not already hold."""
+    systems.load_plugins(cfg.get("plugins") or [])
+    missing = [s for s in systems.all_systems() if s.config and s.name not in cfg]
+    if missing:
+        from omegaconf import open_dict
+
+        with open_dict(cfg):
+            for s in missing:
+                cfg[s.name] = OmegaConf.load(s.config)
+    return cfg
 
 
 GROUPS = tuple(sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir()))  # method, aggregator, privacy, ...
@@ -89,10 +126,34 @@ def _is_group_choice(override: str) -> bool:
 
 # Settings that count something: a fraction (``adapt.passes=2.5``) would be cut down by int() without a word,
 # and null cannot be counted. Other numbers (an lr, a GPU share, a delay) take fractions.
-COUNTS = frozenset({"rounds", "passes", "seed", "seeds", "local_epochs", "batch_size", "steps", "tasks",
-                    "rounds_per_task", "clients", "known", "trials", "stream_size", "holdout_size", "num_cpus",
-                    "retries", "severity", "memory", "per_class", "client", "num_source_clients", "in_channels",
-                    "num_classes", "compress_rounds"})
+COUNTS = frozenset(
+    {
+        "rounds",
+        "passes",
+        "seed",
+        "seeds",
+        "local_epochs",
+        "batch_size",
+        "steps",
+        "tasks",
+        "rounds_per_task",
+        "clients",
+        "known",
+        "trials",
+        "stream_size",
+        "holdout_size",
+        "num_cpus",
+        "retries",
+        "severity",
+        "memory",
+        "per_class",
+        "client",
+        "num_source_clients",
+        "in_channels",
+        "num_classes",
+        "compress_rounds",
+    }
+)
 
 
 def check_overrides(base: DictConfig, cfg: DictConfig, overrides: List[str], *, source: str = "conf/") -> None:
@@ -133,8 +194,9 @@ def _check_new_key(base: DictConfig, key: str, override: str) -> None:
     if parent == "" or parent in CLOSED_BLOCKS:
         node = OmegaConf.select(base, parent) if parent else base
         keys = ", ".join(str(k) for k in node) if isinstance(node, DictConfig) else "(none)"
-        raise ValueError(f"{override}: {parent or 'the root config'} has no setting {parts[depth]!r}; "
-                         f"its settings are: {keys}")
+        raise ValueError(
+            f"{override}: {parent or 'the root config'} has no setting {parts[depth]!r}; its settings are: {keys}"
+        )
 
 
 def _check_value(override: str, key: str, leaf: str, old: Any, new: Any, was: str, *, listed: bool = False) -> None:
@@ -164,37 +226,51 @@ def check_not_replaced(cfg: DictConfig, overrides: List[str]) -> None:
         if "=" not in override or key == "variant":
             continue
         value = OmegaConf.select(overlay, key, default=missing)
-        if (isinstance(value, DictConfig) and _is_group_choice(override)
-                and any(OmegaConf.select(cfg, f"{key}.{k}", default=None) != value[k] for k in value)):
+        if (
+            isinstance(value, DictConfig)
+            and _is_group_choice(override)
+            and any(OmegaConf.select(cfg, f"{key}.{k}", default=None) != value[k] for k in value)
+        ):
             items = [f"{key}.{k}={value[k]}" for k in value]
             sets = ", ".join(items[:3]) + (f" and {len(items) - 3} more" if len(items) > 3 else "")
-            raise ValueError(f"{override}: variant {name!r} sets {sets}, which would replace what {override} "
-                             f"chooses. Choose another variant, or set the variant's own: "
-                             f"`{system}.variants.{name}.{key}.<setting>=...`")
+            raise ValueError(
+                f"{override}: variant {name!r} sets {sets}, which would replace what {override} "
+                f"chooses. Choose another variant, or set the variant's own: "
+                f"`{system}.variants.{name}.{key}.<setting>=...`"
+            )
         if value is missing or isinstance(value, DictConfig) or value == OmegaConf.select(cfg, key, default=None):
             continue  # the variant does not set it, or sets what was asked for
         raise ValueError(
             f"{override}: variant {name!r} sets {key} to {value!r}, which replaces yours, so the run would "
             f"not use it. Set the variant's own: `{system}.variants.{name}.{key}={override.split('=', 1)[1]}` "
-            f"(its outputs go to the variant's paths, which DVC tracks: for a trial run, set those too)")
+            f"(its outputs go to the variant's paths, which DVC tracks: for a trial run, set those too)"
+        )
 
 
 def to_dict(cfg: DictConfig) -> Dict[str, Any]:
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
 
 
-ROUND_SYSTEMS = ("fedpad", "fedpd", "ppfcil")  # the round-based systems composed under their own keys
-VARIANT_SYSTEMS = ("bpfedctta", "dptta")  # the systems whose variants are laid over the root config
+def round_systems() -> List[str]:
+    """The round-based systems (:mod:`flows.systems`), each composed under its own key."""
+    return systems.names("rounds")
+
+
+def variant_systems() -> List[str]:
+    """The test-time adaptation systems, whose variants are laid over the root config."""
+    return systems.names("arrivals")
+
+
 VARIANT_BLOCKS = ("data", "model", "pretrain")  # every variant names these: DVC tracks them beside the root's
 
 
 def validate(cfg: DictConfig) -> None:
     """Reject impossible values with a message that says what would be valid."""
     _validate_run(cfg)
-    for system in ROUND_SYSTEMS:
+    for system in round_systems():
         if system in cfg:
             validate_rounds(cfg, system)
-    if any(system in cfg for system in VARIANT_SYSTEMS):
+    if any(system in cfg for system in variant_systems()):
         validate_variants(cfg)
     if "dptta" in cfg and "audit" in cfg.dptta:
         validate_audit(cfg)  # once: _validate_run, above, runs again for every variant
@@ -206,8 +282,10 @@ def _validate_run(cfg: DictConfig) -> None:
     if d.stream_order not in ("shuffled", "class_sorted"):
         raise ValueError(f"data.stream_order={d.stream_order!r}; valid values are: shuffled, class_sorted")
     if len(d.corruptions) > len(CORRUPTION_NAMES):
-        raise ValueError(f"{len(d.corruptions)} target clients asked for, but only {len(CORRUPTION_NAMES)} "
-                         f"corruption domains exist: {', '.join(CORRUPTION_NAMES)}")
+        raise ValueError(
+            f"{len(d.corruptions)} target clients asked for, but only {len(CORRUPTION_NAMES)} "
+            f"corruption domains exist: {', '.join(CORRUPTION_NAMES)}"
+        )
     bad = [c for c in d.corruptions if c not in CORRUPTION_NAMES]
     if bad:
         raise ValueError(f"unknown corruption(s) {bad}; valid names are: {', '.join(CORRUPTION_NAMES)}")
@@ -215,8 +293,10 @@ def _validate_run(cfg: DictConfig) -> None:
         raise ValueError(f"data.severity must be in 1..5, got {d.severity}")
     order = cfg.adapt.get("order") if "adapt" in cfg else None
     if order is not None and any(not 0 <= int(i) < len(d.corruptions) for i in order):
-        raise ValueError(f"adapt.order={list(order)}: the {len(d.corruptions)} target clients are numbered "
-                         f"0..{len(d.corruptions) - 1} (one per data.corruptions entry)")
+        raise ValueError(
+            f"adapt.order={list(order)}: the {len(d.corruptions)} target clients are numbered "
+            f"0..{len(d.corruptions) - 1} (one per data.corruptions entry)"
+        )
     for key in ("stream_size", "holdout_size"):
         if key in d and int(d[key]) < 1:
             raise ValueError(f"data.{key} must be >= 1, got {d[key]}")
@@ -225,18 +305,24 @@ def _validate_run(cfg: DictConfig) -> None:
     arrival_config(cfg)  # checks method, aggregator, lr, gamma, beta, passes, privacy
     for key in ("methods", "aggregators", "seeds", "privacy"):
         if "sweep" in cfg and key in cfg.sweep and not list(cfg.sweep[key]):
-            raise ValueError(f"sweep.{key} is empty, so the sweep would run nothing (and write an empty table over "
-                             f"the last one); list at least one, e.g. sweep.{key}=[{','.join(map(str, _SWEEP_EXAMPLES[key]))}]")
+            raise ValueError(
+                f"sweep.{key} is empty, so the sweep would run nothing (and write an empty table over "
+                f"the last one); list at least one, e.g. sweep.{key}=[{','.join(map(str, _SWEEP_EXAMPLES[key]))}]"
+            )
     source = cfg.sweep.get("noise_source", None) if "sweep" in cfg else None
     if source is not None and str(source) not in NOISE_SOURCES:
-        raise ValueError(f"sweep.noise_source={source!r}; valid values are: {', '.join(NOISE_SOURCES)}, or null "
-                         "for each form's own privacy.noise_source")
+        raise ValueError(
+            f"sweep.noise_source={source!r}; valid values are: {', '.join(NOISE_SOURCES)}, or null "
+            "for each form's own privacy.noise_source"
+        )
     forms = list(cfg.sweep.get("privacy", None) or []) if "sweep" in cfg else []
     check_forms(cfg, forms)  # a bad sweep form fails here, before any stage starts work
     runs = cfg.flow.get("arrival_runs", "at_end") if "flow" in cfg else "at_end"
     if runs not in ARRIVAL_RUNS:
-        raise ValueError(f"flow.arrival_runs={runs!r}; valid values are: {', '.join(ARRIVAL_RUNS)} (when each "
-                         "arrival's nested MLflow run is written)")
+        raise ValueError(
+            f"flow.arrival_runs={runs!r}; valid values are: {', '.join(ARRIVAL_RUNS)} (when each "
+            "arrival's nested MLflow run is written)"
+        )
 
 
 ARRIVAL_RUNS = ("at_end", "live")
@@ -262,8 +348,10 @@ def validate_audit(cfg: DictConfig) -> None:
     """The canary audit's settings (``dptta.audit``): a bad one would give a table that reads as a pass."""
     a, where = cfg.dptta.audit, "dptta.audit"
     if int(a.trials) < 2:
-        raise ValueError(f"{where}.trials={a.trials}: the audit needs at least 2 IN/OUT pairs (its bound grows "
-                         "with about ln(trials); 200 is the default)")
+        raise ValueError(
+            f"{where}.trials={a.trials}: the audit needs at least 2 IN/OUT pairs (its bound grows "
+            "with about ln(trials); 200 is the default)"
+        )
     if not 0 < float(a.confidence) < 1:
         raise ValueError(f"{where}.confidence={a.confidence}: a confidence level lies strictly between 0 and 1")
     if int(a.stream_size) < 1:
@@ -275,13 +363,19 @@ def validate_audit(cfg: DictConfig) -> None:
         raise ValueError(f"{where}.epsilons={list(a.epsilons)}: list one or more epsilons, each > 0")
     clients = len(with_variant(cfg, "private").data.corruptions) if "private" in variants(cfg) else None
     if not 0 <= int(a.client) < (clients or int(a.client) + 1):
-        raise ValueError(f"{where}.client={a.client}: the private variant has {clients} target clients, "
-                         f"numbered 0..{(clients or 1) - 1}")
+        raise ValueError(
+            f"{where}.client={a.client}: the private variant has {clients} target clients, "
+            f"numbered 0..{(clients or 1) - 1}"
+        )
 
 
 def model_spec(cfg: DictConfig) -> ModelSpec:
-    return ModelSpec(name=cfg.model.name, in_channels=int(cfg.data.in_channels),
-                     num_classes=int(cfg.data.num_classes), norm=cfg.model.norm)
+    return ModelSpec(
+        name=cfg.model.name,
+        in_channels=int(cfg.data.in_channels),
+        num_classes=int(cfg.data.num_classes),
+        norm=cfg.model.norm,
+    )
 
 
 def pretrain_config(cfg: DictConfig) -> RoundConfig:
@@ -293,8 +387,14 @@ def pretrain_config(cfg: DictConfig) -> RoundConfig:
     """
     p = to_dict(cfg.pretrain)
     trainer = {k: v for k, v in p.items() if k != "rounds"}
-    return RoundConfig(rounds=int(p["rounds"]), trainer="sgd", trainer_params=trainer, strategy="fedavg",
-                       seed=int(cfg.seed), device=str(cfg.device))
+    return RoundConfig(
+        rounds=int(p["rounds"]),
+        trainer="sgd",
+        trainer_params=trainer,
+        strategy="fedavg",
+        seed=int(cfg.seed),
+        device=str(cfg.device),
+    )
 
 
 def privacy_form(cfg: DictConfig, form: str | None) -> Dict[str, Any]:
@@ -324,12 +424,15 @@ def privacy_form(cfg: DictConfig, form: str | None) -> Dict[str, Any]:
             raise ValueError(f"privacy form {form!r}: only dp takes -eps<e>; {grammar}")
         if key == "c" and name == "plain":
             raise ValueError(f"privacy form {form!r}: plain does not clip, so it takes no -c<C>; {grammar}")
-        text = setting[len(key):]
+        text = setting[len(key) :]
         try:
             value = float(text)
         except ValueError:
-            why = ("'-' separates settings, so a value cannot be negative" if not text else
-                   f"{text!r} is not a number (e.g. dp-eps5, clip-c0.5)")
+            why = (
+                "'-' separates settings, so a value cannot be negative"
+                if not text
+                else f"{text!r} is not a number (e.g. dp-eps5, clip-c0.5)"
+            )
             raise ValueError(f"privacy form {form!r}: {why}") from None
         if key == "eps":
             out["epsilon"], out["noise_multiplier"] = value, None
@@ -380,17 +483,31 @@ def _with_sweep_settings(cfg: DictConfig, params: DictConfig, key: str) -> Dict[
     return out
 
 
-def arrival_config(cfg: DictConfig, *, method: str | None = None, aggregator: str | None = None,
-                   seed: int | None = None, form: str | None = None) -> ArrivalConfig:
+def arrival_config(
+    cfg: DictConfig,
+    *,
+    method: str | None = None,
+    aggregator: str | None = None,
+    seed: int | None = None,
+    form: str | None = None,
+) -> ArrivalConfig:
     """The arrival settings; ``method``/``aggregator``/``seed``/``form`` pick a sweep cell (defaults from conf/)."""
     mcfg = cfg.method if method is None or method == cfg.method.name else _group("method", method)
-    acfg = cfg.aggregator if aggregator is None or aggregator == cfg.aggregator.name else _group("aggregator", aggregator)
+    acfg = (
+        cfg.aggregator if aggregator is None or aggregator == cfg.aggregator.name else _group("aggregator", aggregator)
+    )
     a = cfg.adapt
     return ArrivalConfig(
-        method=str(mcfg.name), method_params=_with_sweep_settings(cfg, mcfg.params, "method_params"),
-        aggregator=str(acfg.name), aggregator_params=_with_sweep_settings(cfg, acfg.params, "aggregator_params"),
-        passes=int(a.passes), order=None if a.order is None else list(a.order), batch_size=int(a.batch_size),
-        seed=int(cfg.seed if seed is None else seed), device=str(cfg.device), privacy=privacy_form(cfg, form),
+        method=str(mcfg.name),
+        method_params=_with_sweep_settings(cfg, mcfg.params, "method_params"),
+        aggregator=str(acfg.name),
+        aggregator_params=_with_sweep_settings(cfg, acfg.params, "aggregator_params"),
+        passes=int(a.passes),
+        order=None if a.order is None else list(a.order),
+        batch_size=int(a.batch_size),
+        seed=int(cfg.seed if seed is None else seed),
+        device=str(cfg.device),
+        privacy=privacy_form(cfg, form),
         stream=str(a.get("stream", "shuffled")),
     )
 
@@ -398,7 +515,7 @@ def arrival_config(cfg: DictConfig, *, method: str | None = None, aggregator: st
 # ------------------------------------------------------------------------------------ variants
 def variants(cfg: DictConfig) -> Dict[str, str]:
     """Every variant's name and the system it belongs to (``<system>.variants.<name>``)."""
-    return {str(name): system for system in VARIANT_SYSTEMS if system in cfg for name in cfg[system].variants}
+    return {str(name): system for system in variant_systems() if system in cfg for name in cfg[system].variants}
 
 
 def variant_system(cfg: DictConfig, name: str) -> str:
@@ -425,11 +542,13 @@ def validate_variants(cfg: DictConfig) -> None:
     """Variant names are unique, the selected one exists, and each variant names the blocks DVC tracks, sets
     only keys the root config has, and yields a valid run."""
     seen: Dict[str, str] = {}
-    for system in VARIANT_SYSTEMS:
+    for system in variant_systems():
         for name in cfg[system].variants if system in cfg else []:
             if str(name) in seen:
-                raise ValueError(f"variant {name!r} is defined by both {seen[str(name)]} and {system} "
-                                 f"(conf/experiment/{system}.yaml); rename one")
+                raise ValueError(
+                    f"variant {name!r} is defined by both {seen[str(name)]} and {system} "
+                    f"(conf/experiment/{system}.yaml); rename one"
+                )
             seen[str(name)] = system
     if "variant" in cfg:
         variant_system(cfg, str(cfg.variant))
@@ -437,9 +556,11 @@ def validate_variants(cfg: DictConfig) -> None:
         overlay = cfg[system].variants[name]
         missing = [b for b in VARIANT_BLOCKS if b not in overlay]
         if missing:
-            raise ValueError(f"variant {name!r} (conf/experiment/{system}.yaml) lacks {', '.join(missing)}: DVC "
-                             f"tracks each variant's {', '.join(VARIANT_BLOCKS)}; write e.g. `{missing[0]}: {{}}` "
-                             "to keep the root's")
+            raise ValueError(
+                f"variant {name!r} (conf/experiment/{system}.yaml) lacks {', '.join(missing)}: DVC "
+                f"tracks each variant's {', '.join(VARIANT_BLOCKS)}; write e.g. `{missing[0]}: {{}}` "
+                "to keep the root's"
+            )
         _check_overlay(overlay, cfg, f"variant {name!r} (conf/experiment/{system}.yaml)", "")
         _validate_run(with_variant(cfg, name))
 
@@ -452,8 +573,7 @@ def _check_overlay(overlay: Any, root: Any, where: str, prefix: str) -> None:
         path = f"{prefix}{key}"
         if not isinstance(root, DictConfig) or key not in root:
             valid = ", ".join(str(k) for k in root) if isinstance(root, DictConfig) else "none (not a block)"
-            raise ValueError(f"{where} sets {path}, which the root config does not have; "
-                             f"keys there: {valid}")
+            raise ValueError(f"{where} sets {path}, which the root config does not have; keys there: {valid}")
         _check_overlay(value, root[key], where, f"{path}.")
 
 
@@ -467,43 +587,57 @@ def grid(cfg: DictConfig, system: str, name: str | None = None) -> DictConfig:
     return block.grids[name]
 
 
-def round_config(cfg: DictConfig, system: str, *, method: str, seed: int, grid_name: str | None = None
-                 ) -> RoundConfig:
+def round_config(cfg: DictConfig, system: str, *, method: str, seed: int, grid_name: str | None = None) -> RoundConfig:
     """The settings of one cell (method x seed) of a round-based grid."""
     block, g = cfg[system], grid(cfg, system, grid_name)
     if method not in block.methods:
         raise ValueError(f"unknown {system} method {method!r}; valid names are: {', '.join(sorted(block.methods))}")
     m = OmegaConf.to_container(block.methods[method], resolve=True)
     trainer = {**OmegaConf.to_container(block.trainer, resolve=True), **(m.get("trainer_params") or {})}
-    return RoundConfig(rounds=grid_rounds(g), trainer=str(m["trainer"]), trainer_params=trainer,
-                       strategy=str(m["strategy"]), strategy_params=dict(m.get("strategy_params") or {}),
-                       participation=float(g.participation), seed=int(seed), device=str(cfg.device))
+    return RoundConfig(
+        rounds=grid_rounds(g, system),
+        trainer=str(m["trainer"]),
+        trainer_params=trainer,
+        strategy=str(m["strategy"]),
+        strategy_params=dict(m.get("strategy_params") or {}),
+        participation=float(g.participation),
+        seed=int(seed),
+        device=str(cfg.device),
+    )
 
 
-def grid_rounds(g: DictConfig) -> int:
-    """A grid's rounds: ``rounds``, or ``tasks × rounds_per_task`` for a class-incremental grid."""
-    return int(g.tasks) * int(g.rounds_per_task) if "tasks" in g else int(g.rounds)
+def grid_rounds(g: DictConfig, system: str) -> int:
+    """A grid's rounds: ``rounds``, or ``tasks × rounds_per_task`` for a class-incremental system's grid."""
+    return int(g.tasks) * int(g.rounds_per_task) if is_incremental(system) else int(g.rounds)
 
 
 def single_round_config(cfg: DictConfig, system: str) -> RoundConfig:
     """One run from the ``trainer`` and ``strategy`` groups on the system's selected grid."""
     block, g = cfg[system], grid(cfg, system)
-    trainer = {**OmegaConf.to_container(block.trainer, resolve=True),
-               **OmegaConf.to_container(cfg.trainer.params, resolve=True)}
-    return RoundConfig(rounds=grid_rounds(g), trainer=str(cfg.trainer.name), trainer_params=trainer,
-                       strategy=str(cfg.strategy.name),
-                       strategy_params=dict(OmegaConf.to_container(cfg.strategy.params, resolve=True)),
-                       participation=float(g.participation), seed=int(cfg.seed), device=str(cfg.device))
+    trainer = {
+        **OmegaConf.to_container(block.trainer, resolve=True),
+        **OmegaConf.to_container(cfg.trainer.params, resolve=True),
+    }
+    return RoundConfig(
+        rounds=grid_rounds(g, system),
+        trainer=str(cfg.trainer.name),
+        trainer_params=trainer,
+        strategy=str(cfg.strategy.name),
+        strategy_params=dict(OmegaConf.to_container(cfg.strategy.params, resolve=True)),
+        participation=float(g.participation),
+        seed=int(cfg.seed),
+        device=str(cfg.device),
+    )
 
 
-def is_openset(cfg: DictConfig, system: str, grid_name: str | None = None) -> bool:
-    """An open-set grid names its known classes (``known``); its methods are judged by AUROC and OSCR."""
-    return "known" in grid(cfg, system, grid_name)
+def is_openset(system: str) -> bool:
+    """An open-set system (its declared evaluation): trained on known classes, judged by AUROC and OSCR."""
+    return systems.get(system).evaluation == "openset"
 
 
-def is_incremental(cfg: DictConfig, system: str, grid_name: str | None = None) -> bool:
-    """A class-incremental grid names its number of tasks (``tasks``); it is judged by incremental accuracy."""
-    return "tasks" in grid(cfg, system, grid_name)
+def is_incremental(system: str) -> bool:
+    """A class-incremental system (its declared evaluation): data in tasks, judged by incremental accuracy."""
+    return systems.get(system).evaluation == "incremental"
 
 
 def method_scores(cfg: DictConfig, system: str, method: str | None, trainer: str) -> List[str]:
@@ -517,8 +651,9 @@ def method_scores(cfg: DictConfig, system: str, method: str | None, trainer: str
 
 def grid_model_spec(cfg: DictConfig, system: str, grid_name: str | None = None, *, num_classes: int) -> ModelSpec:
     g = grid(cfg, system, grid_name)
-    return ModelSpec(name=str(g.model), in_channels=3, num_classes=int(num_classes),
-                     norm=str(g.get("norm") or cfg.model.norm))
+    return ModelSpec(
+        name=str(g.model), in_channels=3, num_classes=int(num_classes), norm=str(g.get("norm") or cfg.model.norm)
+    )
 
 
 def validate_rounds(cfg: DictConfig, system: str) -> None:
@@ -530,26 +665,32 @@ def validate_rounds(cfg: DictConfig, system: str) -> None:
         grid(cfg, system, str(name))
     target = block.get("target")
     if target is not None and str(target) not in block.methods:
-        raise ValueError(f"{system}.target={target!r} is not one of {system}'s methods; valid names are: "
-                         f"{', '.join(sorted(map(str, block.methods)))}")
+        raise ValueError(
+            f"{system}.target={target!r} is not one of {system}'s methods; valid names are: "
+            f"{', '.join(sorted(map(str, block.methods)))}"
+        )
     for name, g in block.grids.items():
         if not list(g.methods):
-            raise ValueError(f"{system} grid {name!r}: methods is empty, so the grid would run nothing; list at least "
-                             f"one of: {', '.join(sorted(map(str, block.methods)))}")
+            raise ValueError(
+                f"{system} grid {name!r}: methods is empty, so the grid would run nothing; list at least "
+                f"one of: {', '.join(sorted(map(str, block.methods)))}"
+            )
         if str(g.model) not in MODELS:
-            raise ValueError(f"{system} grid {name!r}: unknown model {g.model!r}; valid names are: "
-                             f"{', '.join(MODELS.names())}")
+            raise ValueError(
+                f"{system} grid {name!r}: unknown model {g.model!r}; valid names are: {', '.join(MODELS.names())}"
+            )
         counts = dict(g.clients_per_domain)
         if any(int(v) < 0 for v in counts.values()) or sum(int(v) for v in counts.values()) < 1:
-            raise ValueError(f"{system} grid {name!r}: clients_per_domain {counts} must be >= 0 with at least "
-                             "one client")
-        if "tasks" in g:  # before the rounds (tasks x rounds_per_task) are read, so that the message names them
+            raise ValueError(
+                f"{system} grid {name!r}: clients_per_domain {counts} must be >= 0 with at least one client"
+            )
+        if is_incremental(system):  # before the rounds (tasks x rounds_per_task) are read: the message names them
             _check_schedule(f"{system} grid {str(name)!r}", g)
         for method in g.methods:
             rc = round_config(cfg, system, method=str(method), seed=0, grid_name=str(name))
-            if "tasks" in g:
+            if is_incremental(system):
                 _check_incremental(system, str(name), g, str(method), rc, norm=str(g.get("norm") or cfg.model.norm))
-            if "known" in g:
+            if is_openset(system):
                 from fedcore.openset.evaluate import check_scores
 
                 check_scores(method_scores(cfg, system, str(method), rc.trainer), dummy=rc.trainer == "proser")
@@ -566,15 +707,21 @@ def _check_incremental(system: str, name: str, g: DictConfig, method: str, rc: R
     """A class-incremental grid's schedule fits its data, and its private methods can be private."""
     where = f"{system} grid {name!r}"
     if rc.trainer != "fcil":
-        raise ValueError(f"{where}: method {method!r} uses trainer {rc.trainer!r}; class-incremental grids need "
-                         "trainer fcil (its dual model and exemplars)")
+        raise ValueError(
+            f"{where}: method {method!r} uses trainer {rc.trainer!r}; class-incremental grids need "
+            "trainer fcil (its dual model and exemplars)"
+        )
     trainer = rc.make_trainer()
     if trainer.compress == "distil" and trainer.compress_rounds >= int(g.rounds_per_task):
-        raise ValueError(f"{where}: compress_rounds ({trainer.compress_rounds}) must be below rounds_per_task "
-                         f"({g.rounds_per_task}); each task needs a training round before it is compressed")
+        raise ValueError(
+            f"{where}: compress_rounds ({trainer.compress_rounds}) must be below rounds_per_task "
+            f"({g.rounds_per_task}); each task needs a training round before it is compressed"
+        )
     if trainer.privacy != "none" and norm == "batch":
-        raise ValueError(f"{where}: method {method!r} is private ({trainer.privacy}) but the grid's model uses "
-                         "BatchNorm, which mixes the samples of a batch; set the grid's norm: group")
+        raise ValueError(
+            f"{where}: method {method!r} is private ({trainer.privacy}) but the grid's model uses "
+            "BatchNorm, which mixes the samples of a batch; set the grid's norm: group"
+        )
     if not str(g.model).startswith("dual-"):
         raise ValueError(f"{where}: model {g.model!r}; the fcil trainer needs a dual model (dual-lenet, dual-cnn, ...)")
     if trainer.privacy == "nbafl":
@@ -586,9 +733,11 @@ def _check_incremental(system: str, name: str, g: DictConfig, method: str, rc: R
         except ValueError as e:
             raise ValueError(f"{where}: method {method!r}: {e}") from None
         if downlink_needed(rounds=rc.rounds, exposures=uploads, clients=int(g.clients)):
-            raise ValueError(f"{where}: method {method!r} is NbAFL with {rc.rounds} rounds, {uploads} uploads per "
-                             f"client and {g.clients} clients: T > L·sqrt(N), where NbAFL needs server-side noise "
-                             f"too, which is not built. Raise participation (F·sqrt(N) >= 1) or the clients")
+            raise ValueError(
+                f"{where}: method {method!r} is NbAFL with {rc.rounds} rounds, {uploads} uploads per "
+                f"client and {g.clients} clients: T > L·sqrt(N), where NbAFL needs server-side noise "
+                f"too, which is not built. Raise participation (F·sqrt(N) >= 1) or the clients"
+            )
 
 
 def domains_dir(cfg: DictConfig, system: str, grid_name: str | None = None) -> Path:

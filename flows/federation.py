@@ -22,17 +22,27 @@ from prefect.cache_policies import NO_CACHE
 from prefect.futures import as_completed
 
 from fedcore.data import Partition
-from fedcore.engine import (ArrivalsResult, ModelSpec, RunInterrupted, ServerState, arrivals_result, initial_state,
-                            run_rounds, save_state, source_round_data)
+from fedcore.engine import (
+    ArrivalsResult,
+    ModelSpec,
+    RunInterrupted,
+    ServerState,
+    arrivals_result,
+    initial_state,
+    run_rounds,
+    save_state,
+    source_round_data,
+)
 from fedcore.evaluate.plots import plot_arrivals, plot_privacy
 from fedcore.privacy.ledger import ledger_document
 from flows import config as C
 from flows import model_registry, plot_data, runtime, tracking, ui
+from flows.placement import faults, gpus
 from flows.tasks import (  # noqa: F401 - the paths and loaders are part of this module's interface
-    _ckpt_dir,
     arrival_checkpoints,
     cell_name,
     check_checkpoints,
+    ckpt_dir,
     load_inputs,
     load_partition,
     load_source,
@@ -52,13 +62,9 @@ def _runner(cfg: DictConfig):
 
 def _driver_runner(cfg: DictConfig, *, warm_workers: int | None = None):
     """For sub-second client steps: Prefect tasks in driver threads whose bodies run the step on Ray."""
-    return runtime.make_driver_runner(address=cfg.flow.ray_address, num_cpus=int(cfg.flow.num_cpus), root=C.ROOT,
-                                      warm_workers=warm_workers)
-
-
-def _gpus(cfg: DictConfig) -> float:
-    return float(cfg.flow.gpus_per_task) if str(cfg.device).startswith("cuda") or (
-        cfg.device == "auto" and torch.cuda.is_available()) else 0.0
+    return runtime.make_driver_runner(
+        address=cfg.flow.ray_address, num_cpus=int(cfg.flow.num_cpus), root=C.ROOT, warm_workers=warm_workers
+    )
 
 
 # ------------------------------------------------------------------------------------ flows
@@ -76,8 +82,9 @@ def pretrain(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> Pa
     run_name = f"pretrain-{cfg.data.name}-{cfg.model.name}"
 
     @flow(name="source-pretraining", task_runner=_driver_runner(cfg), log_prints=True, flow_run_name=lambda: run_name)
-    def source_pretraining(variant: str | None, system: str | None, data: str, model: str, rounds: int, seed: int,
-                           config: Dict[str, str]) -> str:  # the parameters are for the UI: cfg is the config
+    def source_pretraining(
+        variant: str | None, system: str | None, data: str, model: str, rounds: int, seed: int, config: Dict[str, str]
+    ) -> str:  # the parameters are for the UI: cfg is the config
         from flows.rounds import round_submit
 
         logger = get_run_logger()
@@ -88,27 +95,50 @@ def pretrain(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> Pa
         # clients that train side by side take one each. The thread count changes the floats, so it
         # is the stage's param flow.num_cpus, not the machine, that sets it.
         threads = min(int(cfg.flow.num_cpus), runtime.largest_node_cpus()) if rounds_data.num_clients == 1 else 1
-        submit_round = round_submit(rounds_data, retries=int(cfg.flow.retries),
-                                    retry_delay_seconds=float(cfg.flow.retry_delay_seconds), num_gpus=_gpus(cfg),
-                                    threads=threads)
+        submit_round = round_submit(
+            rounds_data,
+            retries=int(cfg.flow.retries),
+            retry_delay_seconds=float(cfg.flow.retry_delay_seconds),
+            num_gpus=gpus(cfg),
+            threads=threads,
+        )
 
         with mlflow.start_run(run_name=run_name):
             ui.link_runs()
-            mlflow.set_tags({**tracking.lineage_tags(seed=pcfg.seed, prepared=prepared_path(cfg),
-                                                     partition_dir=partition_dir(cfg)), "stage": "pretrain"})
+            mlflow.set_tags(
+                {
+                    **tracking.lineage_tags(
+                        seed=pcfg.seed, prepared=prepared_path(cfg), partition_dir=partition_dir(cfg)
+                    ),
+                    "stage": "pretrain",
+                }
+            )
             # the round-based systems' grids and the variants' definitions are not this run's settings
-            mlflow.log_params(tracking.flatten({k: v for k, v in C.to_dict(cfg).items()
-                                                if k not in ("sweep", *ui.NOT_ARRIVAL)}))
+            mlflow.log_params(
+                tracking.flatten({k: v for k, v in C.to_dict(cfg).items() if k not in ("sweep", *ui.not_arrival())})
+            )
             log = tracking.BackgroundRoundLog()  # MLflow writes overlap the next round
 
             def on_round(record, state):
-                logger.info("round %d/%d train_loss=%.4f source_test=%.3f", record["round"] + 1, pcfg.rounds,
-                            record["train_loss"], record["acc.source_test"])
+                logger.info(
+                    "round %d/%d train_loss=%.4f source_test=%.3f",
+                    record["round"] + 1,
+                    pcfg.rounds,
+                    record["train_loss"],
+                    record["acc.source_test"],
+                )
                 log(record)
 
             try:
-                result = run_rounds(rounds_data, spec, pcfg, submit_round=submit_round, on_round=on_round,
-                                    progress=bool(cfg.flow.progress), desc="FedAvg rounds")
+                result = run_rounds(
+                    rounds_data,
+                    spec,
+                    pcfg,
+                    submit_round=submit_round,
+                    on_round=on_round,
+                    progress=bool(cfg.flow.progress),
+                    desc="FedAvg rounds",
+                )
             except BaseException:
                 log.close(raise_errors=False)
                 raise
@@ -122,8 +152,10 @@ def pretrain(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> Pa
             mlflow.log_metric("source_test_acc", acc)
             out = source_model_path(cfg)
             out.parent.mkdir(parents=True, exist_ok=True)
-            torch.save({"state": state, "spec": asdict(spec), "pretrain": asdict(pcfg),
-                        "source_test_acc": acc}, out.with_suffix(".tmp"))
+            torch.save(
+                {"state": state, "spec": asdict(spec), "pretrain": asdict(pcfg), "source_test_acc": acc},
+                out.with_suffix(".tmp"),
+            )
             out.with_suffix(".tmp").replace(out)
             mlflow.log_artifact(str(out), artifact_path="checkpoints")
             logger.info("source model: clean test accuracy %.3f -> %s", acc, out)
@@ -135,16 +167,24 @@ def pretrain(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> Pa
         runtime.shutdown_ray()
 
 
-def _draw_plots(records: List[Dict[str, Any]], acc: np.ndarray, corruptions: List[str], out: Path, title: str,
-                privacy: bool) -> List[Path]:
+def _draw_plots(
+    records: List[Dict[str, Any]], acc: np.ndarray, corruptions: List[str], out: Path, title: str, privacy: bool
+) -> List[Path]:
     plots = plot_arrivals(records, acc, corruptions, out, title=title)
     if privacy:
         plots.append(plot_privacy(records, out))
     return plots
 
 
-def _log_experiment(cfg: DictConfig, acfg, res: ArrivalsResult, *, spec: ModelSpec, partition: Partition,
-                    arrivals: "tracking.BackgroundLog | None" = None) -> None:
+def _log_experiment(
+    cfg: DictConfig,
+    acfg,
+    res: ArrivalsResult,
+    *,
+    spec: ModelSpec,
+    partition: Partition,
+    arrivals: "tracking.BackgroundLog | None" = None,
+) -> None:
     """Everything about one finished experiment on the active MLflow run.
 
     ``arrivals``: the log that took the arrivals as they came back, closed here (so that what it
@@ -155,11 +195,12 @@ def _log_experiment(cfg: DictConfig, acfg, res: ArrivalsResult, *, spec: ModelSp
     out = C.resolve_path(cfg.paths.results) / "cells" / cell_name(acfg)
     out.mkdir(parents=True, exist_ok=True)
     corruptions = [t.corruption for t in partition.targets]
-    from fedcore.evaluate.plots import _plt
+    from fedcore.evaluate.plots import pyplot
 
-    _plt()  # pyplot imported once per process, here, rather than by every child (about 0.4 s each)
-    drawing = runtime.InChild(_draw_plots, records, acc, corruptions, out,
-                              f"{acfg.method}+{acfg.aggregator} ({acfg.form})", bool(res.ledgers))
+    pyplot()  # pyplot imported once per process, here, rather than by every child (about 0.4 s each)
+    drawing = runtime.InChild(
+        _draw_plots, records, acc, corruptions, out, f"{acfg.method}+{acfg.aggregator} ({acfg.form})", bool(res.ledgers)
+    )
     try:
         if arrivals is not None:
             arrivals.close()
@@ -169,28 +210,37 @@ def _log_experiment(cfg: DictConfig, acfg, res: ArrivalsResult, *, spec: ModelSp
         mlflow.log_metrics(summary_metrics(res.summary))
         files = []
         if res.ledgers:
-            (out / "privacy_ledger.json").write_text(json.dumps(
-                ledger_document(delta=acfg.privacy_config().delta, clients=res.ledgers), indent=1) + "\n")
+            (out / "privacy_ledger.json").write_text(
+                json.dumps(ledger_document(delta=acfg.privacy_config().delta, clients=res.ledgers), indent=1) + "\n"
+            )
             files.append(out / "privacy_ledger.json")
         np.savetxt(out / "accuracy_matrix.csv", acc, delimiter=",", fmt="%.4f")
         files += plot_data.write_arrival_tables(out, records, acc, corruptions)
         tracking.log_files(files + [out / "accuracy_matrix.csv"], artifact_path="plots")
-        ckpt = _ckpt_dir(cfg, cell_name(acfg))
+        ckpt = ckpt_dir(cfg, cell_name(acfg))
         tracking.log_files([ckpt / "server_state.pt", ckpt / "server_state.sha256"], artifact_path="checkpoints")
         from fedcore.tensors import to_tensor
 
         example = to_tensor(partition.source_test_x[:2]).numpy()
         model_uri = tracking.log_model(spec, res.final_state, example=example)
         name = model_registry.model_name(cfg)
-        if name and model_registry.wanted(cfg, (acfg.method, acfg.aggregator, acfg.form, acfg.seed),
-                                          model_registry.configured_cell(cfg)):
+        if name and model_registry.wanted(
+            cfg, (acfg.method, acfg.aggregator, acfg.form, acfg.seed), model_registry.configured_cell(cfg)
+        ):
             metric = str(cfg.flow.champion_metric)
             model_registry.register(
-                model_uri, name=name, run_id=mlflow.active_run().info.run_id, summary=summary_metrics(res.summary),
-                metric=metric, aliases=list(cfg.flow.get("aliases") or []),
+                model_uri,
+                name=name,
+                run_id=mlflow.active_run().info.run_id,
+                summary=summary_metrics(res.summary),
+                metric=metric,
+                aliases=list(cfg.flow.get("aliases") or []),
                 description=model_registry.describe(
                     f"{acfg.method}+{acfg.aggregator} ({acfg.form}), seed {acfg.seed}, on {cfg.data.name}",
-                    summary_metrics(res.summary), metric))
+                    summary_metrics(res.summary),
+                    metric,
+                ),
+            )
     except BaseException:
         # the plots are still finished (no half-written PNG among the stage's outputs) and kept on the
         # run if they can be; the error that stopped the logging is the one reported
@@ -215,38 +265,47 @@ def _start_experiment_run(cfg: DictConfig, acfg, spec: ModelSpec, *, started_ms:
     ui.link_runs(run)
     # this run's settings only: not the other systems' grids, nor the variants' definitions (the
     # variant chosen is already laid over the root config)
-    params = {k: v for k, v in C.to_dict(cfg).items() if k not in ("sweep", "method", "aggregator", "privacy",
-                                                                  "private", *ui.NOT_ARRIVAL)}
-    params.update({"method": {"name": acfg.method, **acfg.method_params},
-                   "aggregator": {"name": acfg.aggregator, **acfg.aggregator_params}, "seed": acfg.seed,
-                   "privacy": {"form": acfg.form, **acfg.privacy}})
+    params = {
+        k: v
+        for k, v in C.to_dict(cfg).items()
+        if k not in ("sweep", "method", "aggregator", "privacy", "private", *ui.not_arrival())
+    }
+    params.update(
+        {
+            "method": {"name": acfg.method, **acfg.method_params},
+            "aggregator": {"name": acfg.aggregator, **acfg.aggregator_params},
+            "seed": acfg.seed,
+            "privacy": {"form": acfg.form, **acfg.privacy},
+        }
+    )
     pcfg = acfg.privacy_config()
     if pcfg.mode == "dp":
         params["privacy"]["sigma"] = pcfg.sigma(acfg.uses_per_arrival)
         params["privacy"]["noise_source"] = pcfg.noise_source  # written out even where the default chose it
         params["privacy"]["gate_noise_multiplier"] = pcfg.gate_noise_multiplier
     mlflow.log_params(tracking.flatten(params))
-    mlflow.set_tags({**tracking.lineage_tags(seed=acfg.seed, prepared=prepared_path(cfg),
-                                             partition_dir=partition_dir(cfg), reads=[source_model_path(cfg)],
-                                             extra={"method": acfg.method, "aggregator": acfg.aggregator,
-                                                    "privacy_form": acfg.form,
-                                                    "config_fingerprint": acfg.fingerprint(),
-                                                    "source_model": str(source_model_path(cfg).name)}),
-                     "stage": "adapt"})
+    mlflow.set_tags(
+        {
+            **tracking.lineage_tags(
+                seed=acfg.seed,
+                prepared=prepared_path(cfg),
+                partition_dir=partition_dir(cfg),
+                reads=[source_model_path(cfg)],
+                extra={
+                    "method": acfg.method,
+                    "aggregator": acfg.aggregator,
+                    "privacy_form": acfg.form,
+                    "config_fingerprint": acfg.fingerprint(),
+                    "source_model": str(source_model_path(cfg).name),
+                },
+            ),
+            "stage": "adapt",
+        }
+    )
     src = source_model_path(cfg)
     if src.is_file():
         mlflow.set_tag("source_model_sha256", tracking.file_sha256(src))
     return run
-
-
-def _faults(cfg: DictConfig, folder: Path) -> Dict[str, Any]:
-    """The test faults the config asks for: ``{"fault"|"crash": (step index, marker folder)}``."""
-    out = {}
-    if cfg.flow.inject_fault is not None:
-        out["fault"] = (int(cfg.flow.inject_fault), folder)
-    if cfg.flow.get("inject_crash") is not None:
-        out["crash"] = (int(cfg.flow.inject_crash), folder)
-    return out
 
 
 class ArrivalPasses:
@@ -265,11 +324,21 @@ class ArrivalPasses:
     uninterrupted run (arrivals are seeded by index, and a state holds everything that follows).
     """
 
-    def __init__(self, st: ServerState, *, partition: Partition, spec: ModelSpec, acfg, checkpoint_dir: Path,
-                 threads: int, num_gpus: float,
-                 on_arrival: Callable[[Dict[str, Any], ServerState, Any], None] | None,
-                 faults: Mapping[str, Any] | None = None, max_restarts: int = 3, stop_after: int | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        st: ServerState,
+        *,
+        partition: Partition,
+        spec: ModelSpec,
+        acfg,
+        checkpoint_dir: Path,
+        threads: int,
+        num_gpus: float,
+        on_arrival: Callable[[Dict[str, Any], ServerState, Any], None] | None,
+        faults: Mapping[str, Any] | None = None,
+        max_restarts: int = 3,
+        stop_after: int | None = None,
+    ) -> None:
         self.st, self.spec, self.acfg, self.checkpoint_dir = st, spec, acfg, checkpoint_dir
         self.threads, self.num_gpus, self.on_arrival, self.max_restarts = threads, num_gpus, on_arrival, max_restarts
         self.num_clients = len(partition.targets)
@@ -284,17 +353,29 @@ class ArrivalPasses:
     def blocks(self) -> List[Tuple[int, int, int]]:
         """``(pass, first, end)`` of each block still to run: a pass over the clients, cut at ``stop_after``."""
         K = self.num_clients
-        return [(p, max(p * K, self.st.done), min((p + 1) * K, self.last)) for p in range(-(-self.last // K))
-                if min((p + 1) * K, self.last) > max(p * K, self.st.done)]
+        return [
+            (p, max(p * K, self.st.done), min((p + 1) * K, self.last))
+            for p in range(-(-self.last // K))
+            if min((p + 1) * K, self.last) > max(p * K, self.st.done)
+        ]
 
     def start(self) -> None:
         """The generator of every arrival from ``st.done`` to the last, on a Ray worker (once; again after a failure)."""
         from flows.worker import arrival_pass
 
         if self._stream is None and self.st.done < self.last:
-            self._stream = runtime.ray_stream(arrival_pass, num_cpus=self.threads, num_gpus=self.num_gpus,
-                                              partition=self.partition, spec=self.spec, cfg=self.acfg, start=self.st,
-                                              stop_at=self.last, threads=self.threads, faults=self.faults)
+            self._stream = runtime.ray_stream(
+                arrival_pass,
+                num_cpus=self.threads,
+                num_gpus=self.num_gpus,
+                partition=self.partition,
+                spec=self.spec,
+                cfg=self.acfg,
+                start=self.st,
+                stop_at=self.last,
+                threads=self.threads,
+                faults=self.faults,
+            )
 
     def run(self, end: int, logger) -> int:
         """Take arrivals ``st.done`` .. ``end`` - 1 from the worker's stream; returns how many are done."""
@@ -311,9 +392,15 @@ class ArrivalPasses:
                 attempt += 1
                 if attempt > 1 + self.max_restarts:
                     raise
-                logger.warning("the Ray worker running arrivals %d-%d died (%s); they go on from arrival %d on a "
-                               "new worker: attempt %d", self.st.done, self.last - 1, type(exc).__name__,
-                               self.st.done, attempt)
+                logger.warning(
+                    "the Ray worker running arrivals %d-%d died (%s); they go on from arrival %d on a "
+                    "new worker: attempt %d",
+                    self.st.done,
+                    self.last - 1,
+                    type(exc).__name__,
+                    self.st.done,
+                    attempt,
+                )
             except BaseException:
                 self.close()  # an error raised in the stream ends it; a retry starts a new one from self.st
                 raise
@@ -348,7 +435,7 @@ def arrival(cfg: DictConfig) -> ArrivalsResult:
     check_checkpoints(arrival_checkpoints(cfg), resume=bool(cfg.flow.resume))  # likewise
     params = ui.arrival_parameters(cfg)
     acfg = C.arrival_config(cfg)
-    ckpt = _ckpt_dir(cfg, cell_name(acfg))
+    ckpt = ckpt_dir(cfg, cell_name(acfg))
     schedule = acfg.schedule(len(partition.targets))
     st = initial_state(source, acfg, checkpoint_dir=ckpt, resume=bool(cfg.flow.resume))
     # one worker runs every arrival, in sequence: warming a second would take a core from the first
@@ -358,35 +445,69 @@ def arrival(cfg: DictConfig) -> ArrivalsResult:
         # Arrivals are sequential: the worker running them may use every CPU of a node. Their stream
         # starts here, so that the worker computes while Prefect creates the flow run and the flow
         # opens its MLflow run; the flow's pass tasks take the arrivals from it.
-        passes = ArrivalPasses(st, partition=partition, spec=spec, acfg=acfg, checkpoint_dir=ckpt,
-                               threads=min(int(cfg.flow.num_cpus), runtime.largest_node_cpus()),
-                               num_gpus=_gpus(cfg), on_arrival=None, faults=_faults(cfg, ckpt),
-                               stop_after=cfg.flow.stop_after)
+        passes = ArrivalPasses(
+            st,
+            partition=partition,
+            spec=spec,
+            acfg=acfg,
+            checkpoint_dir=ckpt,
+            threads=min(int(cfg.flow.num_cpus), runtime.largest_node_cpus()),
+            num_gpus=gpus(cfg),
+            on_arrival=None,
+            faults=faults(cfg, ckpt),
+            stop_after=cfg.flow.stop_after,
+        )
         passes.start()
 
-        @flow(name="sequential-arrival", task_runner=runner, log_prints=True,
-              flow_run_name=lambda: run_label(params["method"], params["aggregator"], params["privacy"],
-                                              params["seed"]))
-        def sequential_arrival(variant: str | None, system: str | None, data: str, model: str, method: str,
-                               aggregator: str, privacy: str, seed: int, resume: bool,
-                               config: Dict[str, str]) -> ArrivalsResult:  # the parameters are for the UI
+        @flow(
+            name="sequential-arrival",
+            task_runner=runner,
+            log_prints=True,
+            flow_run_name=lambda: run_label(params["method"], params["aggregator"], params["privacy"], params["seed"]),
+        )
+        def sequential_arrival(
+            variant: str | None,
+            system: str | None,
+            data: str,
+            model: str,
+            method: str,
+            aggregator: str,
+            privacy: str,
+            seed: int,
+            resume: bool,
+            config: Dict[str, str],
+        ) -> ArrivalsResult:  # the parameters are for the UI
             tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
             bar = None
             if cfg.flow.progress:
                 from tqdm.auto import tqdm
 
-                bar = tqdm(desc=f"{acfg.method}+{acfg.aggregator} arrivals", unit="client", initial=passes.st.done,
-                           total=len(schedule))
+                bar = tqdm(
+                    desc=f"{acfg.method}+{acfg.aggregator} arrivals",
+                    unit="client",
+                    initial=passes.st.done,
+                    total=len(schedule),
+                )
 
             def on_arrival(record, st, _):
                 logger = get_run_logger()  # the pass task's: the UI shows each arrival under its pass
                 if record.get("privacy_refused"):
-                    logger.warning("arrival %d: client %d refused a private update: its budget of epsilon=%g is "
-                                   "spent (%.3f used); it predicted with the global model, which stays as it was",
-                                   record["arrival"], record["client_id"], acfg.privacy_config().budget,
-                                   record["eps_client_total"])
-                logger.info("arrival %d (%s): online %.3f, hold-out(seen) %.3f, w=%.3f", record["arrival"],
-                            record["corruption"], record["online_acc"], record["holdout_avg_seen"], record["weight"])
+                    logger.warning(
+                        "arrival %d: client %d refused a private update: its budget of epsilon=%g is "
+                        "spent (%.3f used); it predicted with the global model, which stays as it was",
+                        record["arrival"],
+                        record["client_id"],
+                        acfg.privacy_config().budget,
+                        record["eps_client_total"],
+                    )
+                logger.info(
+                    "arrival %d (%s): online %.3f, hold-out(seen) %.3f, w=%.3f",
+                    record["arrival"],
+                    record["corruption"],
+                    record["online_acc"],
+                    record["holdout_avg_seen"],
+                    record["weight"],
+                )
                 log(record)
                 if bar is not None:
                     bar.update(1)
@@ -395,17 +516,17 @@ def arrival(cfg: DictConfig) -> ArrivalsResult:
             try:
                 with _start_experiment_run(cfg, acfg, spec):
                     # each arrival's numbers reach the run's charts as it comes back, beside the worker's next
-                    log = tracking.BackgroundArrivalLog(
-                        runs_at_end=cfg.flow.get("arrival_runs", "at_end") == "at_end")
+                    log = tracking.BackgroundArrivalLog(runs_at_end=cfg.flow.get("arrival_runs", "at_end") == "at_end")
                     try:
-                        task = arrival_pass_task.with_options(retries=int(cfg.flow.retries),
-                                                              retry_delay_seconds=float(cfg.flow.retry_delay_seconds))
+                        task = arrival_pass_task.with_options(
+                            retries=int(cfg.flow.retries), retry_delay_seconds=float(cfg.flow.retry_delay_seconds)
+                        )
                         for p, first, end in passes.blocks():
                             task.with_options(task_run_name=f"pass-{p}-arrivals-{first:03d}-{end - 1:03d}").submit(
-                                passes=passes, end=end).result()
+                                passes=passes, end=end
+                            ).result()
                         if passes.st.done < len(schedule):
-                            raise RunInterrupted(f"stopped after arrival {passes.st.done} as asked; "
-                                                 "resume to continue")
+                            raise RunInterrupted(f"stopped after arrival {passes.st.done} as asked; resume to continue")
                         res = arrivals_result(passes.st, schedule)
                         _log_experiment(cfg, acfg, res, spec=spec, partition=partition, arrivals=log)
                     except BaseException:
@@ -438,9 +559,18 @@ def sweep(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> List[
     params = ui.sweep_parameters(cfg)
 
     @flow(name="sweep", task_runner=_runner(cfg), log_prints=True, flow_run_name=lambda: f"sweep-{cfg.data.name}")
-    def sweep_flow(variant: str | None, system: str | None, data: str, model: str, methods: List[str],
-                   aggregators: List[str], privacy: List[str], seeds: List[int], resume: bool,
-                   config: Dict[str, str]) -> List[Dict[str, Any]]:  # the parameters are for the UI
+    def sweep_flow(
+        variant: str | None,
+        system: str | None,
+        data: str,
+        model: str,
+        methods: List[str],
+        aggregators: List[str],
+        privacy: List[str],
+        seeds: List[int],
+        resume: bool,
+        config: Dict[str, str],
+    ) -> List[Dict[str, Any]]:  # the parameters are for the UI
         logger = get_run_logger()
         tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
         cells = sweep_cells(cfg)
@@ -451,9 +581,13 @@ def sweep(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> List[
             acfg = C.arrival_config(cfg, method=m, aggregator=a, seed=s, form=f)
             acfgs[(m, a, acfg.form, s)] = acfg
         cfg_dict = C.to_dict(cfg)
-        with runtime.task_resources(num_gpus=_gpus(cfg)):
-            futures = [run_cell_task.with_options(retries=int(cfg.flow.retries)).submit(
-                cfg_dict=cfg_dict, method=m, aggregator=a, seed=s, form=f, written=written) for m, a, f, s in cells]
+        with runtime.task_resources(num_gpus=gpus(cfg)):
+            futures = [
+                run_cell_task.with_options(retries=int(cfg.flow.retries)).submit(
+                    cfg_dict=cfg_dict, method=m, aggregator=a, seed=s, form=f, written=written
+                )
+                for m, a, f, s in cells
+            ]
         results = []
         done = as_completed(futures)
         if cfg.flow.progress:
@@ -468,11 +602,29 @@ def sweep(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> List[
                 mlflow.log_metric("run_seconds", res["seconds"])
             tracking.end_run_at(run.info.run_id, res["ended_ms"])
             s = res["result"].summary
-            logger.info("[%d/%d] %s+%s %s seed %d: online %.3f, final hold-out %.3f, forgetting %+.3f (%.1fs)", i,
-                        len(cells), res["method"], res["aggregator"], res["form"], res["seed"], s["avg_online_acc"],
-                        s["final_avg_holdout_acc"], s["forgetting"], res["seconds"])
-            results.append({"method": res["method"], "aggregator": res["aggregator"], "form": res["form"],
-                            "seed": res["seed"], "summary": s, "seconds": res["seconds"]})
+            logger.info(
+                "[%d/%d] %s+%s %s seed %d: online %.3f, final hold-out %.3f, forgetting %+.3f (%.1fs)",
+                i,
+                len(cells),
+                res["method"],
+                res["aggregator"],
+                res["form"],
+                res["seed"],
+                s["avg_online_acc"],
+                s["final_avg_holdout_acc"],
+                s["forgetting"],
+                res["seconds"],
+            )
+            results.append(
+                {
+                    "method": res["method"],
+                    "aggregator": res["aggregator"],
+                    "form": res["form"],
+                    "seed": res["seed"],
+                    "summary": s,
+                    "seconds": res["seconds"],
+                }
+            )
         order = {key: i for i, key in enumerate(acfgs)}
         return sorted(results, key=lambda r: order[(r["method"], r["aggregator"], r["form"], r["seed"])])
 
@@ -485,9 +637,9 @@ def sweep(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> List[
 def audit(cfg: DictConfig) -> List[Dict[str, Any]]:
     """The canary audit on a real client's stream, one setting per ε (and dp0, the private step at σ = 0),
     logged to MLflow."""
+    from fedcore.adapt import create_method
     from fedcore.privacy import PrivacySpec, calibrate_sigma, flatten_per_sample, per_sample_grads_functorch
     from fedcore.privacy.audit import canary_audit
-    from fedcore.adapt import create_method
     from fedcore.tensors import to_tensor
 
     a, dp = cfg.audit, C.privacy_form(cfg, "dp")
@@ -505,23 +657,56 @@ def audit(cfg: DictConfig) -> List[Dict[str, Any]]:
     g = per_sample_grads_functorch(probe.model, dict(probe.params), probe.sample_loss, pool[:256], {})
     clip = 0.5 * float(flatten_per_sample(g).norm(dim=1).min())
     settings = [("dp0", PrivacySpec(mode="dp0", clip_norm=clip))] + [
-        (f"dp-eps{e:g}", PrivacySpec(mode="dp", clip_norm=clip, noise_source=str(a.noise_source),
-                                     noise_multiplier=calibrate_sigma(float(e), float(dp["delta"]))))
-        for e in a.epsilons]
+        (
+            f"dp-eps{e:g}",
+            PrivacySpec(
+                mode="dp",
+                clip_norm=clip,
+                noise_source=str(a.noise_source),
+                noise_multiplier=calibrate_sigma(float(e), float(dp["delta"])),
+            ),
+        )
+        for e in a.epsilons
+    ]
     tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
     rows = []
     with mlflow.start_run(run_name="privacy-audit"):
-        mlflow.set_tags({**tracking.lineage_tags(seed=int(cfg.seed), prepared=prepared_path(cfg),
-                                                 partition_dir=partition_dir(cfg), reads=[source_model_path(cfg)]),
-                         "stage": "audit",
-                         "source_model": source_model_path(cfg).name})
+        mlflow.set_tags(
+            {
+                **tracking.lineage_tags(
+                    seed=int(cfg.seed),
+                    prepared=prepared_path(cfg),
+                    partition_dir=partition_dir(cfg),
+                    reads=[source_model_path(cfg)],
+                ),
+                "stage": "audit",
+                "source_model": source_model_path(cfg).name,
+            }
+        )
         mlflow.log_params(tracking.flatten({"audit": C.to_dict(cfg)["audit"], "delta": dp["delta"], "clip_norm": clip}))
         for i, (form, pspec) in enumerate(settings):
-            res = canary_audit(build, pool, spec=pspec, delta=float(dp["delta"]), num_classes=spec.num_classes,
-                               lr=float(a.lr), stream_size=int(a.stream_size), trials=int(a.trials),
-                               seed=int(cfg.seed) + i, confidence=float(a.confidence), progress=bool(cfg.flow.progress))
-            row = {"form": form, "sigma": res.sigma, "epsilon_accountant": res.epsilon_accountant,
-                   "epsilon_lower": res.epsilon_lower, "auc": res.auc, "trials": res.trials, "clip_norm": clip}
+            res = canary_audit(
+                build,
+                pool,
+                spec=pspec,
+                delta=float(dp["delta"]),
+                num_classes=spec.num_classes,
+                lr=float(a.lr),
+                stream_size=int(a.stream_size),
+                trials=int(a.trials),
+                seed=int(cfg.seed) + i,
+                confidence=float(a.confidence),
+                progress=bool(cfg.flow.progress),
+            )
+            row = {
+                "form": form,
+                "sigma": res.sigma,
+                "epsilon_accountant": res.epsilon_accountant,
+                "epsilon_lower": res.epsilon_lower,
+                "auc": res.auc,
+                "trials": res.trials,
+                "clip_norm": clip,
+            }
             rows.append(row)
             metrics = {f"{form}.eps_lower": res.epsilon_lower, f"{form}.auc": res.auc}
             if np.isfinite(res.epsilon_accountant):
@@ -529,6 +714,8 @@ def audit(cfg: DictConfig) -> List[Dict[str, Any]]:
             mlflow.log_metrics(metrics)
             if res.epsilon_lower > res.epsilon_accountant:
                 mlflow.set_tag("audit_violation", form)
-                raise RuntimeError(f"privacy audit: empirical ε lower bound {res.epsilon_lower:.3f} exceeds the "
-                                   f"accountant's ε {res.epsilon_accountant:.3f} for {form}: the DP step is broken")
+                raise RuntimeError(
+                    f"privacy audit: empirical ε lower bound {res.epsilon_lower:.3f} exceeds the "
+                    f"accountant's ε {res.epsilon_accountant:.3f} for {form}: the DP step is broken"
+                )
     return rows

@@ -125,8 +125,12 @@ def verify(path: str | Path, *, written: Mapping[str, str] | None = None, root: 
     checked = 0
     for f in _files(_absolute(path)):
         if written and str(f) in written:
-            _compare(f, written[str(f)], "the md5 recorded when this flow wrote it",
-                     "it changed after it was written; rerun the flow")
+            _compare(
+                f,
+                written[str(f)],
+                "the md5 recorded when this flow wrote it",
+                "it changed after it was written; rerun the flow",
+            )
             checked += 1
             continue
         if not f.is_relative_to(root):
@@ -139,7 +143,7 @@ def verify(path: str | Path, *, written: Mapping[str, str] | None = None, root: 
         if out.is_dir:
             if out not in listings:
                 listings[out] = _listing(root, out)
-            expected = listings[out].get(rel[len(out.path) + 1:])
+            expected = listings[out].get(rel[len(out.path) + 1 :])
             if expected is None:
                 continue  # not a file the stage wrote
         else:
@@ -161,15 +165,18 @@ def _files(path: Path) -> List[Path]:
 
 
 def _fix(out: LockedOut) -> str:
-    return (f"restore it with `dvc checkout {out.path}` or rebuild it with `dvc repro {out.stage}` (if you rebuilt "
-            f"it yourself outside DVC, `dvc commit {out.stage}` records it)")
+    return (
+        f"restore it with `dvc checkout {out.path}` or rebuild it with `dvc repro {out.stage}` (if you rebuilt "
+        f"it yourself outside DVC, `dvc commit {out.stage}` records it)"
+    )
 
 
 def _compare(path: Path, expected: str, where: str, fix: str) -> None:
     actual = md5_file(path)
     if actual != expected:
-        raise IntegrityError(f"{path} does not match {where} (expected md5 {expected}, found {actual}), so it "
-                             f"was not loaded: {fix}")
+        raise IntegrityError(
+            f"{path} does not match {where} (expected md5 {expected}, found {actual}), so it was not loaded: {fix}"
+        )
 
 
 def _listing(root: Path, out: LockedOut) -> Dict[str, str]:
@@ -189,5 +196,6 @@ def _listing(root: Path, out: LockedOut) -> Dict[str, str]:
         raise IntegrityError(
             f"{folder} does not match the md5 dvc.lock records for stage {out.stage!r} (expected {out.md5}, found "
             f"{found}), and the DVC cache holds no listing to check its files one by one, so nothing in it was "
-            f"loaded: {_fix(out)}")
+            f"loaded: {_fix(out)}"
+        )
     return on_disk

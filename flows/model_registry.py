@@ -28,8 +28,17 @@ from flows import config as C
 CHAMPION = "champion"
 REGISTER_CHOICES = ("configured", "all", "none")
 CHAMPION_METRICS = ("final_avg_holdout_acc", "final_worst_holdout_acc", "final_avg_online_acc")  # higher is better
-LINEAGE_TAGS = ("git_commit", "data_sha256", "partition_manifest_sha256", "config_fingerprint", "source_model_sha256",
-                "system", "grid", "trainer", "strategy")  # copied from the run when present
+LINEAGE_TAGS = (
+    "git_commit",
+    "data_sha256",
+    "partition_manifest_sha256",
+    "config_fingerprint",
+    "source_model_sha256",
+    "system",
+    "grid",
+    "trainer",
+    "strategy",
+)  # copied from the run when present
 _log = logging.getLogger(__name__)
 
 
@@ -66,21 +75,32 @@ def configured_cell(cfg: DictConfig) -> tuple:
     return (a.method, a.aggregator, a.form, int(cfg.seed))
 
 
-def register(model_uri: str, *, name: str, run_id: str, summary: Mapping[str, float], metric: str,
-             aliases: Iterable[str] = (), description: str = "",
-             client: "mlflow.MlflowClient | None" = None):
+def register(
+    model_uri: str,
+    *,
+    name: str,
+    run_id: str,
+    summary: Mapping[str, float],
+    metric: str,
+    aliases: Iterable[str] = (),
+    description: str = "",
+    client: "mlflow.MlflowClient | None" = None,
+):
     """Register ``model_uri`` (a logged model) as a new version of ``name``; tag it and move its aliases.
 
     Returns the :class:`mlflow.entities.model_registry.ModelVersion`. ``summary`` holds the
     run's headline metrics; ``metric`` (one of them) decides the ``champion`` alias.
     """
     if metric not in summary:
-        raise ValueError(f"flow.champion_metric={metric!r} is not a headline metric of this run; "
-                         f"use one of {', '.join(sorted(summary))}")
+        raise ValueError(
+            f"flow.champion_metric={metric!r} is not a headline metric of this run; "
+            f"use one of {', '.join(sorted(summary))}"
+        )
     client = client or mlflow.MlflowClient()
     run_tags = client.get_run(run_id).data.tags
-    tags: Dict[str, str] = {k: run_tags[k] for k in ("method", "aggregator", "privacy_form", "seed", *LINEAGE_TAGS)
-                            if k in run_tags}
+    tags: Dict[str, str] = {
+        k: run_tags[k] for k in ("method", "aggregator", "privacy_form", "seed", *LINEAGE_TAGS) if k in run_tags
+    }
     tags.update({f"metric.{k}": repr(float(v)) for k, v in summary.items()})  # exact: the champion rule reads it
     tags["champion_metric"] = metric
     version = mlflow.register_model(model_uri, name, tags=tags)
@@ -93,8 +113,14 @@ def register(model_uri: str, *, name: str, run_id: str, summary: Mapping[str, fl
     for alias in aliases:
         client.set_registered_model_alias(name, str(alias), version.version)
         moved.append(str(alias))
-    _log.info("registered %s version %s (%s=%.4f)%s", name, version.version, metric, float(summary[metric]),
-              f"; aliases {', '.join(moved)}" if moved else "")
+    _log.info(
+        "registered %s version %s (%s=%.4f)%s",
+        name,
+        version.version,
+        metric,
+        float(summary[metric]),
+        f"; aliases {', '.join(moved)}" if moved else "",
+    )
     return version
 
 

@@ -1,7 +1,11 @@
 """The nightly jobs, deployed with cron schedules by ``infra/prefect.yaml``.
 
-* ``nightly``: rebuild data and partitions, pretrain, then run the test-time sweep grid;
-* ``nightly_rounds``: a round-based system's grid (FedPAD by default): partition, then every cell.
+* ``nightly``: a test-time adaptation system (BPFedCTTA, DP-TTA): rebuild data and partitions, pretrain,
+  then run its quick variant's sweep;
+* ``nightly_rounds``: a round-based system's grid (FedPAD, FedPD++, PP-FCIL): partition, then every cell.
+
+Each system's deployment (schedule, quick default, stages to push) comes from its declaration
+(:mod:`flows.systems`); ``python -m flows.deploy`` writes them into ``infra/prefect.yaml``.
 
 ``overrides`` are Hydra overrides. Each job rebuilds its inputs outside DVC, so what it reads
 back is checked against the md5s it recorded as it wrote them, not against ``dvc.lock``.
@@ -20,10 +24,7 @@ from typing import List, Optional
 from prefect import flow, get_run_logger, task
 
 from flows import config as C
-from flows import integrity
-
-PIPELINE = ["prepare@mnist", "partition@mnist", "pretrain@mnist", "adapt@mnist"]  # the default variant's stages
-PARTITION_STAGE = {"fedpad": "partition_domains", "fedpd": "partition_fedpd"}
+from flows import integrity, systems
 
 
 def _share_run_name(parameters) -> str:
@@ -47,47 +48,77 @@ def _share(stages: List[str], overrides: Optional[List[str]], push: bool, root: 
     if not push:
         return "not pushed to the DVC remote: push=false"
     if overrides:
-        return ("not pushed to the DVC remote: a run with overrides is not what dvc.yaml records "
-                f"(overrides: {' '.join(overrides)})")
+        return (
+            "not pushed to the DVC remote: a run with overrides is not what dvc.yaml records "
+            f"(overrides: {' '.join(overrides)})"
+        )
     return share(stages, root)
 
 
 @flow(name="nightly-federation")
-def nightly(overrides: Optional[List[str]] = None, push: bool = True) -> dict:
+def nightly(system: str = "bpfedctta", overrides: Optional[List[str]] = None, push: bool = True) -> dict:
+    """A test-time adaptation system's nightly run: its quick variant's data, partition, source model and sweep."""
     from flows.federation import partition_dir, pretrain
-    from flows.stages import _adapt, _partition, _prepare
+    from flows.steps import adapt, partition, prepare
 
+    decl = systems.get(system)
+    if decl.engine != "arrivals":
+        raise ValueError(
+            f"{system} runs rounds; its nightly flow is nightly_rounds (systems: "
+            f"{', '.join(systems.names('arrivals'))} run here)"
+        )
     logger = get_run_logger()
-    cfg = C.compose(list(overrides or []))
+    cfg = C.compose([f"variant={decl.quick}", *(overrides or [])])
     cfg.flow.aliases = [*cfg.flow.aliases, "nightly"]  # the registered version of a scheduled run
-    _prepare(cfg)
-    _partition(cfg)
+    prepare(cfg)
+    partition(cfg)
     written = integrity.record(partition_dir(cfg))
     written.update(integrity.record(pretrain(cfg, written=written)))
-    results = _adapt(cfg, written=written)  # the sweep plus the table and summary the adapt stage declares
-    best = max(results, key=lambda r: r["summary"]["final_avg_holdout_acc"])
-    logger.info("nightly sweep done: best %s+%s hold-out %.3f", best["method"], best["aggregator"],
-                best["summary"]["final_avg_holdout_acc"])
-    logger.info(_share(PIPELINE, overrides, push))
+    results = adapt(cfg, written=written)  # the sweep plus the table and summary the adapt stage declares
+    best = max(results, key=lambda r: r["summary"][decl.headline])
+    logger.info(
+        "nightly %s sweep done: best %s+%s %s %.3f",
+        system,
+        best["method"],
+        best["aggregator"],
+        decl.headline,
+        best["summary"][decl.headline],
+    )
+    logger.info(_share(decl.nightly_stages(), overrides, push))
     return {f"{r['method']}+{r['aggregator']}+s{r['seed']}": r["summary"] for r in results}
 
 
 @flow(name="nightly-rounds")
-def nightly_rounds(system: str = "fedpad", grid: str = "quick", overrides: Optional[List[str]] = None,
-                   push: bool = True) -> dict:
+def nightly_rounds(
+    system: str = "fedpad", grid: str = "quick", overrides: Optional[List[str]] = None, push: bool = True
+) -> dict:
+    """A round-based system's nightly run: a grid's partition, then every (method, seed) cell."""
     from flows.rounds import grid as run_grid
-    from flows.stages import _partition_domains
+    from flows.steps import partition_domains
 
+    decl = systems.get(system)
+    if decl.engine != "rounds":
+        raise ValueError(
+            f"{system} adapts arriving clients; its nightly flow is nightly (systems: "
+            f"{', '.join(systems.names('rounds'))} run here)"
+        )
     logger = get_run_logger()
     cfg = C.compose([f"{system}.grid={grid}", *(overrides or [])])
     cfg.flow.aliases = [*cfg.flow.aliases, "nightly"]  # the registered version of a scheduled run
-    _partition_domains(cfg, system)
+    partition_domains(cfg, system)
     rows = run_grid(cfg, system, written=integrity.record(C.domains_dir(cfg, system)))
-    best = max(rows, key=lambda r: r["summary"]["final_worst_acc"])
-    logger.info("nightly %s grid %s done: best worst-domain accuracy %.3f (%s, seed %d)", system, grid,
-                best["summary"]["final_worst_acc"], best["method"], best["seed"])
-    if grid in cfg[system].get("stages", []) and system in PARTITION_STAGE:
-        logger.info(_share([f"{PARTITION_STAGE[system]}@{grid}", f"{system}@{grid}"], overrides, push))
+    best = max(rows, key=lambda r: r["summary"][decl.headline])
+    logger.info(
+        "nightly %s grid %s done: best %s %.3f (%s, seed %d)",
+        system,
+        grid,
+        decl.headline,
+        best["summary"][decl.headline],
+        best["method"],
+        best["seed"],
+    )
+    if grid in cfg[system].get("stages", []):
+        logger.info(_share(decl.nightly_stages(grid), overrides, push))
     else:
         logger.info("not pushed to the DVC remote: dvc.yaml has no %s@%s stage (%s.stages)", system, grid, system)
     return {f"{r['method']}+s{r['seed']}": r["summary"] for r in rows}

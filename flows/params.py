@@ -23,8 +23,10 @@ def check_stage_keys(cfg: DictConfig, dvc_yaml: str) -> None:
             continue
         bad = [str(k) for k in OmegaConf.select(cfg, ref.group(1)) or {} if "." in str(k)]
         if bad:
-            raise ValueError(f"{ref.group(1)} has keys with a dot: {bad}; DVC reads a dot in stage {name!r}'s "
-                             f"params path as a separator. Rename them without dots (e.g. c0.1 -> c1e-1) in conf/")
+            raise ValueError(
+                f"{ref.group(1)} has keys with a dot: {bad}; DVC reads a dot in stage {name!r}'s "
+                f"params path as a separator. Rename them without dots (e.g. c0.1 -> c1e-1) in conf/"
+            )
 
 
 def render() -> str:

@@ -77,10 +77,13 @@ def write_accuracy_csv(acc_matrix: np.ndarray, corruptions: Sequence[str], path:
     return path
 
 
-def write_arrival_tables(folder: str | Path, records: List[Dict[str, Any]], acc_matrix: np.ndarray,
-                         corruptions: Sequence[str]) -> List[Path]:
+def write_arrival_tables(
+    folder: str | Path, records: List[Dict[str, Any]], acc_matrix: np.ndarray, corruptions: Sequence[str]
+) -> List[Path]:
     """``arrivals.csv`` and ``accuracy.csv`` of one arrival run, in ``folder`` (its cell); returns their paths."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    return [write_records_csv(records, folder / ARRIVALS_CSV),
-            write_accuracy_csv(acc_matrix, corruptions, folder / ACCURACY_CSV)]
+    return [
+        write_records_csv(records, folder / ARRIVALS_CSV),
+        write_accuracy_csv(acc_matrix, corruptions, folder / ACCURACY_CSV),
+    ]

@@ -34,9 +34,11 @@ import yaml
 
 REMOTE = "fedcore"
 ENV = "FEDCORE_DVC_REMOTE"
-HOW_TO_SET = (f"Set the remote with {ENV}=<folder or s3://bucket/path> (for example "
-              f"`{ENV}=/mnt/team/fedcore-dvc make push`), or with `dvc remote modify --local {REMOTE} url <url>`. "
-              "The README's 'Sharing a run' section has the S3 settings.")
+HOW_TO_SET = (
+    f"Set the remote with {ENV}=<folder or s3://bucket/path> (for example "
+    f"`{ENV}=/mnt/team/fedcore-dvc make push`), or with `dvc remote modify --local {REMOTE} url <url>`. "
+    "The README's 'Sharing a run' section has the S3 settings."
+)
 
 
 class RemoteError(RuntimeError):
@@ -134,9 +136,11 @@ def _setup(root: Path) -> Tuple[Remote, Path]:
     settings = _settings(root)
     name = settings.get("core.remote", ("", ""))[0]
     if not name:
-        raise RemoteError(f"No default DVC remote in {root}: .dvc/config should name '{REMOTE}' "
-                          f"(core.remote). Restore it with `git checkout .dvc/config`, or add one with "
-                          f"`dvc remote add -d {REMOTE} <url>`. {HOW_TO_SET}")
+        raise RemoteError(
+            f"No default DVC remote in {root}: .dvc/config should name '{REMOTE}' "
+            f"(core.remote). Restore it with `git checkout .dvc/config`, or add one with "
+            f"`dvc remote add -d {REMOTE} <url>`. {HOW_TO_SET}"
+        )
     url, origin = settings.get(f"remote.{name}.url", ("", ""))
     wanted = os.environ.get(ENV, "").strip()
     if wanted:
@@ -157,7 +161,9 @@ def _plugin_hint(proc: subprocess.CompletedProcess) -> str:
     """How to install the DVC plugin an object-store URL needs, when DVC says one is missing."""
     if "requires 'dvc-s3'" in proc.stderr:
         return "Install S3 support with `pip install -c constraints.txt -e '.[s3]'`. "
-    return "Install the DVC plugin it names (`pip install 'dvc[<scheme>]'`). " if "to be installed" in proc.stderr else ""
+    return (
+        "Install the DVC plugin it names (`pip install 'dvc[<scheme>]'`). " if "to be installed" in proc.stderr else ""
+    )
 
 
 def configure(root: Path) -> Remote:
@@ -179,11 +185,15 @@ def check_reachable(remote: Remote, *, for_push: bool) -> None:
     if path.exists():
         raise RemoteError(f"{remote.describe()} is not a folder. {HOW_TO_SET}")
     if not for_push:
-        raise RemoteError(f"{remote.describe()} does not exist here: nothing has been pushed to it, or the run "
-                          f"was pushed elsewhere. Point {ENV} at the remote the run was pushed to. {HOW_TO_SET}")
+        raise RemoteError(
+            f"{remote.describe()} does not exist here: nothing has been pushed to it, or the run "
+            f"was pushed elsewhere. Point {ENV} at the remote the run was pushed to. {HOW_TO_SET}"
+        )
     if not path.parent.is_dir():
-        raise RemoteError(f"{remote.describe()} is not reachable: its parent folder {path.parent} does not "
-                          f"exist (a share that is not mounted?). Nothing was pushed. {HOW_TO_SET}")
+        raise RemoteError(
+            f"{remote.describe()} is not reachable: its parent folder {path.parent} does not "
+            f"exist (a share that is not mounted?). Nothing was pushed. {HOW_TO_SET}"
+        )
 
 
 def outputs(root: Path, stages: Optional[Sequence[str]] = None) -> List[Output]:
@@ -192,14 +202,18 @@ def outputs(root: Path, stages: Optional[Sequence[str]] = None) -> List[Output]:
     recorded = (yaml.safe_load(lock.read_text()) or {}).get("stages", {}) if lock.is_file() else {}
     unknown = [s for s in (stages or []) if s not in recorded]
     if unknown:
-        raise ValueError(f"Not in dvc.lock: {', '.join(unknown)}. Stages it records: "
-                         f"{', '.join(sorted(recorded)) or 'none (run `dvc repro` first)'}.")
+        raise ValueError(
+            f"Not in dvc.lock: {', '.join(unknown)}. Stages it records: "
+            f"{', '.join(sorted(recorded)) or 'none (run `dvc repro` first)'}."
+        )
     found = []
     for stage in stages or list(recorded):
         for out in recorded[stage].get("outs", []):
             if out.get("hash") != "md5":
-                raise ValueError(f"{out['path']} (stage {stage}) was recorded by DVC 2; rebuild it with "
-                                 f"`dvc repro {stage}` or record it again with `dvc commit {stage}`.")
+                raise ValueError(
+                    f"{out['path']} (stage {stage}) was recorded by DVC 2; rebuild it with "
+                    f"`dvc repro {stage}` or record it again with `dvc commit {stage}`."
+                )
             found.append(Output(stage=stage, path=out["path"], md5=out["md5"]))
     return found
 
@@ -238,12 +252,16 @@ def _why(remote: Remote, md5: str, listing: str) -> str:
     ``listing`` is the md5 of the directory listing the object belongs to ("" for a single file):
     `dvc push` skips every file of a directory whose listing the remote has, so a repair deletes both.
     """
-    skips = "`dvc push` skips what the remote already has" + (", and every file of a listed directory" if listing else "")
+    skips = "`dvc push` skips what the remote already has" + (
+        ", and every file of a listed directory" if listing else ""
+    )
     if not remote.is_folder:
         names = " and ".join(f"files/md5/{m[:2]}/{m[2:]}" for m in (md5, listing) if m)
-        return ("it did not arrive intact from the remote: it is missing there, or its content does not match "
-                f"its md5 (DVC's `verify` drops such a download). Delete {names} under {remote.url}, then "
-                f"`make push` from a clone that holds it intact ({skips})")
+        return (
+            "it did not arrive intact from the remote: it is missing there, or its content does not match "
+            f"its md5 (DVC's `verify` drops such a download). Delete {names} under {remote.url}, then "
+            f"`make push` from a clone that holds it intact ({skips})"
+        )
     where = _object(Path(remote.url), md5)
     ok, got = _intact(where, md5)
     if ok:
@@ -306,17 +324,25 @@ def pull(root: Path, stages: Optional[Sequence[str]] = None) -> PullReport:
     if intact:
         done = _dvc(root, "checkout", *[o.path for o in intact])
         if done.returncode != 0:
-            raise RemoteError(f"`dvc checkout` failed after a verified fetch from {remote.describe()}:\n"
-                              f"{_errors(done)}\nA file you changed in the work tree is kept: "
-                              f"`dvc checkout --force <path>` replaces it.")
+            raise RemoteError(
+                f"`dvc checkout` failed after a verified fetch from {remote.describe()}:\n"
+                f"{_errors(done)}\nA file you changed in the work tree is kept: "
+                f"`dvc checkout --force <path>` replaces it."
+            )
     report = PullReport(remote=remote, restored=[o.path for o in intact], refused=bad)
     if bad:
         lines = "\n".join(f"  {b.path} (md5 {b.md5}): {b.reason}" for b in bad)
-        dvc_said = (f"\nDVC's fetch said:\n{_errors(fetched)}\n{_plugin_hint(fetched)}{HOW_TO_SET}"
-                    if fetched.returncode != 0 else "")
-        raise PullError(f"Pulled from {remote.describe()}: {len(intact)} of {len(outs)} outputs restored. "
-                        f"These files did not arrive intact, so their outputs were not checked out and the work "
-                        f"tree keeps what it had there:\n{lines}{dvc_said}", report)
+        dvc_said = (
+            f"\nDVC's fetch said:\n{_errors(fetched)}\n{_plugin_hint(fetched)}{HOW_TO_SET}"
+            if fetched.returncode != 0
+            else ""
+        )
+        raise PullError(
+            f"Pulled from {remote.describe()}: {len(intact)} of {len(outs)} outputs restored. "
+            f"These files did not arrive intact, so their outputs were not checked out and the work "
+            f"tree keeps what it had there:\n{lines}{dvc_said}",
+            report,
+        )
     return report
 
 
@@ -342,18 +368,24 @@ def push(root: Path, stages: Optional[Sequence[str]] = None) -> PushReport:
     if ready:
         proc = _dvc(root, "push", *[o.path for o in ready])
         if proc.returncode != 0:
-            raise RemoteError(f"`dvc push` to {remote.describe()} failed; run it again once the remote is "
-                              f"reachable (what already arrived is not sent twice).\n{_errors(proc)}\n"
-                              f"{_plugin_hint(proc)}{HOW_TO_SET}")
-    report = PushReport(remote=remote, pushed=[o.path for o in ready], not_in_cache=uncached,
-                        not_built=[o.path for o in absent])
+            raise RemoteError(
+                f"`dvc push` to {remote.describe()} failed; run it again once the remote is "
+                f"reachable (what already arrived is not sent twice).\n{_errors(proc)}\n"
+                f"{_plugin_hint(proc)}{HOW_TO_SET}"
+            )
+    report = PushReport(
+        remote=remote, pushed=[o.path for o in ready], not_in_cache=uncached, not_built=[o.path for o in absent]
+    )
     if uncached:
         names = sorted({o.stage for o in uncached})
-        raise PushError(f"Pushed {len(ready)} outputs to {remote.describe()}, but these are in the work tree and "
-                        f"not in the DVC cache, so they were not pushed: {', '.join(o.path for o in uncached)}. "
-                        f"They were built outside `dvc repro`, or while dvc.yaml did not cache them. If "
-                        f"`dvc status` shows them unchanged, `dvc commit {' '.join(names)}` records them in the "
-                        f"cache without changing dvc.lock; then push again.", report)
+        raise PushError(
+            f"Pushed {len(ready)} outputs to {remote.describe()}, but these are in the work tree and "
+            f"not in the DVC cache, so they were not pushed: {', '.join(o.path for o in uncached)}. "
+            f"They were built outside `dvc repro`, or while dvc.yaml did not cache them. If "
+            f"`dvc status` shows them unchanged, `dvc commit {' '.join(names)}` records them in the "
+            f"cache without changing dvc.lock; then push again.",
+            report,
+        )
     return report
 
 
@@ -365,10 +397,13 @@ def commit(root: Path, stages: Sequence[str]) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m flows.remote", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m flows.remote", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("command", choices=["push", "pull", "where"])
-    ap.add_argument("stages", nargs="*", help="stage names as in dvc.lock, e.g. adapt@mnist fedpad@quick (default: all)")
+    ap.add_argument(
+        "stages", nargs="*", help="stage names as in dvc.lock, e.g. adapt@mnist fedpad@quick (default: all)"
+    )
     ap.add_argument("--root", default=".", help="the repository (default: the current directory)")
     args = ap.parse_args(argv)
     root = Path(args.root).resolve()
@@ -382,8 +417,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"not built here, so not pushed: {', '.join(report.not_built)}")
         else:
             report = pull(root, args.stages)
-            print(f"restored {len(report.restored)} outputs from {report.remote.describe()}; "
-                  "`dvc status` shows what still differs from dvc.lock")
+            print(
+                f"restored {len(report.restored)} outputs from {report.remote.describe()}; "
+                "`dvc status` shows what still differs from dvc.lock"
+            )
     except (RemoteError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

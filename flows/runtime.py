@@ -71,8 +71,10 @@ def _prefect_api() -> Tuple[str, Callable[[], str]]:
     def wait() -> str:
         thread.join()
         if errors:
-            raise RuntimeError(f"the temporary Prefect server did not start: {errors[0]}; start one with "
-                               "`prefect server start --host 127.0.0.1` and export PREFECT_API_URL") from errors[0]
+            raise RuntimeError(
+                f"the temporary Prefect server did not start: {errors[0]}; start one with "
+                "`prefect server start --host 127.0.0.1` and export PREFECT_API_URL"
+            ) from errors[0]
         os.environ["PREFECT_API_URL"] = _SERVER.api_url
         log.info("started a temporary Prefect server at %s", _SERVER.api_url)
         return _SERVER.api_url
@@ -192,13 +194,14 @@ def loopback_ray() -> Iterator[None]:
 def ray_init_kwargs(*, num_cpus: int, prefect_api_url: str, root: Path) -> Dict[str, Any]:
     # OMP_NUM_THREADS is left to Ray (it sets it from each task's num_cpus); tasks that get
     # several CPUs call torch.set_num_threads themselves.
-    env = {"PREFECT_API_URL": prefect_api_url,
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH", "")]))}
+    env = {
+        "PREFECT_API_URL": prefect_api_url,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH", "")])),
+    }
     for key in ("MLFLOW_TRACKING_URI", "PREFECT_LOGGING_LEVEL", "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL"):
         if key in os.environ:
             env[key] = os.environ[key]
-    return {"num_cpus": num_cpus, "include_dashboard": False, "log_to_driver": True,
-            "runtime_env": {"env_vars": env}}
+    return {"num_cpus": num_cpus, "include_dashboard": False, "log_to_driver": True, "runtime_env": {"env_vars": env}}
 
 
 def make_task_runner(*, address: str | None, num_cpus: int, root: Path):
@@ -206,12 +209,14 @@ def make_task_runner(*, address: str | None, num_cpus: int, root: Path):
     from prefect_ray import RayTaskRunner
 
     # its workers run Prefect tasks (flows.tasks), so they warm up with Prefect too
-    return RayTaskRunner(address=address, init_kwargs=start_ray(address=address, num_cpus=num_cpus, root=root,
-                                                                warm_module="flows.tasks"))
+    return RayTaskRunner(
+        address=address, init_kwargs=start_ray(address=address, num_cpus=num_cpus, root=root, warm_module="flows.tasks")
+    )
 
 
-def make_driver_runner(*, address: str | None, num_cpus: int, root: Path, max_workers: int = 16,
-                       warm_workers: int | None = None):
+def make_driver_runner(
+    *, address: str | None, num_cpus: int, root: Path, max_workers: int = 16, warm_workers: int | None = None
+):
     """Prefect tasks in driver threads whose bodies call Ray (see :func:`ray_call`); Ray started as above.
 
     A Prefect task on ``RayTaskRunner`` costs about 230 ms of fixed overhead here (settings
@@ -291,8 +296,15 @@ def ray_attempt() -> int:
         return 1
 
 
-def ray_call(fn: Callable, /, *, num_cpus: float = 1, num_gpus: float = 0,
-             on_rerun: Callable[[int], None] | None = None, **kwargs) -> Any:
+def ray_call(
+    fn: Callable,
+    /,
+    *,
+    num_cpus: float = 1,
+    num_gpus: float = 0,
+    on_rerun: Callable[[int], None] | None = None,
+    **kwargs,
+) -> Any:
     """:func:`ray_start` and wait for the result; ``on_rerun(attempt)`` when Ray had to rerun the task."""
     import ray
 
@@ -302,8 +314,9 @@ def ray_call(fn: Callable, /, *, num_cpus: float = 1, num_gpus: float = 0,
     return value
 
 
-def ray_as_completed(refs: List[Any], *, on_rerun: Callable[[int, int], None] | None = None
-                     ) -> Iterator[Tuple[int, Any]]:
+def ray_as_completed(
+    refs: List[Any], *, on_rerun: Callable[[int, int], None] | None = None
+) -> Iterator[Tuple[int, Any]]:
     """``(index, result)`` of each :func:`ray_start` ref in ``refs`` as it finishes; a task's error is raised when
     it arrives. ``on_rerun(index, attempt)`` when Ray had to rerun that task (its worker died)."""
     import ray
@@ -370,8 +383,14 @@ def put(value: Any) -> Any:
     return ray.put(value)
 
 
-def start_ray(*, address: str | None, num_cpus: int, root: Path, warm_workers: int | None = None,
-              warm_module: str = "flows.worker") -> Dict[str, Any]:
+def start_ray(
+    *,
+    address: str | None,
+    num_cpus: int,
+    root: Path,
+    warm_workers: int | None = None,
+    warm_module: str = "flows.worker",
+) -> Dict[str, Any]:
     """Start (or join) Ray with the Prefect API URL in every worker's environment; returns the init kwargs.
 
     A Ray started here gets ``warm_workers`` workers (default: one per CPU) that import
@@ -404,8 +423,11 @@ def start_ray(*, address: str | None, num_cpus: int, root: Path, warm_workers: i
                 _prewarm_workers(num_cpus if warm_workers is None else warm_workers, warm_module)
         moved = wait()
         if moved != url:  # the server had to move: tell the workers
-            log.warning("the temporary Prefect server came up at %s, not %s: Ray restarts so that its workers "
-                        "report there", moved, url)
+            log.warning(
+                "the temporary Prefect server came up at %s, not %s: Ray restarts so that its workers report there",
+                moved,
+                url,
+            )
             stop_ray()
             kwargs = init_kwargs(moved)
             with own_node():
@@ -479,7 +501,7 @@ def _stop_autoscaler_monitor() -> None:
     then SIGKILL. The monitor never exited within its second (likely because its SIGTERM handler
     first reports its end to the GCS, which Ray stops before it), so every shutdown waited that
     second out: ``shutdown_ray`` took 1.43-1.50 s, and 0.23-0.57 s with the monitor gone first
-    (docs/performance.md, session 35). A single local node has nothing to autoscale, and Ray kills
+    (docs/benchmarks.md). A single local node has nothing to autoscale, and Ray kills
     the monitor outright after the second anyway. A Ray this process only joined started no
     processes here, so nothing is killed; nor if Ray's record of its processes is not where this
     Ray version keeps it.
@@ -589,8 +611,7 @@ class InChild:
             return
         ctx = multiprocessing.get_context("fork")
         receive, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_child_call, args=(send, fn, args), daemon=True,
-                           name=f"fedcore-{self._name}")
+        proc = ctx.Process(target=_child_call, args=(send, fn, args), daemon=True, name=f"fedcore-{self._name}")
         # The child must not collect the driver's garbage: a destructor there (a Ray reference, a
         # database connection) could wait on a lock that a thread of this process held at the fork.
         gc.freeze()

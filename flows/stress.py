@@ -33,42 +33,70 @@ from omegaconf import DictConfig, OmegaConf
 
 from flows import config as C
 
-CELL_KEYS = {"lr": "sweep.method_params.lr", "passes": "adapt.passes", "stream": "adapt.stream",
-             "batch_size": "adapt.batch_size", "beta": "sweep.aggregator_params.beta",
-             "normalizer": "sweep.aggregator_params.normalizer", "methods": "sweep.methods",
-             "aggregators": "sweep.aggregators", "privacy": "sweep.privacy"}
-METRICS = (("final_avg_holdout_acc", "final hold-out"), ("avg_online_acc", "online"),
-           ("final_worst_holdout_acc", "worst hold-out"), ("forgetting", "forgetting"))
+CELL_KEYS = {
+    "lr": "sweep.method_params.lr",
+    "passes": "adapt.passes",
+    "stream": "adapt.stream",
+    "batch_size": "adapt.batch_size",
+    "beta": "sweep.aggregator_params.beta",
+    "normalizer": "sweep.aggregator_params.normalizer",
+    "methods": "sweep.methods",
+    "aggregators": "sweep.aggregators",
+    "privacy": "sweep.privacy",
+}
+METRICS = (
+    ("final_avg_holdout_acc", "final hold-out"),
+    ("avg_online_acc", "online"),
+    ("final_worst_holdout_acc", "worst hold-out"),
+    ("forgetting", "forgetting"),
+)
 
 
 @dataclass(frozen=True)
 class Protocol:
     """Where a stress protocol lives in the config and DVC, and what its report pairs."""
 
-    system: str                     # the config block holding ``stress`` (and the variant)
-    variant: str                    # the variant every cell is laid over
-    stage: str                      # the DVC foreach stage, ``<stage>@<cell>``
+    system: str  # the config block holding ``stress`` (and the variant)
+    variant: str  # the variant every cell is laid over
+    stage: str  # the DVC foreach stage, ``<stage>@<cell>``
     title: str
     order: Tuple[Tuple[str, ...], ...]  # the sweep's display order: methods, aggregators, privacy forms
-    gaps: str                       # what the report's gaps are, in words
-    target: str | None = None       # one run paired against ``against`` in every cell, and pooled
+    gaps: str  # what the report's gaps are, in words
+    target: str | None = None  # one run paired against ``against`` in every cell, and pooled
     target_label: str = ""
     against: Tuple[str, ...] = ()
-    block: str = "stress"           # the key of the protocol's block under ``system``
+    block: str = "stress"  # the key of the protocol's block under ``system``
 
 
-_BPFEDCTTA = dict(order=(("source", "bn", "tent", "bpa"), ("none", "sequential", "fedavg", "ugsa")),
-                  gaps="BPA+UGSA minus the named method", target="bpa+ugsa", target_label="BPA+UGSA",
-                  against=("tent+sequential", "tent+ugsa", "bpa+sequential"))
+_BPFEDCTTA = dict(
+    order=(("source", "bn", "tent", "bpa"), ("none", "sequential", "fedavg", "ugsa")),
+    gaps="BPA+UGSA minus the named method",
+    target="bpa+ugsa",
+    target_label="BPA+UGSA",
+    against=("tent+sequential", "tent+ugsa", "bpa+sequential"),
+)
 PROTOCOLS = {
     "bpfedctta": Protocol("bpfedctta", "mnist", "stress", "BPFedCTTA stress protocol", **_BPFEDCTTA),
-    "cifar10": Protocol("bpfedctta", "cifar10", "stress_cifar", "BPFedCTTA stress protocol on CIFAR-10-C",
-                        block="stress_cifar", **_BPFEDCTTA),
-    "dptta": Protocol("dptta", "private", "stress_private", "DP-TTA stress protocol (GroupNorm)",
-                      (("source", "tent", "eata", "sar", "deyo", "come", "bpa"),
-                       ("none", "sequential", "fedavg", "ugsa"),
-                       ("plain", "clip", "dp0", "dp-eps1", "dp-eps5", "dp-eps10", "dp-eps20")),
-                      "each plain method minus the source model, and each privacy form minus its plain method"),
+    "cifar10": Protocol(
+        "bpfedctta",
+        "cifar10",
+        "stress_cifar",
+        "BPFedCTTA stress protocol on CIFAR-10-C",
+        block="stress_cifar",
+        **_BPFEDCTTA,
+    ),
+    "dptta": Protocol(
+        "dptta",
+        "private",
+        "stress_private",
+        "DP-TTA stress protocol (GroupNorm)",
+        (
+            ("source", "tent", "eata", "sar", "deyo", "come", "bpa"),
+            ("none", "sequential", "fedavg", "ugsa"),
+            ("plain", "clip", "dp0", "dp-eps1", "dp-eps5", "dp-eps10", "dp-eps20"),
+        ),
+        "each plain method minus the source model, and each privacy form minus its plain method",
+    ),
 }
 
 
@@ -117,15 +145,16 @@ def cell_config(cfg: DictConfig, cell: str, name: str = "bpfedctta") -> DictConf
 
 def run_cell(cfg: DictConfig, name: str = "bpfedctta") -> Path:
     """The sweep of the cell named by ``<system>.stress.cell``, then its figure (also logged to MLflow)."""
-    from flows.stages import _adapt
+    from flows.steps import adapt
 
     proto = protocol(name)
     cell = _stress(cfg, proto).cell
     if cell is None:
-        raise ValueError(f"name a stress cell: {proto.system}.{proto.block}.cell=<name>, one of "
-                         f"{', '.join(cell_names(cfg, name))}")
+        raise ValueError(
+            f"name a stress cell: {proto.system}.{proto.block}.cell=<name>, one of {', '.join(cell_names(cfg, name))}"
+        )
     ccfg = cell_config(cfg, str(cell), name)
-    _adapt(ccfg)
+    adapt(ccfg)
     folder = C.resolve_path(ccfg.paths.results)
     fig = plot_cell(folder, title=f"stress cell {cell}: {describe(cfg, str(cell), name)}", name=name)
     _log_figure(ccfg, str(cell), fig, proto)
@@ -136,12 +165,16 @@ def describe(cfg: DictConfig, cell: str, name: str = "bpfedctta") -> str:
     proto = protocol(name)
     s = dict(_stress(cfg, proto).cells[cell])
     base = C.with_variant(cfg, proto.variant).adapt
-    text = (f"lr {s.get('lr', 'per method')}, {s.get('passes', base.passes)} passes, "
-            f"{s.get('stream', base.get('stream', 'shuffled'))} stream, batch {s.get('batch_size', base.batch_size)}")
+    text = (
+        f"lr {s.get('lr', 'per method')}, {s.get('passes', base.passes)} passes, "
+        f"{s.get('stream', base.get('stream', 'shuffled'))} stream, batch {s.get('batch_size', base.batch_size)}"
+    )
     if "beta" in s or "normalizer" in s:
         ugsa = cfg.aggregator.params if cfg.aggregator.name == "ugsa" else {}
-        text += (f"; UGSA β = {s.get('beta', ugsa.get('beta', '?'))}, "
-                 f"normaliser {s.get('normalizer', ugsa.get('normalizer', '?'))}")
+        text += (
+            f"; UGSA β = {s.get('beta', ugsa.get('beta', '?'))}, "
+            f"normaliser {s.get('normalizer', ugsa.get('normalizer', '?'))}"
+        )
     return text
 
 
@@ -202,9 +235,16 @@ def plot_cell(folder: Path, *, title: str, name: str = "bpfedctta") -> Path:
 
     curves = online_curves(folder, name)
     reference = next((k for k in curves if k.startswith("bn+")), None) or next(
-        (k for k in curves if k.startswith("source+")), None)
-    return plot_curves(curves, folder / "online_by_method.png", title=title, xlabel="arrival",
-                       ylabel="online accuracy (mean over seeds)", reference=reference)
+        (k for k in curves if k.startswith("source+")), None
+    )
+    return plot_curves(
+        curves,
+        folder / "online_by_method.png",
+        title=title,
+        xlabel="arrival",
+        ylabel="online accuracy (mean over seeds)",
+        reference=reference,
+    )
 
 
 def _log_figure(cfg: DictConfig, cell: str, path: Path, proto: Protocol) -> None:
@@ -229,8 +269,9 @@ def load_cell(folder: Path) -> Dict[str, Dict[int, Mapping[str, float]]]:
     return out
 
 
-def paired(cell: Mapping[str, Mapping[int, Mapping[str, float]]], metric: str, target: str,
-           other: str) -> Dict[str, float]:
+def paired(
+    cell: Mapping[str, Mapping[int, Mapping[str, float]]], metric: str, target: str, other: str
+) -> Dict[str, float]:
     """``target`` − ``other`` on ``metric`` over the seeds both ran: mean gap, wins, paired t-test p."""
     from scipy.stats import ttest_rel
 
@@ -265,8 +306,10 @@ def _pair_rows(cell, pairs: Sequence[Tuple[str, str]], *, label) -> List[str]:
     for target, other in pairs:
         h = paired(cell, "final_avg_holdout_acc", target, other)
         o = paired(cell, "avg_online_acc", target, other)
-        rows.append(f"| {label(target, other)} | {h['gap']:+.3f} | {h['wins']}/{h['n']} | {h['p']:.3f} | "
-                    f"{o['gap']:+.3f} | {o['wins']}/{o['n']} | {o['p']:.3f} |")
+        rows.append(
+            f"| {label(target, other)} | {h['gap']:+.3f} | {h['wins']}/{h['n']} | {h['p']:.3f} | "
+            f"{o['gap']:+.3f} | {o['wins']}/{o['n']} | {o['p']:.3f} |"
+        )
     return rows
 
 
@@ -278,31 +321,42 @@ def report(cfg: DictConfig, name: str = "bpfedctta") -> str:
     root = results_root(cfg, name)
     ran = [c for c in cell_names(cfg, name) if (root / c / "summary.json").is_file()]
     if not ran:
-        raise FileNotFoundError(f"no stress cell has results under {root}. Build one with "
-                                f"`dvc repro {proto.stage}@{cell_names(cfg, name)[0]}` (or all of them with "
-                                f"`dvc repro {proto.stage}_report`).")
-    lines = [f"# {proto.title}", "",
-             f"Cells run: {len(ran)} of {len(cell_names(cfg, name))} ({', '.join(ran)}). "
-             f"Mean ± std over seeds; gaps are {proto.gaps}, paired by seed "
-             "(p: paired t-test, nan when a gap cannot vary or with one seed).", ""]
+        raise FileNotFoundError(
+            f"no stress cell has results under {root}. Build one with "
+            f"`dvc repro {proto.stage}@{cell_names(cfg, name)[0]}` (or all of them with "
+            f"`dvc repro {proto.stage}_report`)."
+        )
+    lines = [
+        f"# {proto.title}",
+        "",
+        f"Cells run: {len(ran)} of {len(cell_names(cfg, name))} ({', '.join(ran)}). "
+        f"Mean ± std over seeds; gaps are {proto.gaps}, paired by seed "
+        "(p: paired t-test, nan when a gap cannot vary or with one seed).",
+        "",
+    ]
     # per comparison, block by block over the cells holding both rows (an ablation cell holds few rows)
     pooled: Dict[str, Tuple[List[float], List[float], List[str]]] = {}
     summary: Dict[str, Dict] = {}
     for c in ran:
         cell = load_cell(root / c)
-        lines += [f"## {c}: {describe(cfg, c, name)}", "", "| method | " + " | ".join(n for _, n in METRICS) + " |",
-                  "|---|" + "---|" * len(METRICS)]
+        lines += [
+            f"## {c}: {describe(cfg, c, name)}",
+            "",
+            "| method | " + " | ".join(n for _, n in METRICS) + " |",
+            "|---|" + "---|" * len(METRICS),
+        ]
         for key, by_seed in sorted(cell.items(), key=lambda kv: _sweep_order(kv[0], name)):
             vals = [[by_seed[s][m] for s in sorted(by_seed)] for m, _ in METRICS]
             lines.append(f"| {key} | " + " | ".join(f"{np.mean(v):.3f} ± {np.std(v):.3f}" for v in vals) + " |")
         lines.append("")
-        summary[c] = {key: {m: float(np.mean([by_seed[s][m] for s in by_seed])) for m, _ in METRICS}
-                      for key, by_seed in cell.items()}
+        summary[c] = {
+            key: {m: float(np.mean([by_seed[s][m] for s in by_seed])) for m, _ in METRICS}
+            for key, by_seed in cell.items()
+        }
         head = "| final hold-out gap | wins | p | online gap | wins | p |"
         if proto.target and proto.target in cell:
             lines += [f"| {proto.target_label} against {head}", "|---|---|---|---|---|---|---|"]
-            lines += _pair_rows(cell, [(proto.target, o) for o in proto.against if o in cell],
-                                label=lambda t, o: o)
+            lines += _pair_rows(cell, [(proto.target, o) for o in proto.against if o in cell], label=lambda t, o: o)
             lines.append("")
             for other in (o for o in proto.against if o in cell):
                 mine, theirs, cells = pooled.setdefault(other, ([], [], []))
@@ -320,9 +374,14 @@ def report(cfg: DictConfig, name: str = "bpfedctta") -> str:
         lines.append("")
     testable = {o: v for o, v in pooled.items() if len(v[0]) >= 2}
     if testable:
-        lines += ["## Pooled over cells × seeds (final hold-out accuracy, Wilcoxon signed-rank)", "",
-                  "Each comparison pools the cells that hold both rows, seed by seed.", "",
-                  f"| {proto.target_label} against | cells | blocks | mean gap | wins | p |", "|---|---|---|---|---|---|"]
+        lines += [
+            "## Pooled over cells × seeds (final hold-out accuracy, Wilcoxon signed-rank)",
+            "",
+            "Each comparison pools the cells that hold both rows, seed by seed.",
+            "",
+            f"| {proto.target_label} against | cells | blocks | mean gap | wins | p |",
+            "|---|---|---|---|---|---|",
+        ]
         for other, (mine, theirs, cells) in testable.items():
             (t,) = wilcoxon_against({proto.target: mine, other: theirs}, proto.target)
             lines.append(f"| {other} | {len(cells)} | {t.n} | {t.mean_gap:+.3f} | {t.wins}/{t.n} | {t.p_value:.3f} |")

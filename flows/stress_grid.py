@@ -1,4 +1,4 @@
-"""Where continual adaptation degrades, across the stress grid at a glance (issue 11).
+"""Where continual adaptation degrades, across the stress grid at a glance.
 
 The stress cells that set only ``lr`` and ``passes`` form a grid (lr rows, passes columns). For the
 reference (``bn+none``: test-time batch statistics, no parameter update) and each method in
@@ -49,8 +49,10 @@ def grid_cells(cfg: DictConfig, name: str = "bpfedctta") -> Dict[Cell, str]:
         if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
             raise ValueError(f"stress cell {cell!r} sets passes {passes!r}; it must be a whole number ≥ 1")
         if (lr, passes) in out:
-            raise ValueError(f"stress cells {out[(lr, passes)]!r} and {cell!r} are the same point "
-                             f"(lr {lr:g}, {passes} passes); remove one")
+            raise ValueError(
+                f"stress cells {out[(lr, passes)]!r} and {cell!r} are the same point "
+                f"(lr {lr:g}, {passes} passes); remove one"
+            )
         out[(lr, passes)] = str(cell)
     return out
 
@@ -125,15 +127,29 @@ def plot(cfg: DictConfig, data: Runs, path: Path, name: str = "bpfedctta") -> Pa
     cmap = plt.get_cmap("RdBu").with_extremes(bad="0.85")
     cols = 3
     rows = -(-len(ROWS) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols + 1.2, 2.6 * rows + 0.6), squeeze=False,
-                             sharex=True, sharey=True, constrained_layout=True)
+    fig, axes = plt.subplots(
+        rows,
+        cols,
+        figsize=(3.2 * cols + 1.2, 2.6 * rows + 0.6),
+        squeeze=False,
+        sharex=True,
+        sharey=True,
+        constrained_layout=True,
+    )
     for n, (ax, method) in enumerate(zip(axes.ravel(), ROWS)):
         grid = np.array([[v for v, _ in row] for row in labels[method]])
         ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, norm=norm, aspect="auto")
         for i, row in enumerate(labels[method]):
             for j, (v, text) in enumerate(row):
-                ax.text(j, i, text, ha="center", va="center", fontsize=7,
-                        color="0.4" if not np.isfinite(v) else "white" if abs(v) > 0.1 else "black")
+                ax.text(
+                    j,
+                    i,
+                    text,
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="0.4" if not np.isfinite(v) else "white" if abs(v) > 0.1 else "black",
+                )
         ax.set_xticks(range(len(passes)), [str(p) for p in passes])
         ax.set_yticks(range(len(lrs)), [f"{lr:g}" for lr in lrs])
         ax.set_title(method, fontsize=9)
@@ -141,8 +157,12 @@ def plot(cfg: DictConfig, data: Runs, path: Path, name: str = "bpfedctta") -> Pa
             ax.set_ylabel("adaptation lr")
         if n >= len(ROWS) - cols:
             ax.set_xlabel("passes")
-    fig.colorbar(matplotlib.cm.ScalarMappable(norm=norm, cmap=cmap), ax=axes.ravel().tolist(), shrink=0.8,
-                 label=f"final hold-out accuracy minus {REFERENCE} (paired by seed)")
+    fig.colorbar(
+        matplotlib.cm.ScalarMappable(norm=norm, cmap=cmap),
+        ax=axes.ravel().tolist(),
+        shrink=0.8,
+        label=f"final hold-out accuracy minus {REFERENCE} (paired by seed)",
+    )
     fig.suptitle("Stress grid: where each method gains or loses against test-time batch statistics", fontsize=10)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -158,8 +178,7 @@ def write(cfg: DictConfig, name: str = "bpfedctta") -> str:
     """The grid's table and heatmaps, both always written (the stage declares both); the grid cells not
     yet run are named with the command that runs them."""
     if name not in PROTOCOLS:
-        raise ValueError(f"the stress protocol {name!r} has no lr × passes grid; those that do: "
-                         f"{', '.join(PROTOCOLS)}")
+        raise ValueError(f"the stress protocol {name!r} has no lr × passes grid; those that do: {', '.join(PROTOCOLS)}")
     proto = protocol(name)
     keys = grid_cells(cfg, name)
     if not keys:
@@ -168,8 +187,11 @@ def write(cfg: DictConfig, name: str = "bpfedctta") -> str:
     done = ran(cfg, name)
     md, png = paths(cfg, name)
     missing = [keys[k] for k in sorted(keys) if k not in done]
-    lines = [f"# {proto.title}: the lr × passes grid", "",
-             f"Final hold-out accuracy, mean ± std over seeds; {len(done)} of {len(keys)} grid cells ran."]
+    lines = [
+        f"# {proto.title}: the lr × passes grid",
+        "",
+        f"Final hold-out accuracy, mean ± std over seeds; {len(done)} of {len(keys)} grid cells ran.",
+    ]
     if missing:
         lines.append(f"Not run: {', '.join(missing)} (`dvc repro {proto.stage}@<cell>`).")
     lines += ["", table(cfg, data, name), "", f"![gap to {REFERENCE} per cell]({png.name})", ""]

@@ -12,7 +12,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Tuple
 
-import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 from prefect import task
@@ -20,12 +19,13 @@ from prefect.cache_policies import NO_CACHE
 
 from fedcore.adapt import GRADIENT_METHODS
 from fedcore.data import Partition
-from fedcore.engine import ModelSpec, RoundData, run_arrivals, run_rounds
+from fedcore.engine import ModelSpec, run_arrivals, run_rounds
 from fedcore.tensors import to_tensor
 from fedcore.train import ClientUpdate
 from flows import config as C
-from flows import integrity
-from flows.worker import _train_step_or_fail
+from flows import integrity, systems
+from flows.evaluations import round_inputs
+from flows.worker import train_step_or_fail
 
 # ------------------------------------------------------------------------------------ tasks
 
@@ -44,8 +44,14 @@ def _cell_run_name(parameters: Mapping[str, Any]) -> str:
 
 
 @task(name="run-cell", cache_policy=NO_CACHE, task_run_name=_cell_run_name)
-def run_cell_task(cfg_dict: Dict[str, Any], method: str, aggregator: str, seed: int,
-                  form: str | None = None, written: Mapping[str, str] | None = None) -> Dict[str, Any]:
+def run_cell_task(
+    cfg_dict: Dict[str, Any],
+    method: str,
+    aggregator: str,
+    seed: int,
+    form: str | None = None,
+    written: Mapping[str, str] | None = None,
+) -> Dict[str, Any]:
     """One whole sweep cell, in one worker: the plain driver over the fedcore steps.
 
     ``written``: md5s of inputs the calling flow wrote itself (:func:`flows.integrity.record`).
@@ -53,17 +59,32 @@ def run_cell_task(cfg_dict: Dict[str, Any], method: str, aggregator: str, seed: 
     cfg = OmegaConf.create(cfg_dict)
     acfg = C.arrival_config(cfg, method=method, aggregator=aggregator, seed=seed, form=form)
     partition, spec, source = load_inputs(cfg, written=written)
-    ckpt = _ckpt_dir(cfg, cell_name(acfg))
+    ckpt = ckpt_dir(cfg, cell_name(acfg))
     t0, started_ms = time.perf_counter(), int(time.time() * 1000)
-    res = run_arrivals(partition, spec, source, acfg, checkpoint_dir=ckpt, resume=bool(cfg.flow.resume),
-                       stop_after=cfg.flow.stop_after)
-    return {"method": method, "aggregator": aggregator, "seed": seed, "form": acfg.form, "result": res,
-            "seconds": time.perf_counter() - t0, "started_ms": started_ms, "ended_ms": int(time.time() * 1000)}
+    res = run_arrivals(
+        partition, spec, source, acfg, checkpoint_dir=ckpt, resume=bool(cfg.flow.resume), stop_after=cfg.flow.stop_after
+    )
+    return {
+        "method": method,
+        "aggregator": aggregator,
+        "seed": seed,
+        "form": acfg.form,
+        "result": res,
+        "seconds": time.perf_counter() - t0,
+        "started_ms": started_ms,
+        "ended_ms": int(time.time() * 1000),
+    }
 
 
 @task(name="train-round", cache_policy=NO_CACHE)
-def train_round_task(*, calls: List[Dict[str, Any]], names: List[str], num_gpus: float = 0.0,
-                     markers: Mapping[int, Mapping[str, str]] | None = None, threads: int = 1) -> List[ClientUpdate]:
+def train_round_task(
+    *,
+    calls: List[Dict[str, Any]],
+    names: List[str],
+    num_gpus: float = 0.0,
+    markers: Mapping[int, Mapping[str, str]] | None = None,
+    threads: int = 1,
+) -> List[ClientUpdate]:
     """One round's client steps: a Prefect task in the driver that runs each client's step as a Ray task.
 
     The clients train in parallel on the Ray workers; each one's completion is logged (the Prefect
@@ -81,9 +102,17 @@ def train_round_task(*, calls: List[Dict[str, Any]], names: List[str], num_gpus:
     from flows import runtime
 
     logger = get_run_logger()
-    refs = [runtime.ray_start(_train_step_or_fail, num_cpus=threads, num_gpus=num_gpus, threads=threads,
-                              **dict((markers or {}).get(j, {})), **kw)
-            for j, kw in enumerate(calls)]
+    refs = [
+        runtime.ray_start(
+            train_step_or_fail,
+            num_cpus=threads,
+            num_gpus=num_gpus,
+            threads=threads,
+            **dict((markers or {}).get(j, {})),
+            **kw,
+        )
+        for j, kw in enumerate(calls)
+    ]
     out: List[ClientUpdate | None] = [None] * len(refs)
 
     def rerun(j: int, attempt: int) -> None:  # Prefect sees one attempt that completed: say so here
@@ -92,8 +121,14 @@ def train_round_task(*, calls: List[Dict[str, Any]], names: List[str], num_gpus:
     try:
         for n, (j, upd) in enumerate(runtime.ray_as_completed(refs, on_rerun=rerun), 1):
             out[j] = upd
-            logger.info("%s done (%d/%d): %d examples, train loss %.4f", names[j], n, len(refs), upd.num_examples,
-                        upd.metrics.get("train_loss", float("nan")))
+            logger.info(
+                "%s done (%d/%d): %d examples, train loss %.4f",
+                names[j],
+                n,
+                len(refs),
+                upd.num_examples,
+                upd.metrics.get("train_loss", float("nan")),
+            )
     except Exception:
         runtime.ray_settle(refs)
         raise
@@ -104,28 +139,50 @@ def train_round_task(*, calls: List[Dict[str, Any]], names: List[str], num_gpus:
 
 
 @task(name="round-cell", cache_policy=NO_CACHE)
-def run_round_cell_task(cfg_dict: Dict[str, Any], system: str, grid_name: str, method: str,
-                        seed: int, written: Mapping[str, str] | None = None) -> Dict[str, Any]:
+def run_round_cell_task(
+    cfg_dict: Dict[str, Any],
+    system: str,
+    grid_name: str,
+    method: str,
+    seed: int,
+    written: Mapping[str, str] | None = None,
+) -> Dict[str, Any]:
     """One whole (method, seed) cell of a round-based grid, in one worker: the plain round driver."""
     torch.set_num_threads(1)  # cells run side by side, one per CPU
     cfg = OmegaConf.create(cfg_dict)
+    systems.load_plugins(cfg.get("plugins"))  # a plug-in's system, strategy or trainer, in this worker too
     rcfg = C.round_config(cfg, system, method=method, seed=seed, grid_name=grid_name)
     part = load_domain_partition(cfg, system, grid_name, written=written)
     data, spec, evaluate = round_inputs(cfg, system, grid_name, part, rcfg, method=method)
     ckpt = round_cell_dir(cfg, system, grid_name, method, seed)
     t0, started_ms = time.perf_counter(), int(time.time() * 1000)
-    res = run_rounds(data, spec, rcfg, evaluate=evaluate, checkpoint_dir=ckpt, resume=bool(cfg.flow.resume),
-                     stop_after=cfg.flow.stop_after)
-    return {"method": method, "seed": seed, "result": res, "seconds": time.perf_counter() - t0,
-            "started_ms": started_ms, "ended_ms": int(time.time() * 1000), "spec": spec,
-            "example": to_tensor(data.client_x[0][:2]).numpy()}  # the registered model's signature
+    res = run_rounds(
+        data,
+        spec,
+        rcfg,
+        evaluate=evaluate,
+        checkpoint_dir=ckpt,
+        resume=bool(cfg.flow.resume),
+        stop_after=cfg.flow.stop_after,
+    )
+    return {
+        "method": method,
+        "seed": seed,
+        "result": res,
+        "seconds": time.perf_counter() - t0,
+        "started_ms": started_ms,
+        "ended_ms": int(time.time() * 1000),
+        "spec": spec,
+        "example": to_tensor(data.client_x[0][:2]).numpy(),
+    }  # the registered model's signature
 
 
 # ------------------------------------------------------------------------------------ helpers
 
 
-def load_domain_partition(cfg: DictConfig, system: str, grid_name: str | None = None, *,
-                          written: Mapping[str, str] | None = None):
+def load_domain_partition(
+    cfg: DictConfig, system: str, grid_name: str | None = None, *, written: Mapping[str, str] | None = None
+):
     """The grid's domain-silo partition; missing -> the DVC stage that builds it; changed since -> refused."""
     from fedcore.data.domains import DomainPartition
 
@@ -135,106 +192,12 @@ def load_domain_partition(cfg: DictConfig, system: str, grid_name: str | None = 
     try:
         return DomainPartition.load(folder)
     except FileNotFoundError:
-        stage = "partition_domains" if system == "fedpad" else f"partition_{system}"
-        raise FileNotFoundError(f"no {system} partition for grid {name!r} at {folder}. Build it with "
-                                f"`dvc repro {stage}@{name}` (or `python -m flows.stages {stage} "
-                                f"{system}.grid={name}`).") from None
-
-
-OPENMAX_FIT_CAP = 2000  # training samples OpenMax is fitted on, each round (a seeded subsample)
-
-
-def round_inputs(cfg: DictConfig, system: str, grid_name: str, part, rcfg, *, method: str | None = None):
-    """``(RoundData, ModelSpec, evaluate)`` for one run of a round-based grid.
-
-    A closed-set grid (FedPAD) trains on every class and is scored by accuracy (``evaluate`` is
-    None: the engine's default). An open-set grid (FedPD++, ``known`` set) trains on the known
-    classes only, gives a PROSER model one dummy output more, and scores AUROC and OSCR per domain.
-    """
-    if C.is_incremental(cfg, system, grid_name):
-        return incremental_inputs(cfg, system, grid_name, part, rcfg)
-    if not C.is_openset(cfg, system, grid_name):
-        spec = C.grid_model_spec(cfg, system, grid_name, num_classes=part.num_classes)
-        return round_data(part), spec, None
-    from functools import partial
-
-    from fedcore.openset.evaluate import check_scores, openset_evaluate
-
-    g = C.grid(cfg, system, grid_name)
-    view = grid_openset_view(g, part)
-    dummy = rcfg.trainer == "proser"
-    scores = check_scores(C.method_scores(cfg, system, method, rcfg.trainer), dummy=dummy)
-    spec = C.grid_model_spec(cfg, system, grid_name, num_classes=view.num_known + int(dummy))
-    fit = None
-    if "openmax" in scores:
-        x, y = np.concatenate(view.rounds.client_x), np.concatenate(view.rounds.client_y)
-        keep = np.sort(np.random.default_rng(rcfg.seed).permutation(len(y))[:OPENMAX_FIT_CAP])
-        fit = (x[keep], y[keep])
-    evaluate = partial(openset_evaluate, spec=spec, known=view.rounds.eval_sets, unknown=view.unknown_test,
-                       scores=scores, fit=fit, device=rcfg.device, unknown_sets=unknown_scenarios(g, view))
-    return view.rounds, spec, evaluate
-
-
-def grid_openset_view(g: DictConfig, part):
-    """The open-set view of a partition under an open-set grid's ``known`` / ``unknown`` classes."""
-    from fedcore.data.openset import make_split, openset_view
-
-    known = OmegaConf.to_object(g.known) if OmegaConf.is_config(g.known) else int(g.known)
-    split = make_split(part.num_classes, known=known, unknown=None if g.unknown is None else list(g.unknown))
-    return openset_view(part, split)
-
-
-def unknown_scenarios(g: DictConfig, view):
-    """The grid's heterogeneous-unknown scenarios (``unknown_sets``) as row masks, plus one scenario
-    ``class<c>`` per unknown class c (every domain scored on c alone: the per-class AUROCs any
-    scenario's AUROC is the count-weighted mean of); None when the grid has none."""
-    from fedcore.data.openset import unknown_masks
-
-    sets = g.get("unknown_sets")
-    if sets is None:
-        return None
-    sets = OmegaConf.to_container(sets, resolve=True)
-    clash = [u for u in sets if isinstance(u, str) and u.startswith("class")]
-    if clash:
-        raise ValueError(f"unknown scenario name(s) {clash}: names starting 'class' are the per-class scenarios "
-                         "added to every grid with unknown_sets; rename them")
-    per_class = {f"class{c}": {d: [c] for d in view.unknown_test} for c in view.split.unknown}
-    return unknown_masks(view, {**sets, **per_class})
-
-
-def unknown_counts(view) -> Dict[str, Dict[int, int]]:
-    """Per domain, how many unknown test rows each unknown class has."""
-    return {d: {int(c): int(np.sum(view.unknown_labels[d] == c)) for c in view.split.unknown}
-            for d in view.unknown_test}
-
-
-def incremental_inputs(cfg: DictConfig, system: str, grid_name: str, part, rcfg):
-    """Class-incremental data: the partition's samples pooled, split into ``tasks`` tasks of classes (order
-    shuffled by ``seed``) and dealt to ``clients`` clients with Dirichlet(``alpha``) label skew per task.
-    The split depends on the config's ``seed`` only, so every method and training seed sees the same data."""
-    from functools import partial
-
-    from fedcore.incremental.evaluate import incremental_evaluate
-    from fedcore.incremental.schedule import incremental_view, make_schedule
-
-    g = C.grid(cfg, system, grid_name)
-    schedule = make_schedule(num_classes=part.num_classes, tasks=int(g.tasks), seed=int(cfg.seed))
-    data = incremental_view(np.concatenate(part.client_x), np.concatenate(part.client_y),
-                            np.concatenate(part.test_x), np.concatenate(part.test_y), schedule,
-                            num_clients=int(g.clients), alpha=float(g.alpha), rounds_per_task=int(g.rounds_per_task),
-                            seed=int(cfg.seed), group="+".join(part.domains))
-    spec = C.grid_model_spec(cfg, system, grid_name, num_classes=part.num_classes)
-    evaluate = partial(incremental_evaluate, spec=spec, test=data.eval_sets["test"], task_classes=data.task_classes,
-                       device=rcfg.device)
-    return data, spec, evaluate
-
-
-def round_data(part) -> RoundData:
-    """A domain partition as the round engine's input: clients grouped by domain, one test set per domain."""
-    return RoundData(client_x=list(part.client_x), client_y=list(part.client_y),
-                     client_group=[part.domains[d] for d in part.client_domain],
-                     eval_sets={d: (x, y) for d, x, y in zip(part.domains, part.test_x, part.test_y)})
-
+        stage = systems.get(system).partition_stage
+        raise FileNotFoundError(
+            f"no {system} partition for grid {name!r} at {folder}. Build it with "
+            f"`dvc repro {stage}@{name}` (or `python -m flows.stages {stage} "
+            f"{system}.grid={name}`)."
+        ) from None
 
 
 def source_model_path(cfg: DictConfig) -> Path:
@@ -255,7 +218,7 @@ def cell_name(acfg) -> str:
     return f"{acfg.method}-{acfg.aggregator}{form}-s{acfg.seed}"
 
 
-def _ckpt_dir(cfg: DictConfig, cell: str) -> Path:
+def ckpt_dir(cfg: DictConfig, cell: str) -> Path:
     return C.resolve_path(cfg.paths.checkpoints) / f"{cfg.data.name}-{cfg.model.name}-{cfg.model.norm}" / cell
 
 
@@ -274,16 +237,24 @@ def sweep_cells(cfg: DictConfig) -> List[Tuple[str, str, str, int]]:
     forms = list(cfg.sweep.get("privacy", None) or ["plain"])
     aggregators = [str(a) for a in cfg.sweep.aggregators]
     once = ["none"] if "none" in aggregators else aggregators[:1]
-    return [(str(m), a, str(f), int(s)) for s in cfg.sweep.seeds for m in cfg.sweep.methods for f in forms
-            for a in (once if m == "source" else aggregators)
-            if m in GRADIENT_METHODS or C.privacy_form(cfg, f).get("mode") == "off"]
+    return [
+        (str(m), a, str(f), int(s))
+        for s in cfg.sweep.seeds
+        for m in cfg.sweep.methods
+        for f in forms
+        for a in (once if m == "source" else aggregators)
+        if m in GRADIENT_METHODS or C.privacy_form(cfg, f).get("mode") == "off"
+    ]
 
 
 def arrival_checkpoints(cfg: DictConfig, cells: List[Tuple[str, str, str, int]] | None = None) -> Dict[Path, str]:
     """``{checkpoint folder: config fingerprint}`` of the arrival runs ``cells`` (default: the configured run)."""
-    acfgs = ([C.arrival_config(cfg)] if cells is None else
-             [C.arrival_config(cfg, method=m, aggregator=a, form=f, seed=s) for m, a, f, s in cells])
-    return {_ckpt_dir(cfg, cell_name(a)): a.fingerprint() for a in acfgs}
+    acfgs = (
+        [C.arrival_config(cfg)]
+        if cells is None
+        else [C.arrival_config(cfg, method=m, aggregator=a, form=f, seed=s) for m, a, f, s in cells]
+    )
+    return {ckpt_dir(cfg, cell_name(a)): a.fingerprint() for a in acfgs}
 
 
 def check_checkpoints(folders: Mapping[Path, str], *, resume: bool) -> None:
@@ -305,14 +276,18 @@ def check_checkpoints(folders: Mapping[Path, str], *, resume: bool) -> None:
         try:
             saved = load_state(folder)
         except CheckpointError as exc:
-            raise CheckpointError(f"{exc} Found before starting Ray and Prefect. Delete {folder} (or move it away) "
-                                  "to start that run afresh; rerunning with flow.resume=false does not skip it, since "
-                                  "a checkpoint that fails its check is never overwritten.") from exc
+            raise CheckpointError(
+                f"{exc} Found before starting Ray and Prefect. Delete {folder} (or move it away) "
+                "to start that run afresh; rerunning with flow.resume=false does not skip it, since "
+                "a checkpoint that fails its check is never overwritten."
+            ) from exc
         if resume and saved is not None and saved.fingerprint != fingerprint:
-            raise CheckpointError(f"flow.resume=true, but the checkpoint in {folder} was written by another config "
-                                  f"({saved.fingerprint} != {fingerprint}). Found before starting Ray and Prefect. "
-                                  "Rerun without flow.resume=true to start afresh (it is then overwritten), or with "
-                                  "the config that wrote it.")
+            raise CheckpointError(
+                f"flow.resume=true, but the checkpoint in {folder} was written by another config "
+                f"({saved.fingerprint} != {fingerprint}). Found before starting Ray and Prefect. "
+                "Rerun without flow.resume=true to start afresh (it is then overwritten), or with "
+                "the config that wrote it."
+            )
 
 
 def source_model_hint(cfg: DictConfig) -> str:
@@ -326,14 +301,20 @@ def source_model_hint(cfg: DictConfig) -> str:
                 return f"`dvc repro pretrain@{name}` (or `python -m flows.stages pretrain variant={name}`)"
         except (FileNotFoundError, ValueError):
             break  # no params.yaml, or one that no longer composes: say what always works
-    return ("`python -m flows.stages pretrain` with this run's data, model, pretrain and paths settings; no DVC "
-            "stage writes this file (each variant's model: `dvc repro pretrain@<variant>`, e.g. variant=private "
-            "for the GroupNorm one)")
+    return (
+        "`python -m flows.stages pretrain` with this run's data, model, pretrain and paths settings; no DVC "
+        "stage writes this file (each variant's model: `dvc repro pretrain@<variant>`, e.g. variant=private "
+        "for the GroupNorm one)"
+    )
 
 
-def load_source(path: Path, spec: ModelSpec, *, written: Mapping[str, str] | None = None,
-                build: Callable[[], str] = lambda: "`dvc repro pretrain` (or `python -m flows.stages pretrain`)"
-                ) -> Dict[str, torch.Tensor]:
+def load_source(
+    path: Path,
+    spec: ModelSpec,
+    *,
+    written: Mapping[str, str] | None = None,
+    build: Callable[[], str] = lambda: "`dvc repro pretrain` (or `python -m flows.stages pretrain`)",
+) -> Dict[str, torch.Tensor]:
     """The source model's weights, checked against its writer's md5 first, then read as tensors only.
 
     Raises :class:`flows.integrity.IntegrityError` for a stage output changed since DVC (or
@@ -347,11 +328,13 @@ def load_source(path: Path, spec: ModelSpec, *, written: Mapping[str, str] | Non
         blob = torch.load(path, map_location="cpu", weights_only=True)
         state = blob["state"]
     except Exception as exc:
-        raise ValueError(f"source model {path} is corrupt or not a fedcore checkpoint ({exc}); "
-                         f"rebuild it with {build()}") from exc
+        raise ValueError(
+            f"source model {path} is corrupt or not a fedcore checkpoint ({exc}); rebuild it with {build()}"
+        ) from exc
     if blob.get("spec") != asdict(spec):
-        raise ValueError(f"source model {path} was trained for {blob.get('spec')}, not {asdict(spec)}; "
-                         f"rebuild it with {build()}")
+        raise ValueError(
+            f"source model {path} was trained for {blob.get('spec')}, not {asdict(spec)}; rebuild it with {build()}"
+        )
     return state
 
 
@@ -365,5 +348,8 @@ def load_inputs(cfg: DictConfig, *, written: Mapping[str, str] | None = None):
     """(partition, spec, source weights), each checked against its writer's md5 before it is read."""
     spec = C.model_spec(cfg)
     partition = load_partition(cfg, written=written)
-    return partition, spec, load_source(source_model_path(cfg), spec, written=written,
-                                        build=lambda: source_model_hint(cfg))
+    return (
+        partition,
+        spec,
+        load_source(source_model_path(cfg), spec, written=written, build=lambda: source_model_hint(cfg)),
+    )

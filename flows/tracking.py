@@ -70,7 +70,7 @@ def write_ahead_log(uri: str, *, timeout: float = 5.0) -> str:
     file, and MLflow commits once per store call: an arrival's nested run is three of them
     (``create_run``, ``log_batch``, ``set_terminated``). In WAL mode a commit appends to one log,
     which costs less CPU, and readers (``mlflow ui``, another flow) do not block the writer
-    (docs/performance.md, session 33). SQLite keeps the mode in the file, so this changes a store
+    (docs/benchmarks.md). SQLite keeps the mode in the file, so this changes a store
     once. The latest commits live in ``mlruns.db-wal`` until SQLite folds them into the database,
     which it does when the last connection closes cleanly: copy ``mlruns.db*`` together. ``""`` is
     returned, and the store left as it is (the next flow tries again), when it is not a file, or
@@ -101,8 +101,9 @@ def start_run(run_name: str, *, started_ms: int | None = None) -> "mlflow.Active
     from mlflow.tracking.context import registry as context
 
     exp = mlflow.tracking.fluent._get_experiment_id()
-    run = mlflow.MlflowClient().create_run(exp, start_time=int(started_ms), run_name=run_name,
-                                           tags=context.resolve_tags({}))
+    run = mlflow.MlflowClient().create_run(
+        exp, start_time=int(started_ms), run_name=run_name, tags=context.resolve_tags({})
+    )
     return mlflow.start_run(run_id=run.info.run_id)
 
 
@@ -144,8 +145,13 @@ def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
 def git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -179,8 +185,9 @@ def dvc_lock_hashes(reads: Iterable[Path | None], *, root: Path | None = None) -
     return tags
 
 
-def lineage_tags(*, seed: int, prepared: Path | None, partition_dir: Path, reads: Iterable[Path] = (),
-                 extra: Mapping[str, str] = ()) -> Dict[str, str]:
+def lineage_tags(
+    *, seed: int, prepared: Path | None, partition_dir: Path, reads: Iterable[Path] = (), extra: Mapping[str, str] = ()
+) -> Dict[str, str]:
     """Where a run's inputs came from: the commit, the seed, the data's and partition's sha256s, and
     the ``dvc.lock`` md5s of the stage outputs it reads (``prepared``, ``partition_dir`` and ``reads``)."""
     tags = {"git_commit": git_commit(), "seed": str(seed)}
@@ -195,8 +202,13 @@ def lineage_tags(*, seed: int, prepared: Path | None, partition_dir: Path, reads
     return tags
 
 
-def log_arrival(record: Mapping[str, Any], *, parent: "mlflow.entities.Run | None" = None,
-                client: "mlflow.MlflowClient | None" = None, at_ms: int | None = None) -> None:
+def log_arrival(
+    record: Mapping[str, Any],
+    *,
+    parent: "mlflow.entities.Run | None" = None,
+    client: "mlflow.MlflowClient | None" = None,
+    at_ms: int | None = None,
+) -> None:
     """A nested run for one arrival, plus the same numbers on the parent with step = arrival.
 
     Written with explicit run ids (one batch per run), so it may run on another thread than
@@ -219,23 +231,26 @@ def _arrival_metrics(record: Mapping[str, Any], at_ms: int | None) -> list:
     from mlflow.entities import Metric
 
     step, at_ms = int(record["arrival"]), _ms(at_ms)
-    return [Metric(k, float(v), at_ms, step) for k, v in record.items()
-            if isinstance(v, (int, float)) and k != "arrival"]
+    return [
+        Metric(k, float(v), at_ms, step) for k, v in record.items() if isinstance(v, (int, float)) and k != "arrival"
+    ]
 
 
-def log_arrival_series(record: Mapping[str, Any], *, parent: "mlflow.entities.Run",
-                       client: "mlflow.MlflowClient", at_ms: int | None = None) -> None:
+def log_arrival_series(
+    record: Mapping[str, Any], *, parent: "mlflow.entities.Run", client: "mlflow.MlflowClient", at_ms: int | None = None
+) -> None:
     """One arrival's numbers on the parent run, step = arrival: the run's charts, one batch."""
     log_arrival_series_batch([(record, _ms(at_ms))], parent=parent, client=client)
 
 
-def log_arrival_series_batch(items: Sequence[Tuple[Mapping[str, Any], int]], *, parent: "mlflow.entities.Run",
-                             client: "mlflow.MlflowClient") -> None:
+def log_arrival_series_batch(
+    items: Sequence[Tuple[Mapping[str, Any], int]], *, parent: "mlflow.entities.Run", client: "mlflow.MlflowClient"
+) -> None:
     """Several arrivals' numbers on the parent run, each at its own step and time, in as few batches as
     MLflow takes (a batch costs about 3 ms of CPU in a local store, nearly all of it per call)."""
     metrics = [m for record, at_ms in items for m in _arrival_metrics(record, at_ms)]
     for i in range(0, len(metrics), 900):  # MLflow takes at most 1000 metrics per batch
-        client.log_batch(parent.info.run_id, metrics=metrics[i:i + 900])
+        client.log_batch(parent.info.run_id, metrics=metrics[i : i + 900])
 
 
 @functools.lru_cache(maxsize=4)
@@ -247,20 +262,30 @@ def _context_tags(parent_run_id: str) -> Dict[str, str]:
     return dict(context.resolve_tags({}))
 
 
-def log_arrival_run(record: Mapping[str, Any], *, parent: "mlflow.entities.Run",
-                    client: "mlflow.MlflowClient", at_ms: int | None = None) -> None:
+def log_arrival_run(
+    record: Mapping[str, Any], *, parent: "mlflow.entities.Run", client: "mlflow.MlflowClient", at_ms: int | None = None
+) -> None:
     """One arrival's nested run ``arrival-<a>-<corruption>``: its client, pass and numbers, timed
     ``at_ms`` (when the arrival came back; default now) however late it is written."""
     step = int(record["arrival"])
-    tags = {"client_id": str(record["client_id"]), "corruption": record["corruption"],
-            "pass": str(record["pass"]), "arrival": str(step), "mlflow.parentRunId": parent.info.run_id}
+    tags = {
+        "client_id": str(record["client_id"]),
+        "corruption": record["corruption"],
+        "pass": str(record["pass"]),
+        "arrival": str(step),
+        "mlflow.parentRunId": parent.info.run_id,
+    }
     if "privacy_refused" in record:
-        tags["privacy"] = ("REFUSED: client budget spent, no update merged" if record["privacy_refused"]
-                           else "private update")
+        tags["privacy"] = (
+            "REFUSED: client budget spent, no update merged" if record["privacy_refused"] else "private update"
+        )
     at_ms = _ms(at_ms)
-    child = client.create_run(parent.info.experiment_id, start_time=at_ms,
-                              run_name=f"arrival-{step:03d}-{record['corruption']}",
-                              tags={**_context_tags(parent.info.run_id), **tags})
+    child = client.create_run(
+        parent.info.experiment_id,
+        start_time=at_ms,
+        run_name=f"arrival-{step:03d}-{record['corruption']}",
+        tags={**_context_tags(parent.info.run_id), **tags},
+    )
     client.log_batch(child.info.run_id, metrics=_arrival_metrics(record, at_ms))
     client.set_terminated(child.info.run_id, end_time=at_ms)
 
@@ -280,8 +305,15 @@ class BackgroundLog:
     error (after the flow's own checkpoint is safe, so nothing computed is lost).
     """
 
-    def __init__(self, log_one: Callable[..., None], *, log_at_close: Callable[..., None] | None = None,
-                 log_batch: Callable[..., None] | None = None, every: float = 0.0, what: str = "a record") -> None:
+    def __init__(
+        self,
+        log_one: Callable[..., None],
+        *,
+        log_at_close: Callable[..., None] | None = None,
+        log_batch: Callable[..., None] | None = None,
+        every: float = 0.0,
+        what: str = "a record",
+    ) -> None:
         self._log_one, self._log_at_close, self._what = log_one, log_at_close, what
         self._log_batch, self._every = log_batch, float(every)
         self._held: List[Tuple[Mapping[str, Any], int]] = []
@@ -362,12 +394,17 @@ def BackgroundArrivalLog(*, runs_at_end: bool = True) -> BackgroundLog:  # noqa:
 
     Its nested run is written then too with ``runs_at_end=False`` (``flow.arrival_runs=live``);
     by default all the nested runs are written by :meth:`BackgroundLog.close`, once the worker has
-    finished (docs/performance.md: on 2 cores, about 10 ms of CPU per nested run while the worker
+    finished (docs/benchmarks.md: on 2 cores, about 10 ms of CPU per nested run while the worker
     computes cost the flow more than the same writes after it).
     """
     if runs_at_end:
-        return BackgroundLog(log_arrival_series, log_at_close=log_arrival_run, log_batch=log_arrival_series_batch,
-                             every=SERIES_EVERY_S, what="an arrival")
+        return BackgroundLog(
+            log_arrival_series,
+            log_at_close=log_arrival_run,
+            log_batch=log_arrival_series_batch,
+            every=SERIES_EVERY_S,
+            what="an arrival",
+        )
     return BackgroundLog(log_arrival, what="an arrival")
 
 
@@ -375,8 +412,13 @@ def BackgroundRoundLog() -> BackgroundLog:  # noqa: N802 - the round flows' logg
     return BackgroundLog(log_round_record, what="a round")
 
 
-def log_round_record(record: Mapping[str, Any], *, parent: "mlflow.entities.Run | None" = None,
-                     client: "mlflow.MlflowClient | None" = None, at_ms: int | None = None) -> None:
+def log_round_record(
+    record: Mapping[str, Any],
+    *,
+    parent: "mlflow.entities.Run | None" = None,
+    client: "mlflow.MlflowClient | None" = None,
+    at_ms: int | None = None,
+) -> None:
     """One round: its metrics on the parent with step = round, and a nested run ``round-<r>`` that holds them.
 
     Explicit run ids, as :func:`log_arrival`: safe on another thread than the one that started ``parent``.
@@ -389,20 +431,26 @@ def log_round_record(record: Mapping[str, Any], *, parent: "mlflow.entities.Run 
     step, now = int(record["round"]), _ms(at_ms)
     metrics = [Metric(k, v, now, step) for k, v in round_metrics(record).items()]
     for i in range(0, len(metrics), 900):  # MLflow takes at most 1000 metrics per batch
-        client.log_batch(parent.info.run_id, metrics=metrics[i:i + 900])
-    tags = {"round": str(step), "clients": json.dumps(record["clients"]),
-            "refused_clients": json.dumps(record.get("refused", [])), "mlflow.parentRunId": parent.info.run_id}
-    child = client.create_run(parent.info.experiment_id, run_name=f"round-{step:03d}",
-                              tags=context.resolve_tags(tags))
+        client.log_batch(parent.info.run_id, metrics=metrics[i : i + 900])
+    tags = {
+        "round": str(step),
+        "clients": json.dumps(record["clients"]),
+        "refused_clients": json.dumps(record.get("refused", [])),
+        "mlflow.parentRunId": parent.info.run_id,
+    }
+    child = client.create_run(parent.info.experiment_id, run_name=f"round-{step:03d}", tags=context.resolve_tags(tags))
     for i in range(0, len(metrics), 900):
-        client.log_batch(child.info.run_id, metrics=metrics[i:i + 900])
+        client.log_batch(child.info.run_id, metrics=metrics[i : i + 900])
     client.set_terminated(child.info.run_id)
 
 
 def round_metrics(record: Mapping[str, Any]) -> Dict[str, float]:
     """The numeric fields of a round record, as MLflow metrics (lists such as ``clients`` are left out)."""
-    return {k: float(v) for k, v in record.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "round"}
+    return {
+        k: float(v)
+        for k, v in record.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "round"
+    }
 
 
 def log_rounds(records: Iterable[Mapping[str, Any]]) -> None:
@@ -418,7 +466,7 @@ def log_metric_batches(metrics: List["mlflow.entities.Metric"]) -> None:
     """``metrics`` on the active run, 900 to a request (MLflow takes at most 1,000)."""
     run, client = mlflow.active_run(), mlflow.MlflowClient()
     for i in range(0, len(metrics), 900):  # MLflow takes at most 1000 metrics per batch
-        client.log_batch(run.info.run_id, metrics=metrics[i:i + 900])
+        client.log_batch(run.info.run_id, metrics=metrics[i : i + 900])
 
 
 def log_client_lines(lines: Iterable[Tuple[int, int, Mapping[str, float]]]) -> None:
@@ -427,8 +475,9 @@ def log_client_lines(lines: Iterable[Tuple[int, int, Mapping[str, float]]]) -> N
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
-    log_metric_batches([Metric(f"{name}.c{k}", float(v), now, int(step)) for step, k, line in lines
-                  for name, v in line.items()])
+    log_metric_batches(
+        [Metric(f"{name}.c{k}", float(v), now, int(step)) for step, k, line in lines for name, v in line.items()]
+    )
 
 
 def log_model(spec: ModelSpec, state: Dict[str, torch.Tensor], *, example: np.ndarray) -> str:
@@ -450,14 +499,18 @@ def log_model(spec: ModelSpec, state: Dict[str, torch.Tensor], *, example: np.nd
         mlflow.set_tags({MODEL_SHA256_TAG + f: sha256_file(folder / f) for f in (SPEC_FILE, WEIGHTS_FILE)})
         with torch.no_grad():
             logits = load_network(folder)(torch.as_tensor(example)).numpy()
-        info = mlflow.pyfunc.log_model(name=MODEL_NAME, loader_module=__name__, data_path=str(folder),
-                                       input_example=example, signature=infer_signature(example, logits),
-                                       pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "fedcore"])
+        info = mlflow.pyfunc.log_model(
+            name=MODEL_NAME,
+            loader_module=__name__,
+            data_path=str(folder),
+            input_example=example,
+            signature=infer_signature(example, logits),
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "fedcore"],
+        )
     return info.model_uri
 
 
-def load_registered(name: str, version: int | str = "latest", *, tracking_uri: str | None = None
-                    ) -> torch.nn.Module:
+def load_registered(name: str, version: int | str = "latest", *, tracking_uri: str | None = None) -> torch.nn.Module:
     """A registered model version as a ``torch.nn.Module`` in eval mode, on the CPU.
 
     Parameters
@@ -485,9 +538,13 @@ def load_registered(name: str, version: int | str = "latest", *, tracking_uri: s
     mv = _model_version(client, name, version)
     tags = client.get_run(mv.run_id).data.tags
     with tempfile.TemporaryDirectory() as tmp:
-        local = Path(mlflow.artifacts.download_artifacts(
-            artifact_uri=client.get_model_version_download_uri(name, mv.version), dst_path=tmp,
-            tracking_uri=tracking_uri))
+        local = Path(
+            mlflow.artifacts.download_artifacts(
+                artifact_uri=client.get_model_version_download_uri(name, mv.version),
+                dst_path=tmp,
+                tracking_uri=tracking_uri,
+            )
+        )
         folder = local / "data" / NETWORK_DIR
         for f in (SPEC_FILE, WEIGHTS_FILE):
             expected = tags.get(MODEL_SHA256_TAG + f)
@@ -495,13 +552,15 @@ def load_registered(name: str, version: int | str = "latest", *, tracking_uri: s
                 raise integrity.IntegrityError(
                     f"version {mv.version} of {name!r} (run {mv.run_id}) has no tag {MODEL_SHA256_TAG + f}: it was "
                     "registered before models were stored as data only (perhaps as a pickle), so it is not "
-                    "loaded; register it again from a current run")
+                    "loaded; register it again from a current run"
+                )
             actual = sha256_file(folder / f) if (folder / f).is_file() else "missing"
             if actual != expected:
                 raise integrity.IntegrityError(
                     f"{f} of version {mv.version} of {name!r} does not match the sha256 its run {mv.run_id} "
                     f"recorded (expected {expected}, found {actual}): the artifact store was changed after "
-                    "registration, so it was not loaded")
+                    "registration, so it was not loaded"
+                )
         return load_network(folder)
 
 
@@ -511,8 +570,10 @@ def _model_version(client: "mlflow.MlflowClient", name: str, version: int | str)
     if version == "latest":
         versions = client.search_model_versions(f"name='{name}'")
         if not versions:
-            raise ValueError(f"no registered model {name!r}; a sweep registers its configured cell as "
-                             f"<system>-<data> (or flow.register_model={name})")
+            raise ValueError(
+                f"no registered model {name!r}; a sweep registers its configured cell as "
+                f"<system>-<data> (or flow.register_model={name})"
+            )
         return max(versions, key=lambda v: int(v.version))
     return client.get_model_version_by_alias(name, str(version))
 
@@ -549,11 +610,14 @@ def summary_rows(results: List[Dict[str, Any]]) -> str:
     for r in results:
         s = r["summary"]
         form = f" {r.get('form', 'plain')} |" if private else ""
-        line = (f"| {r['method']} | {r['aggregator']} |{form} {r['seed']} | {s['avg_online_acc']:.3f} | "
-                f"{s['final_avg_holdout_acc']:.3f} | {s['final_worst_holdout_acc']:.3f} | "
-                f"{s['forgetting']:+.3f} | {s['source_acc']:.3f} |")
+        line = (
+            f"| {r['method']} | {r['aggregator']} |{form} {r['seed']} | {s['avg_online_acc']:.3f} | "
+            f"{s['final_avg_holdout_acc']:.3f} | {s['final_worst_holdout_acc']:.3f} | "
+            f"{s['forgetting']:+.3f} | {s['source_acc']:.3f} |"
+        )
         if private:
-            line += (f" {s['eps_per_arrival']:.2f} | {s['eps_max_client']:.2f} |" if "eps_max_client" in s
-                     else " – | – |")
+            line += (
+                f" {s['eps_per_arrival']:.2f} | {s['eps_max_client']:.2f} |" if "eps_max_client" in s else " – | – |"
+            )
         lines.append(line)
     return "\n".join(lines)

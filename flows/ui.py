@@ -18,8 +18,13 @@ from omegaconf import DictConfig
 from flows import config as C
 from flows.tracking import flatten
 
+
 # Everything a round-based run does not read, and the round-based systems' grids an arrival run does not.
-NOT_ARRIVAL = (*C.ROUND_SYSTEMS, *C.VARIANT_SYSTEMS, "trainer", "strategy")
+def not_arrival() -> tuple:
+    """Config blocks an arrival run does not read: every system's own block, and the round groups."""
+    return (*C.round_systems(), *C.variant_systems(), "trainer", "strategy")
+
+
 _RUN_BLOCKS = ("seed", "device", "flow", "paths")
 
 
@@ -34,36 +39,62 @@ def _model(cfg: DictConfig) -> str:
 
 
 def _arrival_config(cfg: DictConfig, *, drop: tuple = ()) -> Dict[str, str]:
-    return flatten({k: v for k, v in C.to_dict(cfg).items() if k not in (*NOT_ARRIVAL, *drop)})
+    return flatten({k: v for k, v in C.to_dict(cfg).items() if k not in (*not_arrival(), *drop)})
 
 
 def arrival_parameters(cfg: DictConfig) -> Dict[str, Any]:
     """The sequential-arrival flow's parameters: variant, data, model, method, aggregator, privacy form, seed."""
     acfg = C.arrival_config(cfg)
-    return {**_variant(cfg), "data": str(cfg.data.name), "model": _model(cfg), "method": acfg.method,
-            "aggregator": acfg.aggregator, "privacy": acfg.form, "seed": acfg.seed, "resume": bool(cfg.flow.resume),
-            "config": _arrival_config(cfg, drop=("sweep",))}
+    return {
+        **_variant(cfg),
+        "data": str(cfg.data.name),
+        "model": _model(cfg),
+        "method": acfg.method,
+        "aggregator": acfg.aggregator,
+        "privacy": acfg.form,
+        "seed": acfg.seed,
+        "resume": bool(cfg.flow.resume),
+        "config": _arrival_config(cfg, drop=("sweep",)),
+    }
 
 
 def sweep_parameters(cfg: DictConfig) -> Dict[str, Any]:
     """The sweep flow's parameters: the grid (methods, aggregators, privacy forms, seeds)."""
     s = cfg.sweep
-    return {**_variant(cfg), "data": str(cfg.data.name), "model": _model(cfg),
-            "methods": [str(m) for m in s.methods], "aggregators": [str(a) for a in s.aggregators],
-            "privacy": [str(f) for f in (s.get("privacy", None) or ["plain"])], "seeds": [int(x) for x in s.seeds],
-            "resume": bool(cfg.flow.resume),
-            "config": _arrival_config(cfg, drop=("method", "aggregator", "privacy"))}
+    return {
+        **_variant(cfg),
+        "data": str(cfg.data.name),
+        "model": _model(cfg),
+        "methods": [str(m) for m in s.methods],
+        "aggregators": [str(a) for a in s.aggregators],
+        "privacy": [str(f) for f in (s.get("privacy", None) or ["plain"])],
+        "seeds": [int(x) for x in s.seeds],
+        "resume": bool(cfg.flow.resume),
+        "config": _arrival_config(cfg, drop=("method", "aggregator", "privacy")),
+    }
 
 
 def pretrain_parameters(cfg: DictConfig) -> Dict[str, Any]:
     """The source-pretraining flow's parameters: variant, data, model, rounds, seed."""
-    return {**_variant(cfg), "data": str(cfg.data.name), "model": _model(cfg), "rounds": int(cfg.pretrain.rounds),
-            "seed": int(cfg.seed), "config": _arrival_config(cfg, drop=("sweep", "method", "aggregator", "privacy",
-                                                                        "adapt"))}
+    return {
+        **_variant(cfg),
+        "data": str(cfg.data.name),
+        "model": _model(cfg),
+        "rounds": int(cfg.pretrain.rounds),
+        "seed": int(cfg.seed),
+        "config": _arrival_config(cfg, drop=("sweep", "method", "aggregator", "privacy", "adapt")),
+    }
 
 
-def round_parameters(cfg: DictConfig, system: str, grid_name: str, *, methods: List[str] | None = None,
-                     seeds: List[int] | None = None, rcfg: Any = None) -> Dict[str, Any]:
+def round_parameters(
+    cfg: DictConfig,
+    system: str,
+    grid_name: str,
+    *,
+    methods: List[str] | None = None,
+    seeds: List[int] | None = None,
+    rcfg: Any = None,
+) -> Dict[str, Any]:
     """A round-based flow's parameters: system, grid and its data set, then the grid's methods and seeds, or
     (``rcfg``, one run) its trainer, strategy and seed. The config holds the system's settings and this
     grid's, not the other grids'."""
@@ -76,8 +107,14 @@ def round_parameters(cfg: DictConfig, system: str, grid_name: str, *, methods: L
         run = {"trainer": rcfg.trainer, "strategy": rcfg.strategy, "seed": int(rcfg.seed)}
     else:
         run = {"methods": [str(m) for m in methods or []], "seeds": [int(s) for s in seeds or []]}
-    return {"system": system, "grid": grid_name, "data": str(C.grid(cfg, system, grid_name).set), **run,
-            "resume": bool(cfg.flow.resume), "config": flatten(config)}
+    return {
+        "system": system,
+        "grid": grid_name,
+        "data": str(C.grid(cfg, system, grid_name).set),
+        **run,
+        "resume": bool(cfg.flow.resume),
+        "config": flatten(config),
+    }
 
 
 # ------------------------------------------------------------------------------------ links
@@ -107,8 +144,10 @@ def link_runs(run: "mlflow.ActiveRun | None" = None) -> None:
     if flow_url:
         tags["prefect.flow_run_url"] = flow_url
     else:
-        tags["prefect.ui"] = (f"`prefect server start --host 127.0.0.1` serves this run (the temporary server's "
-                              f"database) at http://127.0.0.1:4200/runs/flow-run/{flow_run.id}")
+        tags["prefect.ui"] = (
+            f"`prefect server start --host 127.0.0.1` serves this run (the temporary server's "
+            f"database) at http://127.0.0.1:4200/runs/flow-run/{flow_run.id}"
+        )
     client = mlflow.MlflowClient()
     for k, v in tags.items():
         client.set_tag(run.info.run_id, k, v)
@@ -119,13 +158,17 @@ def link_runs(run: "mlflow.ActiveRun | None" = None) -> None:
         where = f"[open the run in MLflow]({page})"
     else:  # a file or database store: no server to link to until one is started on it
         page = f"http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
-        where = (f"serve the store with `mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000`, "
-                 f"then open {page}")
+        where = (
+            f"serve the store with `mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000`, then open {page}"
+        )
     create_markdown_artifact(
         key=_artifact_key(f"mlflow-{exp.name}-{run.info.run_name}"),
-        markdown=(f"### MLflow run `{run.info.run_name}`\n\n| | |\n|---|---|\n| experiment | {exp.name} |\n"
-                  f"| run id | `{run.info.run_id}` |\n| tracking URI | `{uri}` |\n\n{where}.\n"),
-        description=f"The MLflow run {run.info.run_name} ({run.info.run_id}) this flow run wrote")
+        markdown=(
+            f"### MLflow run `{run.info.run_name}`\n\n| | |\n|---|---|\n| experiment | {exp.name} |\n"
+            f"| run id | `{run.info.run_id}` |\n| tracking URI | `{uri}` |\n\n{where}.\n"
+        ),
+        description=f"The MLflow run {run.info.run_name} ({run.info.run_id}) this flow run wrote",
+    )
 
 
 def prefect_flow_run_url(flow_run_id: str) -> str | None:

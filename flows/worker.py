@@ -50,9 +50,16 @@ def torch_threads(threads: int):
         torch.set_num_threads(before)
 
 
-def arrival_pass(*, partition: Partition, spec: ModelSpec, cfg: ArrivalConfig, start: ServerState, stop_at: int,
-                 threads: int = 1, faults: Mapping[int, Mapping[str, str]] | None = None
-                 ) -> Iterator[ServerState]:
+def arrival_pass(
+    *,
+    partition: Partition,
+    spec: ModelSpec,
+    cfg: ArrivalConfig,
+    start: ServerState,
+    stop_at: int,
+    threads: int = 1,
+    faults: Mapping[int, Mapping[str, str]] | None = None,
+) -> Iterator[ServerState]:
     """What a Ray worker runs for a block of arrivals: the plain loop from ``start`` up to ``stop_at``.
 
     A Ray generator: each arrival's state (its record is the last of ``state.records``) streams
@@ -72,8 +79,9 @@ def arrival_pass(*, partition: Partition, spec: ModelSpec, cfg: ArrivalConfig, s
             yield st
 
 
-def _train_step_or_fail(*, fault_marker: str | None = None, crash_marker: str | None = None, threads: int = 1,
-                        **kw) -> ClientUpdate:
+def train_step_or_fail(
+    *, fault_marker: str | None = None, crash_marker: str | None = None, threads: int = 1, **kw
+) -> ClientUpdate:
     """What the Ray worker runs for a driver-side client task (the injected faults fire in the worker)."""
     _maybe_fail(fault_marker, crash_marker)
     with torch_threads(threads):

@@ -1,4 +1,8 @@
-"""Shared fixtures: a tiny digits federation built through the real stage code."""
+"""Fixtures for every layer: the environment, a seeded generator, and the services' teardown.
+
+``tests/fedcore`` builds its tiny federation from fedcore alone (its own conftest); ``tests/flows`` and
+``tests/e2e`` build it through the real stage code (``tests/flows/conftest.py``, shared below them).
+"""
 
 from __future__ import annotations
 
@@ -7,68 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("MLFLOW_ENABLE_TELEMETRY", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("RAY_TMPDIR", "/tmp/fedcore-ray-test")
 Path(os.environ["RAY_TMPDIR"]).mkdir(parents=True, exist_ok=True)
-
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-
-
-def tiny_overrides(tmp: Path) -> list[str]:
-    return [
-        "data=digits", "pretrain.rounds=8", "pretrain.lr=0.1", "pretrain.local_epochs=2", "pretrain.batch_size=32", "adapt.passes=2", "flow.num_cpus=2", "flow.progress=false",
-        f"paths.prepared={tmp}/prepared", f"paths.partitions={tmp}/partitions", f"paths.models={tmp}/models",
-        f"paths.results={tmp}/results", f"paths.checkpoints={tmp}/checkpoints",
-        f"flow.tracking_uri=sqlite:///{tmp}/mlruns.db",
-    ]
-
-
-def for_variant(overrides: list[str]) -> list[str]:
-    """``overrides`` less the settings that the variant they select sets itself (a variant's
-    ``paths.models`` replaces the root's; composing both is refused, see ``flows.config.check_not_replaced``)."""
-    from omegaconf import DictConfig, OmegaConf
-
-    from flows import config as C
-
-    chosen = [o.split("=", 1)[1] for o in overrides if o.startswith("variant=")]
-    if not chosen:
-        return list(overrides)
-    cfg = C.compose([o for o in overrides if o.startswith("variant=")], lay_variant=False)
-    overlay = cfg[C.variant_system(cfg, chosen[-1])].variants[chosen[-1]]
-    def replaced(o: str) -> bool:
-        value = OmegaConf.select(overlay, o.split("=", 1)[0].lstrip("+"), default=None)
-        return value is not None and not isinstance(value, DictConfig)  # a block: a group choice (data=digits)
-
-    return [o for o in overrides if "=" not in o or o.startswith("variant=") or not replaced(o)]
-
-
-@pytest.fixture(scope="session")
-def tiny(tmp_path_factory):
-    """Prepared digits, their partition and a FedAvg source model, made by the stage code (plain driver)."""
-    from dataclasses import asdict
-
-    from fedcore.data import Partition
-    from fedcore.engine import run_rounds, source_round_data
-    from flows import config as C
-    from flows import federation as F
-    from flows.stages import _partition, _prepare
-
-    tmp = tmp_path_factory.mktemp("tiny")
-    cfg = C.compose(tiny_overrides(tmp))
-    _prepare(cfg)
-    _partition(cfg)
-    part = Partition.load(F.partition_dir(cfg))
-    spec = C.model_spec(cfg)
-    torch.set_num_threads(2)
-    state = run_rounds(source_round_data(part), spec, C.pretrain_config(cfg)).final_state
-    path = F.source_model_path(cfg)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"state": state, "spec": asdict(spec)}, path)
-    return {"cfg": cfg, "tmp": tmp, "partition": part, "spec": spec, "source": state}
 
 
 @pytest.fixture
@@ -80,84 +28,7 @@ def rng():
 def _stop_services():
     """Stop the temporary Prefect server the flows started, while pytest still owns stdout."""
     yield
-    from flows import runtime
+    import sys
 
-    runtime.stop_prefect_api()
-
-
-@pytest.fixture(scope="session")
-def tiny_gn(tiny):
-    """The same digits federation with a GroupNorm source model, for the private forms."""
-    from dataclasses import replace
-
-    from fedcore.engine import run_rounds, source_round_data
-    from flows import config as C
-
-    spec = replace(tiny["spec"], norm="group")
-    pcfg = C.pretrain_config(tiny["cfg"])
-    pcfg = replace(pcfg, trainer_params={**pcfg.trainer_params, "local_epochs": 3})
-    state = run_rounds(source_round_data(tiny["partition"]), spec, pcfg).final_state
-    return {**tiny, "spec": spec, "source": state}
-
-
-# ------------------------------------------------------------------ the Prefect API, as the UI reads it
-
-
-def prefect_flow_run(mlflow_run):
-    """The Prefect flow run an MLflow run was written in (its ``prefect.flow_run_id`` tag), read from the API."""
-    import uuid
-
-    from prefect import get_client
-
-    with get_client(sync_client=True) as client:
-        return client.read_flow_run(uuid.UUID(mlflow_run.data.tags["prefect.flow_run_id"]))
-
-
-def prefect_task_runs(flow_run_id) -> dict:
-    """``{task run name: task run}`` of a flow run, from the API."""
-    from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    return {r.name: r for r in runs}
-
-
-def prefect_logs(flow_run_id) -> list:
-    """``(task run name or None, level, message)`` of every log of a flow run that reached the API, in order."""
-    from prefect import get_client
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-    from prefect.client.schemas.sorting import LogSort
-    from prefect.logging.handlers import APILogWorker
-
-    APILogWorker.drain_all(timeout=10)  # logs are sent in batches: send what is queued
-    names = {r.id: name for name, r in prefect_task_runs(flow_run_id).items()}
-    with get_client(sync_client=True) as client:
-        logs, offset = [], 0
-        while batch := client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
-                                        limit=200, offset=offset, sort=LogSort.TIMESTAMP_ASC):
-            logs += batch
-            offset += len(batch)
-    return [(names.get(log.task_run_id), log.level, log.message) for log in logs]
-
-
-def prefect_artifacts(flow_run_id) -> list:
-    """The artifacts a flow run created, from the API."""
-    from prefect import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
-
-    with get_client(sync_client=True) as client:
-        return client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
-            any_=[flow_run_id])))
-
-
-def write_checkpoint(folder, fingerprint="fp-a", *, corrupt=False):
-    """A server checkpoint in ``folder``; ``corrupt``: one byte flipped, so that it fails its sha256."""
-    from fedcore.engine.checkpoint import save_state
-
-    path = save_state(folder, {"done": 1, "w": torch.ones(3)}, fingerprint=fingerprint)
-    if corrupt:
-        data = bytearray(path.read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        path.write_bytes(bytes(data))
-    return folder
+    if "flows.runtime" in sys.modules:  # a library-only run (tests/fedcore) never started one
+        sys.modules["flows.runtime"].stop_prefect_api()

@@ -21,10 +21,18 @@ DVC_CONFIG = "[core]\n    autostage = false\n    analytics = false\n[hydra]\n   
 def env() -> dict:
     """The environment a ``dvc`` or stage command runs with: this interpreter's bin first, services quiet."""
     e = dict(os.environ)
-    e.update(PATH=os.pathsep.join([str(Path(sys.executable).parent), e.get("PATH", "")]),
-             PREFECT_SERVER_ANALYTICS_ENABLED="false", MLFLOW_ENABLE_TELEMETRY="false", DO_NOT_TRACK="1",
-             DVC_NO_ANALYTICS="1", PREFECT_LOGGING_LEVEL="WARNING", GIT_AUTHOR_NAME="test",
-             GIT_AUTHOR_EMAIL="test@localhost", GIT_COMMITTER_NAME="test", GIT_COMMITTER_EMAIL="test@localhost")
+    e.update(
+        PATH=os.pathsep.join([str(Path(sys.executable).parent), e.get("PATH", "")]),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        MLFLOW_ENABLE_TELEMETRY="false",
+        DO_NOT_TRACK="1",
+        DVC_NO_ANALYTICS="1",
+        PREFECT_LOGGING_LEVEL="WARNING",
+        GIT_AUTHOR_NAME="test",
+        GIT_AUTHOR_EMAIL="test@localhost",
+        GIT_COMMITTER_NAME="test",
+        GIT_COMMITTER_EMAIL="test@localhost",
+    )
     e.pop("PREFECT_API_URL", None)  # each stage starts its own temporary server, as under `dvc repro`
     e.pop("PYTHONPATH", None)
     return e
@@ -34,8 +42,9 @@ def run(repo: Path, *args: str, timeout: float = 600) -> subprocess.CompletedPro
     """``args`` in ``repo``; a failure shows its output."""
     proc = subprocess.run(list(args), cwd=repo, env=env(), capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
-                             f"{proc.stderr[-4000:]}")
+        raise AssertionError(
+            f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
     return proc
 
 
@@ -67,8 +76,9 @@ def make_repo(dest: Path, *, defaults: Mapping[str, str] = (), settings: Mapping
     (dest / ".gitignore").write_text(GITIGNORE)
     conf = OmegaConf.load(dest / "conf" / "config.yaml")
     groups = dict(defaults)
-    conf.defaults = [{k: groups.pop(k)} if isinstance(d, Mapping) and (k := next(iter(d))) in groups else d
-                     for d in conf.defaults]
+    conf.defaults = [
+        {k: groups.pop(k)} if isinstance(d, Mapping) and (k := next(iter(d))) in groups else d for d in conf.defaults
+    ]
     if groups:
         raise ValueError(f"no config group {sorted(groups)} in conf/config.yaml's defaults")
     OmegaConf.save(OmegaConf.merge(conf, dict(settings)), dest / "conf" / "config.yaml")

@@ -35,8 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     recorded = set((yaml.safe_load((ROOT / "dvc.lock").read_text()) or {}).get("stages", {}))
     unknown = sorted(set(args.stages) - recorded)
     if unknown:
-        raise SystemExit(f"not recorded in dvc.lock: {', '.join(unknown)}; recorded stages are listed by "
-                         "`dvc stage list`")
+        raise SystemExit(
+            f"not recorded in dvc.lock: {', '.join(unknown)}; recorded stages are listed by `dvc stage list`"
+        )
     wanted = set(args.stages) or recorded
     renewed = []
     with Repo(str(ROOT)) as repo:

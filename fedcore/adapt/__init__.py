@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Dict, Mapping
+from typing import Any, Callable, Dict, List, Mapping, TypeVar
 
 import torch
 from torch import nn
@@ -17,8 +17,8 @@ from fedcore.adapt.base import (
     GradientMethod,
     TTAMethod,
     check_norm_params,
-    collect_params,
     collect_norm_params,
+    collect_params,
     configure_norm_adaptation,
     make_optimizer,
     softmax_entropy,
@@ -34,6 +34,7 @@ from fedcore.privacy.dp import ClippedGradient, PrivacySpec, PrivateGradient
 from fedcore.registry import Registry
 
 METHODS: Registry[TTAMethod] = Registry("adaptation method")
+G = TypeVar("G", bound=GradientMethod)
 
 
 @METHODS.register("source")
@@ -48,13 +49,30 @@ def _bn(*, model: nn.Module, **_) -> TTAMethod:
     return BatchNormAdapt(model)
 
 
-def _gradient_method(cls, *, model: nn.Module, lr: float, optimizer: str = "sgd", momentum: float = 0.9,
-                     steps: int = 1, adapt_params: str = "norm", privacy: PrivacySpec | None = None, **kw) -> TTAMethod:
+def _gradient_method(
+    cls: type[G],
+    *,
+    model: nn.Module,
+    lr: float,
+    optimizer: str = "sgd",
+    momentum: float = 0.9,
+    steps: int = 1,
+    adapt_params: str = "norm",
+    privacy: PrivacySpec | None = None,
+    **kw,
+) -> G:
     """Configure ``model`` (norm layers in train mode, the rest frozen), pick the adapted
     parameters, and wire in the private gradient (modes ``dp``, ``dp0``) or the clip-only
     form's clipped gradient (mode ``clip``) when ``privacy`` asks for one."""
-    own = set(inspect.signature(cls.__init__).parameters) - {"self", "model", "optimizer", "params", "steps",
-                                                              "private", "clip"}
+    own = set(inspect.signature(cls.__init__).parameters) - {
+        "self",
+        "model",
+        "optimizer",
+        "params",
+        "steps",
+        "private",
+        "clip",
+    }
     unknown = sorted(set(kw) - own)
     if unknown:
         valid = sorted(own | {"lr", "optimizer", "momentum", "steps", "adapt_params"})
@@ -82,43 +100,98 @@ def _tent(*, model: nn.Module, num_classes: int | None = None, **hp) -> TTAMetho
 
 
 @METHODS.register("bpa")
-def _bpa(*, model: nn.Module, num_classes: int, sigma0: float = 1.0, precision_mode: str = "confidence",
-         **hp) -> TTAMethod:
+def _bpa(
+    *, model: nn.Module, num_classes: int, sigma0: float = 1.0, precision_mode: str = "confidence", **hp
+) -> TTAMethod:
     if hp.get("privacy") is not None and hp["privacy"].private and hp["privacy"].backend == "opacus":
-        raise ValueError("private bpa puts the prior inside each sample's loss, which Opacus' layer hooks cannot "
-                         "see; use privacy.backend=functorch")
-    return _gradient_method(BPA, model=model, num_classes=num_classes, sigma0=sigma0, precision_mode=precision_mode,
-                            **hp)
+        raise ValueError(
+            "private bpa puts the prior inside each sample's loss, which Opacus' layer hooks cannot "
+            "see; use privacy.backend=functorch"
+        )
+    return _gradient_method(
+        BPA, model=model, num_classes=num_classes, sigma0=sigma0, precision_mode=precision_mode, **hp
+    )
 
 
 @METHODS.register("eata")
-def _eata(*, model: nn.Module, num_classes: int, e_margin_coeff: float = 0.4, d_margin: float = 0.05,
-          fisher_alpha: float = 2000.0, fisher_size: int = 2000, source_x: torch.Tensor | None = None,
-          **hp) -> TTAMethod:
-    method = _gradient_method(EATA, model=model, num_classes=num_classes, e_margin_coeff=e_margin_coeff,
-                              d_margin=d_margin, fisher_alpha=fisher_alpha, **hp)
+def _eata(
+    *,
+    model: nn.Module,
+    num_classes: int,
+    e_margin_coeff: float = 0.4,
+    d_margin: float = 0.05,
+    fisher_alpha: float = 2000.0,
+    fisher_size: int = 2000,
+    source_x: torch.Tensor | None = None,
+    **hp,
+) -> TTAMethod:
+    method = _gradient_method(
+        EATA,
+        model=model,
+        num_classes=num_classes,
+        e_margin_coeff=e_margin_coeff,
+        d_margin=d_margin,
+        fisher_alpha=fisher_alpha,
+        **hp,
+    )
     if fisher_alpha > 0:
         if source_x is None or len(source_x) == 0:
-            raise ValueError("EATA's Fisher regulariser needs source samples (source_x); pass them, "
-                             "or set fisher_alpha: 0 to run without it")
+            raise ValueError(
+                "EATA's Fisher regulariser needs source samples (source_x); pass them, "
+                "or set fisher_alpha: 0 to run without it"
+            )
         method.fisher = fisher_information(model, method.params, source_x[:fisher_size])
     return method
 
 
 @METHODS.register("sar")
-def _sar(*, model: nn.Module, num_classes: int, e_margin_coeff: float = 0.4, rho: float = 0.05,
-         reset_constant: float = 0.2, ema_momentum: float = 0.9, **hp) -> TTAMethod:
-    return _gradient_method(SAR, model=model, num_classes=num_classes, e_margin_coeff=e_margin_coeff, rho=rho,
-                            reset_constant=reset_constant, ema_momentum=ema_momentum, **hp)
+def _sar(
+    *,
+    model: nn.Module,
+    num_classes: int,
+    e_margin_coeff: float = 0.4,
+    rho: float = 0.05,
+    reset_constant: float = 0.2,
+    ema_momentum: float = 0.9,
+    **hp,
+) -> TTAMethod:
+    return _gradient_method(
+        SAR,
+        model=model,
+        num_classes=num_classes,
+        e_margin_coeff=e_margin_coeff,
+        rho=rho,
+        reset_constant=reset_constant,
+        ema_momentum=ema_momentum,
+        **hp,
+    )
 
 
 @METHODS.register("deyo")
-def _deyo(*, model: nn.Module, num_classes: int, deyo_margin_coeff: float = 0.5, e_margin_coeff: float = 0.4,
-          plpd_threshold: float = 0.2, patch_len: int = 4, reweight_ent: float = 1.0, reweight_plpd: float = 1.0,
-          **hp) -> TTAMethod:
-    return _gradient_method(DeYO, model=model, num_classes=num_classes, deyo_margin_coeff=deyo_margin_coeff,
-                            e_margin_coeff=e_margin_coeff, plpd_threshold=plpd_threshold, patch_len=patch_len,
-                            reweight_ent=reweight_ent, reweight_plpd=reweight_plpd, **hp)
+def _deyo(
+    *,
+    model: nn.Module,
+    num_classes: int,
+    deyo_margin_coeff: float = 0.5,
+    e_margin_coeff: float = 0.4,
+    plpd_threshold: float = 0.2,
+    patch_len: int = 4,
+    reweight_ent: float = 1.0,
+    reweight_plpd: float = 1.0,
+    **hp,
+) -> TTAMethod:
+    return _gradient_method(
+        DeYO,
+        model=model,
+        num_classes=num_classes,
+        deyo_margin_coeff=deyo_margin_coeff,
+        e_margin_coeff=e_margin_coeff,
+        plpd_threshold=plpd_threshold,
+        patch_len=patch_len,
+        reweight_ent=reweight_ent,
+        reweight_plpd=reweight_plpd,
+        **hp,
+    )
 
 
 @METHODS.register("come")
@@ -133,19 +206,28 @@ GRADIENT_METHODS = frozenset({"tent", "bpa", "eata", "sar", "deyo", "come"})
 NEEDS_SOURCE = frozenset({"eata"})
 
 
-METHOD_CLASSES = {"source": Source, "bn": BatchNormAdapt, "tent": Tent, "bpa": BPA, "eata": EATA, "sar": SAR,
-                  "deyo": DeYO, "come": COME}
+METHOD_CLASSES: Dict[str, type[TTAMethod]] = {
+    "source": Source,
+    "bn": BatchNormAdapt,
+    "tent": Tent,
+    "bpa": BPA,
+    "eata": EATA,
+    "sar": SAR,
+    "deyo": DeYO,
+    "come": COME,
+}
 
 
-def method_class(name: str) -> type:
+def method_class(name: str) -> type[TTAMethod]:
     """The class behind a method name: what the engine asks for traits (``uses_per_sample``, ``source_samples``)."""
     METHODS.get(name)  # unknown names fail here, listing the valid ones
     return METHOD_CLASSES[name]
 
 
 # What the engine hands a method when it builds one, never a configured setting.
-_SUPPLIED = frozenset({"self", "cls", "model", "num_classes", "privacy", "source_x", "params", "private", "clip",
-                       "fisher"})
+_SUPPLIED = frozenset(
+    {"self", "cls", "model", "num_classes", "privacy", "source_x", "params", "private", "clip", "fisher"}
+)
 
 
 def method_settings(name: str) -> Dict[str, inspect.Parameter]:
@@ -156,7 +238,9 @@ def method_settings(name: str) -> Dict[str, inspect.Parameter]:
     a worker after the services have started.
     """
     factory = METHODS.get(name)
-    fns = [factory] + ([_gradient_method, METHOD_CLASSES[name].__init__] if name in GRADIENT_METHODS else [])
+    fns: List[Callable[..., Any]] = [factory] + (
+        [_gradient_method, METHOD_CLASSES[name].__init__] if name in GRADIENT_METHODS else []
+    )
     out: Dict[str, inspect.Parameter] = {}
     for fn in fns:
         for p in inspect.signature(fn, eval_str=True).parameters.values():
@@ -187,18 +271,23 @@ def check_method_settings(name: str, settings: Mapping[str, Any]) -> None:
     valid = method_settings(name)
     unknown = sorted(set(settings) - set(valid))
     if unknown and not valid:
-        raise ValueError(f"method {name!r} takes no settings, so method.params must be empty; got "
-                         f"{', '.join(map(repr, unknown))}")
+        raise ValueError(
+            f"method {name!r} takes no settings, so method.params must be empty; got {', '.join(map(repr, unknown))}"
+        )
     if unknown:
-        raise ValueError(f"method {name!r} has no setting {', '.join(map(repr, unknown))}; its settings are: "
-                         f"{', '.join(sorted(valid))} (set one with method.params.<setting>=..., not "
-                         "+method.params.<setting>=..., which adds a new key and so accepts a misspelling)")
+        raise ValueError(
+            f"method {name!r} has no setting {', '.join(map(repr, unknown))}; its settings are: "
+            f"{', '.join(sorted(valid))} (set one with method.params.<setting>=..., not "
+            "+method.params.<setting>=..., which adds a new key and so accepts a misspelling)"
+        )
     for key, value in settings.items():
         ann = valid[key].annotation
         if ann is not inspect.Parameter.empty and not _kind_ok(value, ann):
             want = " or ".join(getattr(t, "__name__", str(t)) for t in getattr(ann, "__args__", (ann,)))
-            raise ValueError(f"method {name!r} setting {key}={value!r} is a {type(value).__name__}; it takes "
-                             f"{want.replace('NoneType', 'null')}")
+            raise ValueError(
+                f"method {name!r} setting {key}={value!r} is a {type(value).__name__}; it takes "
+                f"{want.replace('NoneType', 'null')}"
+            )
 
 
 def create_method(name: str, model: nn.Module, **hparams) -> TTAMethod:
@@ -206,7 +295,33 @@ def create_method(name: str, model: nn.Module, **hparams) -> TTAMethod:
     return METHODS.create(name, model=model, **hparams)
 
 
-__all__ = ["METHODS", "METHOD_CLASSES", "method_class", "create_method", "method_settings", "check_method_settings",
-           "TTAMethod", "GradientMethod", "Tent", "BPA", "EATA", "SAR", "DeYO", "COME",
-           "GRADIENT_METHODS", "NEEDS_SOURCE", "opinion_entropy", "shuffle_patches", "fisher_information", "Source", "BatchNormAdapt", "softmax_entropy",
-           "prior_precision", "USES_BATCH_STATS", "PRECISION_MODES", "configure_norm_adaptation", "collect_norm_params"]
+__all__ = [
+    "METHODS",
+    "METHOD_CLASSES",
+    "method_class",
+    "create_method",
+    "method_settings",
+    "check_method_settings",
+    "TTAMethod",
+    "GradientMethod",
+    "Tent",
+    "BPA",
+    "EATA",
+    "SAR",
+    "DeYO",
+    "COME",
+    "GRADIENT_METHODS",
+    "NEEDS_SOURCE",
+    "opinion_entropy",
+    "shuffle_patches",
+    "fisher_information",
+    "Source",
+    "BatchNormAdapt",
+    "softmax_entropy",
+    "prior_precision",
+    "USES_BATCH_STATS",
+    "PRECISION_MODES",
+    "configure_norm_adaptation",
+    "collect_norm_params",
+    "check_norm_params",
+]

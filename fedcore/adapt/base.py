@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Dict, Iterable, List, Mapping
+from typing import Any, Dict, Iterable, List, Mapping, cast
 
 import torch
 from torch import nn
@@ -20,10 +20,6 @@ def softmax_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 def norm_layers(model: nn.Module) -> List[nn.Module]:
     return [m for m in model.modules() if isinstance(m, NORM_TYPES)]
-
-
-def has_batchnorm(model: nn.Module) -> bool:
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
 def configure_norm_adaptation(model: nn.Module, *, grad: bool) -> nn.Module:
@@ -86,7 +82,7 @@ class TTAMethod(nn.Module):
         out = None
         for _ in range(self.steps):
             out = self.forward_and_adapt(x)
-        return out
+        return cast(torch.Tensor, out)  # steps >= 1 (checked in __init__), so the loop ran
 
     def forward_and_adapt(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -112,8 +108,9 @@ class TTAMethod(nn.Module):
             self.optimizer.load_state_dict(self._opt_state)
 
 
-def make_optimizer(params: Iterable[nn.Parameter], *, optimizer: str, lr: float, momentum: float = 0.9,
-                   weight_decay: float = 0.0) -> torch.optim.Optimizer:
+def make_optimizer(
+    params: Iterable[nn.Parameter], *, optimizer: str, lr: float, momentum: float = 0.9, weight_decay: float = 0.0
+) -> torch.optim.Optimizer:
     if lr <= 0:
         raise ValueError(f"learning rate must be > 0, got {lr}")
     if optimizer == "sgd":
@@ -163,8 +160,18 @@ class GradientMethod(TTAMethod):
     batch size, plus the penalty's gradient. Filters there become per-sample 0/1 weights.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, params: Dict[str, nn.Parameter], *,
-                 steps: int = 1, private: Any = None, clip: Any = None):
+    optimizer: torch.optim.Optimizer  # always given (TTAMethod also serves the optimizer-less methods)
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        params: Dict[str, nn.Parameter],
+        *,
+        steps: int = 1,
+        private: Any = None,
+        clip: Any = None,
+    ):
         super().__init__(model, optimizer, steps=steps)
         if private is not None and clip is not None:
             raise ValueError("a method runs either the private form (private) or the clip-only form (clip), not both")
@@ -180,8 +187,9 @@ class GradientMethod(TTAMethod):
     def aux(self, x: torch.Tensor, logits: torch.Tensor) -> Dict[str, torch.Tensor]:
         return {}
 
-    def sample_loss(self, logits: torch.Tensor, aux: Mapping[str, torch.Tensor],
-                    params: Mapping[str, torch.Tensor]) -> torch.Tensor:  # pragma: no cover - abstract
+    def sample_loss(
+        self, logits: torch.Tensor, aux: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def penalty(self, params: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
@@ -225,6 +233,7 @@ class GradientMethod(TTAMethod):
 
     def _private_step(self, x: torch.Tensor) -> torch.Tensor:
         if self.aux_in_loss:
+
             def loss(logits, _aux, params):
                 return self.sample_loss(logits, self.aux(None, logits.detach()), params)
 
@@ -247,8 +256,11 @@ class GradientMethod(TTAMethod):
     def apply_gradient(self, grads: Mapping[str, torch.Tensor]) -> None:
         """Set ``p.grad`` to the given gradient plus the penalty's, then take an optimizer step."""
         pen = self.penalty(self.params)
-        pen_grads = torch.autograd.grad(pen, list(self.params.values()), allow_unused=True) if pen is not None \
+        pen_grads = (
+            torch.autograd.grad(pen, list(self.params.values()), allow_unused=True)
+            if pen is not None
             else [None] * len(self.params)
+        )
         for (k, p), pg in zip(self.params.items(), pen_grads):
             p.grad = grads[k].detach().clone() if pg is None else grads[k].detach() + pg
         self.optimizer.step()

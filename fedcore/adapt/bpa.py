@@ -55,8 +55,19 @@ class BPA(GradientMethod):
 
     direct_param_terms = True
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, params=None, *, num_classes: int,
-                 sigma0: float = 1.0, precision_mode: str = "confidence", steps: int = 1, private=None, clip=None):
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        params=None,
+        *,
+        num_classes: int,
+        sigma0: float = 1.0,
+        precision_mode: str = "confidence",
+        steps: int = 1,
+        private=None,
+        clip=None,
+    ):
         prior_precision(0.0, num_classes=num_classes, sigma0=sigma0, mode=precision_mode)  # validate early
         if params is None:
             norm_params, names = collect_norm_params(model)
@@ -80,14 +91,21 @@ class BPA(GradientMethod):
         with batch_statistics(self._global):
             h = softmax_entropy(self._global(x))
         if self.private is not None:
-            lam = ((math.log(self.num_classes) - h.clamp(0, math.log(self.num_classes))) if self.precision_mode ==
-                   "confidence" else h.clamp(0, math.log(self.num_classes))) / self.sigma0 ** 2
+            lam = (
+                (math.log(self.num_classes) - h.clamp(0, math.log(self.num_classes)))
+                if self.precision_mode == "confidence"
+                else h.clamp(0, math.log(self.num_classes))
+            ) / self.sigma0**2
             self.last_precision = float(lam.mean())
             return {"lam": lam}
         self._entropy_sum += float(h.sum())
         self._entropy_n += len(h)
-        self.last_precision = prior_precision(self._entropy_sum / self._entropy_n, num_classes=self.num_classes,
-                                              sigma0=self.sigma0, mode=self.precision_mode)
+        self.last_precision = prior_precision(
+            self._entropy_sum / self._entropy_n,
+            num_classes=self.num_classes,
+            sigma0=self.sigma0,
+            mode=self.precision_mode,
+        )
         return {}
 
     def sample_loss(self, logits, aux, params) -> torch.Tensor:

@@ -39,8 +39,18 @@ def opinion_entropy(logits: torch.Tensor, prior_weight: float) -> torch.Tensor:
 class COME(GradientMethod):
     aux_in_loss = True
 
-    def __init__(self, model, optimizer, params, *, num_classes: int, prior_weight: float | None = None,
-                 steps: int = 1, private=None, clip=None):
+    def __init__(
+        self,
+        model,
+        optimizer,
+        params,
+        *,
+        num_classes: int,
+        prior_weight: float | None = None,
+        steps: int = 1,
+        private=None,
+        clip=None,
+    ):
         super().__init__(model, optimizer, params, steps=steps, private=private, clip=clip)
         self.prior_weight = float(num_classes if prior_weight is None else prior_weight)
         if self.prior_weight <= 0:

@@ -47,9 +47,23 @@ def shuffle_patches(x: torch.Tensor, grid: int = 4, generator: torch.Generator |
 
 
 class DeYO(GradientMethod):
-    def __init__(self, model, optimizer, params, *, num_classes: int, deyo_margin_coeff: float = 0.5,
-                 e_margin_coeff: float = 0.4, plpd_threshold: float = 0.2, patch_len: int = 4,
-                 reweight_ent: float = 1.0, reweight_plpd: float = 1.0, steps: int = 1, private=None, clip=None):
+    def __init__(
+        self,
+        model,
+        optimizer,
+        params,
+        *,
+        num_classes: int,
+        deyo_margin_coeff: float = 0.5,
+        e_margin_coeff: float = 0.4,
+        plpd_threshold: float = 0.2,
+        patch_len: int = 4,
+        reweight_ent: float = 1.0,
+        reweight_plpd: float = 1.0,
+        steps: int = 1,
+        private=None,
+        clip=None,
+    ):
         super().__init__(model, optimizer, params, steps=steps, private=private, clip=clip)
         self.deyo_margin = deyo_margin_coeff * math.log(num_classes)
         self.e_margin = e_margin_coeff * math.log(num_classes)

@@ -36,8 +36,9 @@ from fedcore.adapt.base import GradientMethod, softmax_entropy
 from fedcore.tensors import batches
 
 
-def fisher_information(model: nn.Module, params: Dict[str, nn.Parameter], x: torch.Tensor, *,
-                       batch_size: int = 64) -> Dict[str, torch.Tensor]:
+def fisher_information(
+    model: nn.Module, params: Dict[str, nn.Parameter], x: torch.Tensor, *, batch_size: int = 64
+) -> Dict[str, torch.Tensor]:
     """Diagonal Fisher of the pseudo-label cross-entropy, averaged over batches (EATA's estimate).
 
     The model's buffers (BatchNorm running statistics) are restored afterwards: the source
@@ -67,9 +68,21 @@ class EATA(GradientMethod):
         """The Fisher regulariser's source samples (none when ``fisher_alpha`` is 0)."""
         return int(params.get("fisher_size", 2000)) if float(params.get("fisher_alpha", 2000.0)) > 0 else 0
 
-    def __init__(self, model, optimizer, params, *, num_classes: int, e_margin_coeff: float = 0.4,
-                 d_margin: float = 0.05, fisher_alpha: float = 2000.0, fisher: Dict[str, torch.Tensor] | None = None,
-                 steps: int = 1, private=None, clip=None):
+    def __init__(
+        self,
+        model,
+        optimizer,
+        params,
+        *,
+        num_classes: int,
+        e_margin_coeff: float = 0.4,
+        d_margin: float = 0.05,
+        fisher_alpha: float = 2000.0,
+        fisher: Dict[str, torch.Tensor] | None = None,
+        steps: int = 1,
+        private=None,
+        clip=None,
+    ):
         super().__init__(model, optimizer, params, steps=steps, private=private, clip=clip)
         if not 0 < e_margin_coeff <= 1:
             raise ValueError(f"e_margin_coeff must be in (0, 1], got {e_margin_coeff}")

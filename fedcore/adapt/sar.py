@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Dict, Mapping
+from typing import Dict, Mapping, cast
 
 import torch
 
@@ -33,8 +33,21 @@ from fedcore.adapt.base import GradientMethod, softmax_entropy
 
 
 class SAR(GradientMethod):
-    def __init__(self, model, optimizer, params, *, num_classes: int, e_margin_coeff: float = 0.4, rho: float = 0.05,
-                 reset_constant: float = 0.2, ema_momentum: float = 0.9, steps: int = 1, private=None, clip=None):
+    def __init__(
+        self,
+        model,
+        optimizer,
+        params,
+        *,
+        num_classes: int,
+        e_margin_coeff: float = 0.4,
+        rho: float = 0.05,
+        reset_constant: float = 0.2,
+        ema_momentum: float = 0.9,
+        steps: int = 1,
+        private=None,
+        clip=None,
+    ):
         super().__init__(model, optimizer, params, steps=steps, private=private, clip=clip)
         if rho < 0:
             raise ValueError(f"SAR rho must be >= 0, got {rho}")
@@ -54,7 +67,7 @@ class SAR(GradientMethod):
 
     @torch.no_grad()
     def _perturb(self, direction: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        norm = torch.sqrt(sum((g ** 2).sum() for g in direction.values()))
+        norm = torch.sqrt(cast(torch.Tensor, sum((g**2).sum() for g in direction.values())))  # params are non-empty
         scale = self.rho / (norm + 1e-12)
         eps = {k: direction[k] * scale for k in self.params}
         for k, p in self.params.items():
@@ -111,7 +124,9 @@ class SAR(GradientMethod):
     def _clipped(self, x, logits, mask, kept) -> Dict[str, torch.Tensor]:
         """Σ_i clip(∇ mask_i·H_i) / kept at the current parameters: from ``logits``' graph, or from hooks."""
         if self.clip_by_hooks:
-            return self.clip.by_hooks(self.model, self.params, lambda lg, _a, _p: softmax_entropy(lg) * mask, x, {}, kept)
+            return self.clip.by_hooks(
+                self.model, self.params, lambda lg, _a, _p: softmax_entropy(lg) * mask, x, {}, kept
+            )
         return self.clip(softmax_entropy(logits) * mask, self.params, kept)
 
     def _private_sam_step(self, x: torch.Tensor) -> torch.Tensor:

@@ -24,8 +24,9 @@ from fedcore.types import MergeHistory
 class NoMerge:
     """θ_G stays θ_G⁽⁰⁾; every client adapts from it."""
 
-    def merge(self, global_state: State, client_state: State, *, sigma: float,
-              history: MergeHistory) -> Tuple[State, float]:
+    def merge(
+        self, global_state: State, client_state: State, *, sigma: float, history: MergeHistory
+    ) -> Tuple[State, float]:
         return global_state, 0.0
 
 
@@ -36,16 +37,18 @@ class SequentialMerge:
     clients), and the baseline that shows whether continual adaptation degrades.
     """
 
-    def merge(self, global_state: State, client_state: State, *, sigma: float,
-              history: MergeHistory) -> Tuple[State, float]:
+    def merge(
+        self, global_state: State, client_state: State, *, sigma: float, history: MergeHistory
+    ) -> Tuple[State, float]:
         return {k: v.clone() for k, v in client_state.items()}, 1.0  # exactly θ'_k (g + 1·(c − g) rounds)
 
 
 class FedAvgMerge:
     """Equal-weight running average of θ_G⁽⁰⁾ and every client model merged so far."""
 
-    def merge(self, global_state: State, client_state: State, *, sigma: float,
-              history: MergeHistory) -> Tuple[State, float]:
+    def merge(
+        self, global_state: State, client_state: State, *, sigma: float, history: MergeHistory
+    ) -> Tuple[State, float]:
         rate = 1.0 / (history.merged + 2)
         return running_average_merge(global_state, client_state, count=history.merged + 1), rate
 
@@ -62,14 +65,31 @@ def create_aggregator(name: str, **hparams):
 
 
 def advance(history: MergeHistory, *, sigma: float, weight: float) -> MergeHistory:
-    return MergeHistory(sigmas=history.sigmas + (float(sigma),), weights=history.weights + (float(weight),),
-                        merged=history.merged + 1)
+    return MergeHistory(
+        sigmas=history.sigmas + (float(sigma),), weights=history.weights + (float(weight),), merged=history.merged + 1
+    )
 
 
-__all__: List[str] = ["AGGREGATORS", "create_aggregator", "MergeHistory", "advance", "NoMerge", "SequentialMerge", "FedAvgMerge",
-                      "UGSAMerge", "weighted_average", "interpolate", "ugsa_weight", "ugsa_merge",
-                      "running_average_merge", "l2_distance", "State", "UGSA_NORMALIZERS", "STRATEGIES",
-                      "create_strategy"]
+__all__: List[str] = [
+    "AGGREGATORS",
+    "create_aggregator",
+    "MergeHistory",
+    "advance",
+    "NoMerge",
+    "SequentialMerge",
+    "FedAvgMerge",
+    "UGSAMerge",
+    "weighted_average",
+    "interpolate",
+    "ugsa_weight",
+    "ugsa_merge",
+    "running_average_merge",
+    "l2_distance",
+    "State",
+    "UGSA_NORMALIZERS",
+    "STRATEGIES",
+    "create_strategy",
+]
 
 # Importing the package registers every round strategy by name (the baselines, FedPAD, FedPD++, PP-FCIL).
 from fedcore.aggregate import fedpad, fedpd, ppfcil, strategies  # noqa: E402,F401

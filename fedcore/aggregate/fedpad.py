@@ -33,8 +33,9 @@ class FedPAD(PrototypeServer):
         ``theta`` (the paper) or ``uniform`` (the "no θ-weighting" ablation).
     """
 
-    def __init__(self, *, gamma: float = 0.01, tau: float = 0.1, alpha_mode: str = "fedpad",
-                 proto_weighting: str = "theta") -> None:
+    def __init__(
+        self, *, gamma: float = 0.01, tau: float = 0.1, alpha_mode: str = "fedpad", proto_weighting: str = "theta"
+    ) -> None:
         if gamma < 0:
             raise ValueError(f"FedPAD gamma must be >= 0, got {gamma}")
         if tau <= 0:
@@ -42,10 +43,15 @@ class FedPAD(PrototypeServer):
         if alpha_mode not in P.ALPHA_MODES:
             raise ValueError(f"unknown FedPAD alpha_mode {alpha_mode!r}; valid names are: {', '.join(P.ALPHA_MODES)}")
         if proto_weighting not in P.PROTO_WEIGHTINGS:
-            raise ValueError(f"unknown FedPAD proto_weighting {proto_weighting!r}; valid names are: "
-                             f"{', '.join(P.PROTO_WEIGHTINGS)}")
-        self.gamma, self.tau, self.alpha_mode, self.proto_weighting = float(gamma), float(tau), alpha_mode, \
-            proto_weighting
+            raise ValueError(
+                f"unknown FedPAD proto_weighting {proto_weighting!r}; valid names are: {', '.join(P.PROTO_WEIGHTINGS)}"
+            )
+        self.gamma, self.tau, self.alpha_mode, self.proto_weighting = (
+            float(gamma),
+            float(tau),
+            alpha_mode,
+            proto_weighting,
+        )
 
     def setup(self, global_state: State, *, num_clients: int, param_keys: Sequence[str]) -> None:
         super().setup(global_state, num_clients=num_clients, param_keys=param_keys)
@@ -62,11 +68,15 @@ class FedPAD(PrototypeServer):
         pw = theta if self.proto_weighting == "theta" else [1.0] * len(updates)
         self.protos = P.aggregate_prototypes(client_protos, pw, self.protos)
         alpha_now, d_now = dict(zip(ids, alpha)), dict(zip(ids, d))
-        metrics = {"weight_drift": P.l1_change(alpha_now, self.last_alpha) if self.last_alpha else float("nan"),
-                   "deviation_change": P.max_change(d_now, self.last_d) if self.last_d else float("nan")}
+        metrics = {
+            "weight_drift": P.l1_change(alpha_now, self.last_alpha) if self.last_alpha else float("nan"),
+            "deviation_change": P.max_change(d_now, self.last_d) if self.last_d else float("nan"),
+        }
         self.last_alpha, self.last_d = alpha_now, d_now
-        per = {cid: {"alpha": a, "theta": t, "deviation": dv, "proto_dist": P.mean_distance(p, self.protos)}
-               for cid, a, t, dv, p in zip(ids, alpha, theta, d, client_protos)}
+        per = {
+            cid: {"alpha": a, "theta": t, "deviation": dv, "proto_dist": P.mean_distance(p, self.protos)}
+            for cid, a, t, dv, p in zip(ids, alpha, theta, d, client_protos)
+        }
         return Aggregated(state, metrics, per)
 
     def state_dict(self) -> Dict[str, Any]:

@@ -26,8 +26,8 @@ from typing import Any, Dict, List, Sequence
 
 import torch
 
-from fedcore.aggregate.functions import State
 from fedcore.aggregate.base import STRATEGIES, Aggregated, Strategy, Updates
+from fedcore.aggregate.functions import State
 from fedcore.openset.align import ALIGN_METHODS, PART_COSTS, layer_plan
 from fedcore.openset.gdca import fuse
 from fedcore.openset.masks import PART_MODES, split_parts
@@ -42,21 +42,43 @@ class FedPD(Strategy):
     trainer = ("proser",)
     needs_model = True
 
-    def __init__(self, *, parts: str = "three", align: str = "sinkhorn", part_cost: str = "weighted",
-                 sba: bool = True, sba_weight: float = 1.0, reg: float = 0.05, max_iter: int = 200, tol: float = 1e-6,
-                 sba_window: int = 10, reference: str = "largest", client_weights: str = "examples",
-                 quality: bool = False) -> None:
-        for what, value, choices in (("parts", parts, PART_MODES), ("align", align, ALIGN_METHODS),
-                                     ("reference", reference, REFERENCES),
-                                     ("client_weights", client_weights, CLIENT_WEIGHTS),
-                                     ("part_cost", part_cost, PART_COSTS)):
+    def __init__(
+        self,
+        *,
+        parts: str = "three",
+        align: str = "sinkhorn",
+        part_cost: str = "weighted",
+        sba: bool = True,
+        sba_weight: float = 1.0,
+        reg: float = 0.05,
+        max_iter: int = 200,
+        tol: float = 1e-6,
+        sba_window: int = 10,
+        reference: str = "largest",
+        client_weights: str = "examples",
+        quality: bool = False,
+    ) -> None:
+        for what, value, choices in (
+            ("parts", parts, PART_MODES),
+            ("align", align, ALIGN_METHODS),
+            ("reference", reference, REFERENCES),
+            ("client_weights", client_weights, CLIENT_WEIGHTS),
+            ("part_cost", part_cost, PART_COSTS),
+        ):
             check_choice(what, value, choices)
         if reg <= 0 or max_iter < 1 or sba_window < 1 or sba_weight < 0 or not 0 < tol < 5e-2:
-            raise ValueError(f"need reg > 0, max_iter >= 1, 0 < tol < 0.05, sba_window >= 1 and sba_weight >= 0; got "
-                             f"{reg}, {max_iter}, {tol}, {sba_window}, {sba_weight}")
+            raise ValueError(
+                f"need reg > 0, max_iter >= 1, 0 < tol < 0.05, sba_window >= 1 and sba_weight >= 0; got "
+                f"{reg}, {max_iter}, {tol}, {sba_window}, {sba_weight}"
+            )
         self.parts, self.align, self.sba, self.reg, self.max_iter = parts, align, bool(sba), float(reg), int(max_iter)
         self.sba_window, self.reference, self.client_weights = int(sba_window), reference, client_weights
-        self.quality, self.part_cost, self.sba_weight, self.tol = bool(quality), part_cost, float(sba_weight), float(tol)
+        self.quality, self.part_cost, self.sba_weight, self.tol = (
+            bool(quality),
+            part_cost,
+            float(sba_weight),
+            float(tol),
+        )
 
     def bind_model(self, model: torch.nn.Module) -> None:
         """The network's layer plan; a model alignment cannot follow is refused here, before any round."""
@@ -76,12 +98,29 @@ class FedPD(Strategy):
             self._remember_bn(updates)
         ref = self._reference(updates)
         weights = [float(u.num_examples) if self.client_weights == "examples" else 1.0 for u in ups]
-        fused = fuse([u.state for u in ups], weights, plan=self.plan, parts=parts, ref=ref, method=self.align,
-                     reg=self.reg, max_iter=self.max_iter, tol=self.tol, part_cost=self.part_cost, sba_weight=self.sba_weight,
-                     banks=[self.bank.get(i) for i in ids] if self.sba and self.align != "none" else None,
-                     quality=self.quality and self.align == "sinkhorn", names=ids)
-        metrics = {**fused.metrics, **self._mask_sizes(parts), **self._bn_drift(ups, ref),
-                   "reference_client": float(ids[ref]), "sba_bank_bytes": float(self.bank_bytes())}
+        fused = fuse(
+            [u.state for u in ups],
+            weights,
+            plan=self.plan,
+            parts=parts,
+            ref=ref,
+            method=self.align,
+            reg=self.reg,
+            max_iter=self.max_iter,
+            tol=self.tol,
+            part_cost=self.part_cost,
+            sba_weight=self.sba_weight,
+            banks=[self.bank.get(i) for i in ids] if self.sba and self.align != "none" else None,
+            quality=self.quality and self.align == "sinkhorn",
+            names=ids,
+        )
+        metrics = {
+            **fused.metrics,
+            **self._mask_sizes(parts),
+            **self._bn_drift(ups, ref),
+            "reference_client": float(ids[ref]),
+            "sba_bank_bytes": float(self.bank_bytes()),
+        }
         self.round += 1
         return Aggregated(fused.state, metrics=metrics, per_client=fused.per_client)
 
@@ -91,8 +130,10 @@ class FedPD(Strategy):
             return split_parts({k: update.state[k] for k in self.param_keys}, {}, mode="none")
         p = update.payload
         if "mask_close" not in p or "mask_open" not in p:
-            raise ValueError(f"client {client} sent no masks, but parts={self.parts} needs them: train with the proser "
-                             "trainer and importance dpi or gradient (or set parts=none)")
+            raise ValueError(
+                f"client {client} sent no masks, but parts={self.parts} needs them: train with the proser "
+                "trainer and importance dpi or gradient (or set parts=none)"
+            )
         close = {k: p["mask_close"][k].float() for k in self.param_keys}
         open_ = {k: p["mask_open"][k].float() for k in self.param_keys}
         return split_parts(close, open_, mode=self.parts)
@@ -105,12 +146,12 @@ class FedPD(Strategy):
     def _remember_bn(self, updates: Updates) -> None:
         for i, u in updates:
             entry = self.bank.get(i, {"rounds": torch.zeros(0, dtype=torch.long)})
-            rounds = torch.cat([entry["rounds"], torch.tensor([self.round])])[-self.sba_window:]
+            rounds = torch.cat([entry["rounds"], torch.tensor([self.round])])[-self.sba_window :]
             new = {"rounds": rounds}
             for name, key in self.bn_layers.items():
                 row = u.state[key].detach().float()[None]
                 old = entry.get(name, torch.zeros(0, row.shape[1]))
-                new[name] = torch.cat([old, row])[-self.sba_window:]
+                new[name] = torch.cat([old, row])[-self.sba_window :]
             self.bank[i] = new
 
     def bank_bytes(self) -> int:
@@ -132,7 +173,7 @@ class FedPD(Strategy):
         if not self.bn_layers or len(ups) < 2:
             return {}
         vals = []
-        for name, key in self.bn_layers.items():
+        for key in self.bn_layers.values():
             r = ups[ref].state[key].float()
             vals += [float((u.state[key].float() - r).pow(2).mean().sqrt()) for j, u in enumerate(ups) if j != ref]
         return {"bn_drift": sum(vals) / len(vals)}

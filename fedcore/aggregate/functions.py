@@ -11,12 +11,11 @@ they are taken from the newest model rather than averaged.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 
 from fedcore.types import State
-
 
 
 def _is_mergeable(t: torch.Tensor) -> bool:
@@ -79,8 +78,18 @@ def param_delta(new: State, old: State, keys: Sequence[str]) -> State:
     return {k: new[k] - old[k] for k in keys}
 
 
-def fedadam_step(global_state: State, average: State, *, m: State, v: State, keys: Sequence[str], lr: float,
-                 beta1: float, beta2: float, tau: float) -> Tuple[State, State, State]:
+def fedadam_step(
+    global_state: State,
+    average: State,
+    *,
+    m: State,
+    v: State,
+    keys: Sequence[str],
+    lr: float,
+    beta1: float,
+    beta2: float,
+    tau: float,
+) -> Tuple[State, State, State]:
     """FedAdam (Reddi et al. 2021, Algorithm 2) on the pseudo-gradient Δ = average − global.
 
     m ← β₁m + (1−β₁)Δ; v ← β₂v + (1−β₂)Δ²; x ← x + η · m / (√v + τ). No bias correction,

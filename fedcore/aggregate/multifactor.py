@@ -49,8 +49,10 @@ def _vector(name: str, value, *, nonnegative: bool = True) -> np.ndarray:
         raise ValueError(f"{name} is empty; pass one entry per client")
     bad = ~np.isfinite(arr)
     if bad.any():
-        raise ValueError(f"{name} has {int(bad.sum())} non-finite value(s) at {np.flatnonzero(bad).tolist()}; "
-                         "every entry must be a finite number")
+        raise ValueError(
+            f"{name} has {int(bad.sum())} non-finite value(s) at {np.flatnonzero(bad).tolist()}; "
+            "every entry must be a finite number"
+        )
     if nonnegative and (arr < 0).any():
         raise ValueError(f"{name} must be >= 0, got negative values at {np.flatnonzero(arr < 0).tolist()}")
     return arr
@@ -59,8 +61,10 @@ def _vector(name: str, value, *, nonnegative: bool = True) -> np.ndarray:
 def _same_length(**arrays: np.ndarray) -> None:
     lengths = {name: len(a) for name, a in arrays.items()}
     if len(set(lengths.values())) > 1:
-        raise ValueError(f"{', '.join(lengths)} must have one entry per client each, got lengths "
-                         f"{', '.join(f'{n}={k}' for n, k in lengths.items())}")
+        raise ValueError(
+            f"{', '.join(lengths)} must have one entry per client each, got lengths "
+            f"{', '.join(f'{n}={k}' for n, k in lengths.items())}"
+        )
 
 
 def _int(name: str, value, *, minimum: int) -> int:
@@ -76,8 +80,9 @@ def _int(name: str, value, *, minimum: int) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def data_balance(*, new_examples: Sequence[float], total_examples: Sequence[float],
-                 alpha: float = 0.0) -> np.ndarray:
+def data_balance(
+    *, new_examples: Sequence[float] | np.ndarray, total_examples: Sequence[float] | np.ndarray, alpha: float = 0.0
+) -> np.ndarray:
     """γ_k = tanh(θ_k + α): how much of a client's data is new in this task.
 
     θ_k = |D_k^t| / Σ_{s≤t} |D_k^s| is the share of the client's cumulative data that arrived
@@ -103,15 +108,21 @@ def data_balance(*, new_examples: Sequence[float], total_examples: Sequence[floa
     total = _vector("total_examples", total_examples)
     _same_length(new_examples=new, total_examples=total)
     if not math.isfinite(alpha) or alpha < 0:
-        raise ValueError(f"alpha must be a finite number >= 0 (a negative shift can make γ and the weight "
-                         f"negative), got {alpha}")
+        raise ValueError(
+            f"alpha must be a finite number >= 0 (a negative shift can make γ and the weight negative), got {alpha}"
+        )
     if (total <= 0).any():
-        raise ValueError(f"total_examples must be > 0 for every client, got 0 at "
-                         f"{np.flatnonzero(total <= 0).tolist()}; leave clients without any data out of the aggregation")
+        raise ValueError(
+            f"total_examples must be > 0 for every client, got 0 at "
+            f"{np.flatnonzero(total <= 0).tolist()}; leave clients without any data out of the "
+            "aggregation"
+        )
     over = new > total
     if over.any():
-        raise ValueError(f"new_examples exceeds total_examples at {np.flatnonzero(over).tolist()}; total_examples "
-                         "is the cumulative count over all tasks so far and must include the new examples")
+        raise ValueError(
+            f"new_examples exceeds total_examples at {np.flatnonzero(over).tolist()}; total_examples "
+            "is the cumulative count over all tasks so far and must include the new examples"
+        )
     return np.tanh(new / total + alpha)
 
 
@@ -154,8 +165,10 @@ def freshness(*, round_index: int, last_round: Sequence[int | None]) -> np.ndarr
         if v < -1:
             raise ValueError(f"last_round[{k}] is {v}; use -1 or None for a client that never took part")
         if v >= t:
-            raise ValueError(f"last_round[{k}] is {v} but the current round is {t}; pass the round the client last "
-                             "took part in before this one")
+            raise ValueError(
+                f"last_round[{k}] is {v} but the current round is {t}; pass the round the client last "
+                "took part in before this one"
+            )
         rounds.append(t - 1 if v == -1 else v)
     lag = t - np.asarray(rounds, dtype=np.float64)
     return np.power(math.e / 2.0, -lag)
@@ -179,7 +192,7 @@ def relative_accuracy(*, accuracy: Sequence[float]) -> np.ndarray:
     return np.full_like(beta, 1.0 / beta.size) if total == 0 else beta / total
 
 
-def participation_factor(*, counts: Sequence[int], selected: Sequence[int] | None = None) -> np.ndarray:
+def participation_factor(*, counts: Sequence[int] | np.ndarray, selected: Sequence[int] | None = None) -> np.ndarray:
     """R_k = (r_k / r + 1) / 2 with r = Σ_k r_k over all clients.
 
     Parameters
@@ -210,9 +223,15 @@ def participation_factor(*, counts: Sequence[int], selected: Sequence[int] | Non
     return out[ids]
 
 
-def multifactor_weights(*, gamma: Sequence[float], data_share: Sequence[float], fresh: Sequence[float],
-                        accuracy: Sequence[float], participation: Sequence[float],
-                        coeffs: Sequence[float] = DEFAULT_COEFFS) -> np.ndarray:
+def multifactor_weights(
+    *,
+    gamma: Sequence[float] | np.ndarray,
+    data_share: Sequence[float] | np.ndarray,
+    fresh: Sequence[float] | np.ndarray,
+    accuracy: Sequence[float] | np.ndarray,
+    participation: Sequence[float] | np.ndarray,
+    coeffs: Sequence[float] = DEFAULT_COEFFS,
+) -> np.ndarray:
     """The aggregation weights a·γ_k + b·s_k·T_k + c·A_k + d·R_k, normalised to sum 1.
 
     The paper fixes a + b + c + d = 1; because the result is normalised, only the ratios of
@@ -240,9 +259,16 @@ def multifactor_weights(*, gamma: Sequence[float], data_share: Sequence[float], 
     np.ndarray
         (K,) float64 weights >= 0 summing to 1, in the clients' order.
     """
-    factors = {name: _vector(name, value) for name, value in
-               (("gamma", gamma), ("data_share", data_share), ("fresh", fresh), ("accuracy", accuracy),
-                ("participation", participation))}
+    factors = {
+        name: _vector(name, value)
+        for name, value in (
+            ("gamma", gamma),
+            ("data_share", data_share),
+            ("fresh", fresh),
+            ("accuracy", accuracy),
+            ("participation", participation),
+        )
+    }
     _same_length(**factors)
     try:
         abcd = np.asarray(coeffs, dtype=np.float64)
@@ -255,8 +281,12 @@ def multifactor_weights(*, gamma: Sequence[float], data_share: Sequence[float], 
     if abcd.sum() == 0:
         raise ValueError("coeffs are all 0; give at least one factor a positive weight, e.g. (0.3, 0.5, 0.1, 0.1)")
     a, b, c, d = abcd
-    score = (a * factors["gamma"] + b * factors["data_share"] * factors["fresh"]
-             + c * factors["accuracy"] + d * factors["participation"])
+    score = (
+        a * factors["gamma"]
+        + b * factors["data_share"] * factors["fresh"]
+        + c * factors["accuracy"]
+        + d * factors["participation"]
+    )
     total = score.sum()
     return np.full_like(score, 1.0 / score.size) if total == 0 else score / total
 
@@ -306,8 +336,10 @@ def mahalanobis_scores(*, vectors) -> np.ndarray:
     unseen = nan.all(axis=1)
     partial = nan.any(axis=1) & ~unseen
     if partial.any():
-        raise ValueError(f"rows {np.flatnonzero(partial).tolist()} are partly NaN; a row is either all NaN (no vector "
-                         "yet) or all finite")
+        raise ValueError(
+            f"rows {np.flatnonzero(partial).tolist()} are partly NaN; a row is either all NaN (no vector "
+            "yet) or all finite"
+        )
     if np.isinf(v).any():
         raise ValueError("vectors has infinite values; every metric must be finite (or the whole row NaN)")
     scores = np.full(v.shape[0], np.inf)
@@ -325,8 +357,9 @@ def mahalanobis_scores(*, vectors) -> np.ndarray:
     return scores
 
 
-def select_clients(*, scores: Sequence[float], m: int, waited: Sequence[int],
-                   max_wait: int | None) -> Tuple[List[int], Dict[int, str]]:
+def select_clients(
+    *, scores: Sequence[float] | np.ndarray, m: int, waited: Sequence[int] | np.ndarray, max_wait: int | None
+) -> Tuple[List[int], Dict[int, str]]:
     """Pick m clients: the fairness floor first, then the highest scores.
 
     1. Every client with ``waited >= max_wait`` is forced in, the longest-waiting first (ties
@@ -364,8 +397,9 @@ def select_clients(*, scores: Sequence[float], m: int, waited: Sequence[int],
     if s.ndim != 1 or s.size == 0:
         raise ValueError(f"scores must be a non-empty 1-D array, one per client, got shape {s.shape}")
     if np.isnan(s).any():
-        raise ValueError(f"scores has NaN at {np.flatnonzero(np.isnan(s)).tolist()}; use +inf for a client with no "
-                         "metrics yet")
+        raise ValueError(
+            f"scores has NaN at {np.flatnonzero(np.isnan(s)).tolist()}; use +inf for a client with no metrics yet"
+        )
     w = _vector("waited", waited)
     if not np.all(w == np.round(w)):
         raise ValueError(f"waited must hold whole numbers of rounds, got {w.tolist()}")
@@ -383,11 +417,21 @@ def select_clients(*, scores: Sequence[float], m: int, waited: Sequence[int],
         for k in due[:m]:
             reasons[k] = "forced"
     rest = sorted((k for k in range(k_total) if k not in reasons), key=lambda k: (-s[k], k))
-    for k in rest[:m - len(reasons)]:
+    for k in rest[: m - len(reasons)]:
         reasons[k] = "unseen" if s[k] == np.inf else "score"
     picked = sorted(reasons)
     return picked, {k: reasons[k] for k in picked}
 
 
-__all__ = ["DEFAULT_COEFFS", "SELECTION_REASONS", "data_balance", "freshness", "relative_accuracy",
-           "participation_factor", "multifactor_weights", "cohen_kappa", "mahalanobis_scores", "select_clients"]
+__all__ = [
+    "DEFAULT_COEFFS",
+    "SELECTION_REASONS",
+    "data_balance",
+    "freshness",
+    "relative_accuracy",
+    "participation_factor",
+    "multifactor_weights",
+    "cohen_kappa",
+    "mahalanobis_scores",
+    "select_clients",
+]

@@ -23,8 +23,8 @@ from typing import Any, Dict, List, Sequence
 import numpy as np
 
 from fedcore.aggregate import multifactor as MF
-from fedcore.aggregate.functions import State, weighted_average
 from fedcore.aggregate.base import STRATEGIES, Aggregated, Strategy, Updates
+from fedcore.aggregate.functions import State, weighted_average
 from fedcore.registry import check_choice
 
 WEIGHTINGS = ("multifactor", "examples")
@@ -48,8 +48,15 @@ class PPFCIL(Strategy):
 
     trainer = ("fcil",)
 
-    def __init__(self, *, weighting: str = "multifactor", coeffs: Sequence[float] = MF.DEFAULT_COEFFS,
-                 alpha: float = 0.0, selection: str = "mahalanobis", max_wait: int | None = 4) -> None:
+    def __init__(
+        self,
+        *,
+        weighting: str = "multifactor",
+        coeffs: Sequence[float] = MF.DEFAULT_COEFFS,
+        alpha: float = 0.0,
+        selection: str = "mahalanobis",
+        max_wait: int | None = 4,
+    ) -> None:
         check_choice("weighting", weighting, WEIGHTINGS)
         check_choice("selection", selection, SELECTIONS)
         coeffs = tuple(float(c) for c in coeffs)
@@ -83,8 +90,12 @@ class PPFCIL(Strategy):
         else:
             self.scores = MF.mahalanobis_scores(vectors=self.vectors)
             live = np.flatnonzero(~self.spent)
-            sub, why = MF.select_clients(scores=self.scores[live], m=min(len(default), len(live)),
-                                         waited=self.waited[live], max_wait=self.max_wait)
+            sub, why = MF.select_clients(
+                scores=self.scores[live],
+                m=min(len(default), len(live)),
+                waited=self.waited[live],
+                max_wait=self.max_wait,
+            )
             picked, self.reasons = sorted(int(live[i]) for i in sub), {int(live[i]): r for i, r in why.items()}
         self.waited += 1
         self.waited[picked] = 0
@@ -107,8 +118,11 @@ class PPFCIL(Strategy):
     @staticmethod
     def _ledger_line(u) -> Dict[str, float]:
         """What ``fedcore.privacy.ledger.round_ledger_lines`` reads from a round's record for this client."""
-        return {"epsilon": float(u.metrics["epsilon"]), "sigma": float(u.metrics["sigma"]),
-                "budget_spent": float(bool(u.payload.get("stopped")))}  # picked, and sent nothing
+        return {
+            "epsilon": float(u.metrics["epsilon"]),
+            "sigma": float(u.metrics["sigma"]),
+            "budget_spent": float(bool(u.payload.get("stopped"))),
+        }  # picked, and sent nothing
 
     def aggregate(self, global_state: State, updates: Updates, *, num_clients: int) -> Aggregated:
         live = [(i, u) for i, u in updates if not u.payload.get("stopped", False)]
@@ -118,9 +132,12 @@ class PPFCIL(Strategy):
             self.vectors[i] = [p["accuracy"], p["loss"], p["kappa"]]
             if self._spends_out(u):
                 self.spent[i] = True
-            per_client[i] = {"sel_score": float(self.scores[i]) if math.isfinite(self.scores[i]) else -1.0,
-                             "sel_forced": float(self.reasons.get(i) == "forced"),
-                             "client_acc": float(p["accuracy"]), "client_kappa": float(p["kappa"])}
+            per_client[i] = {
+                "sel_score": float(self.scores[i]) if math.isfinite(self.scores[i]) else -1.0,
+                "sel_forced": float(self.reasons.get(i) == "forced"),
+                "client_acc": float(p["accuracy"]),
+                "client_kappa": float(p["kappa"]),
+            }
             if "epsilon" in u.metrics:
                 per_client[i].update(self._ledger_line(u))
             if "update_norm" in u.metrics:  # NbAFL: the norm of what the client sent, before its clip
@@ -140,18 +157,30 @@ class PPFCIL(Strategy):
             fresh = MF.freshness(round_index=self.round, last_round=[int(self.last_round[i]) for i in ids])
             acc = MF.relative_accuracy(accuracy=[u.payload["accuracy"] for _, u in live])
             part = MF.participation_factor(counts=self.counts, selected=ids)
-            w = MF.multifactor_weights(gamma=gamma, data_share=share, fresh=fresh, accuracy=acc, participation=part,
-                                       coeffs=self.coeffs)
+            w = MF.multifactor_weights(
+                gamma=gamma, data_share=share, fresh=fresh, accuracy=acc, participation=part, coeffs=self.coeffs
+            )
         self.last_round[ids] = self.round
         for (i, _), wi in zip(live, w):
             per_client[i]["agg_weight"] = float(wi)
         state = weighted_average([(u.state, float(wi)) for (_, u), wi in zip(live, w)])
-        return Aggregated(state, {"stopped_clients": float(len(updates) - len(live)),
-                                  "weight_entropy": float(-(w * np.log(np.maximum(w, 1e-300))).sum())}, per_client)
+        return Aggregated(
+            state,
+            {
+                "stopped_clients": float(len(updates) - len(live)),
+                "weight_entropy": float(-(w * np.log(np.maximum(w, 1e-300))).sum()),
+            },
+            per_client,
+        )
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"vectors": self.vectors.tolist(), "counts": self.counts.tolist(),
-                "last_round": self.last_round.tolist(), "waited": self.waited.tolist(), "spent": self.spent.tolist()}
+        return {
+            "vectors": self.vectors.tolist(),
+            "counts": self.counts.tolist(),
+            "last_round": self.last_round.tolist(),
+            "waited": self.waited.tolist(),
+            "spent": self.spent.tolist(),
+        }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.vectors = np.array(state["vectors"], dtype=np.float64)

@@ -25,8 +25,11 @@ PROTO_WEIGHTINGS = ("theta", "uniform")
 
 
 def empty_protos() -> Protos:
-    return {"classes": torch.zeros(0, dtype=torch.long), "protos": torch.zeros(0, 0),
-            "counts": torch.zeros(0, dtype=torch.long)}
+    return {
+        "classes": torch.zeros(0, dtype=torch.long),
+        "protos": torch.zeros(0, 0),
+        "counts": torch.zeros(0, dtype=torch.long),
+    }
 
 
 def as_table(p: Protos) -> Dict[int, torch.Tensor]:
@@ -36,8 +39,9 @@ def as_table(p: Protos) -> Dict[int, torch.Tensor]:
 def deviation(client: Protos, global_protos: Protos) -> float:
     """d_i: the summed L2 distance to the global prototypes over the classes both have (0 if none)."""
     g = as_table(global_protos)
-    return float(sum(float(torch.linalg.vector_norm(v.double() - g[k].double()))
-                     for k, v in as_table(client).items() if k in g))
+    return float(
+        sum(float(torch.linalg.vector_norm(v.double() - g[k].double())) for k, v in as_table(client).items() if k in g)
+    )
 
 
 def mean_distance(client: Protos, global_protos: Protos) -> float:
@@ -52,8 +56,9 @@ def prototype_weights(deviations: Sequence[float], *, gamma: float) -> List[floa
     return softmax(deviations, scale=gamma)
 
 
-def model_weights(theta: Sequence[float], *, tau: float, mode: str = "fedpad",
-                  deviations: Sequence[float] | None = None) -> List[float]:
+def model_weights(
+    theta: Sequence[float], *, tau: float, mode: str = "fedpad", deviations: Sequence[float] | None = None
+) -> List[float]:
     """α, the model-aggregation weights.
 
     ``fedpad``: softmax(−θ/τ) (the paper). Ablations: ``uniform`` (α ≡ 1/m); ``direct``:
@@ -77,8 +82,9 @@ def model_weights(theta: Sequence[float], *, tau: float, mode: str = "fedpad",
     raise ValueError(f"unknown alpha mode {mode!r}; valid names are: {', '.join(ALPHA_MODES)}")
 
 
-def aggregate_prototypes(clients: Sequence[Protos], weights: Sequence[float], previous: Protos | None = None,
-                         *, by_counts: bool = False) -> Protos:
+def aggregate_prototypes(
+    clients: Sequence[Protos], weights: Sequence[float], previous: Protos | None = None, *, by_counts: bool = False
+) -> Protos:
     """Class-wise weighted mean of the clients' prototypes.
 
     For class k the weights of the clients that have k are renormalised to sum 1
@@ -105,8 +111,11 @@ def aggregate_prototypes(clients: Sequence[Protos], weights: Sequence[float], pr
     if not table:
         return empty_protos()
     classes = sorted(table)
-    return {"classes": torch.tensor(classes, dtype=torch.long), "protos": torch.stack([table[k] for k in classes]),
-            "counts": torch.tensor([counts[k] for k in classes], dtype=torch.long)}
+    return {
+        "classes": torch.tensor(classes, dtype=torch.long),
+        "protos": torch.stack([table[k] for k in classes]),
+        "counts": torch.tensor([counts[k] for k in classes], dtype=torch.long),
+    }
 
 
 def l1_change(new: Mapping[int, float], old: Mapping[int, float]) -> float:

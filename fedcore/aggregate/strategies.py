@@ -17,8 +17,19 @@ from fedcore.aggregate import prototypes as P
 from fedcore.aggregate.base import STRATEGIES, Aggregated, Strategy, Updates, create_strategy
 from fedcore.aggregate.functions import State, fedadam_step, weighted_average
 
-__all__ = ["STRATEGIES", "Aggregated", "Strategy", "Updates", "create_strategy", "FedAvg", "Scaffold", "FedDyn",
-           "FedAdam", "PrototypeServer", "FedProto"]
+__all__ = [
+    "STRATEGIES",
+    "Aggregated",
+    "Strategy",
+    "Updates",
+    "create_strategy",
+    "FedAvg",
+    "Scaffold",
+    "FedDyn",
+    "FedAdam",
+    "PrototypeServer",
+    "FedProto",
+]
 
 
 @STRATEGIES.register("fedavg")
@@ -57,7 +68,7 @@ class Scaffold(Strategy):
             out[k] = global_state[k] + self.server_lr * (mean[k] - global_state[k])
             dc = sum(u.payload["delta_c"][k] for _, u in updates) / len(updates)
             self.c[k] = self.c[k] + (len(updates) / num_clients) * dc
-        return Aggregated(out, {"control_norm": float(sum(float((v ** 2).sum()) for v in self.c.values())) ** 0.5})
+        return Aggregated(out, {"control_norm": float(sum(float((v**2).sum()) for v in self.c.values())) ** 0.5})
 
     def state_dict(self) -> Dict[str, Any]:
         return {"c": self.c}
@@ -112,8 +123,10 @@ class FedAdam(Strategy):
 
     def __init__(self, *, lr: float = 0.01, beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3) -> None:
         if lr <= 0 or tau <= 0 or not (0 <= beta1 < 1 and 0 <= beta2 < 1):
-            raise ValueError(f"FedAdam needs lr > 0, tau > 0 and betas in [0, 1); got lr={lr}, tau={tau}, "
-                             f"beta1={beta1}, beta2={beta2}")
+            raise ValueError(
+                f"FedAdam needs lr > 0, tau > 0 and betas in [0, 1); got lr={lr}, tau={tau}, "
+                f"beta1={beta1}, beta2={beta2}"
+            )
         self.lr, self.beta1, self.beta2, self.tau = float(lr), float(beta1), float(beta2), float(tau)
 
     def setup(self, global_state: State, *, num_clients: int, param_keys: Sequence[str]) -> None:
@@ -123,8 +136,17 @@ class FedAdam(Strategy):
 
     def aggregate(self, global_state: State, updates: Updates, *, num_clients: int) -> Aggregated:
         avg = weighted_average([(u.state, u.num_examples) for _, u in updates])
-        out, self.m, self.v = fedadam_step(global_state, avg, m=self.m, v=self.v, keys=self.param_keys, lr=self.lr,
-                                           beta1=self.beta1, beta2=self.beta2, tau=self.tau)
+        out, self.m, self.v = fedadam_step(
+            global_state,
+            avg,
+            m=self.m,
+            v=self.v,
+            keys=self.param_keys,
+            lr=self.lr,
+            beta1=self.beta1,
+            beta2=self.beta2,
+            tau=self.tau,
+        )
         return Aggregated(out)
 
     def state_dict(self) -> Dict[str, Any]:

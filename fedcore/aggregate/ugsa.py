@@ -59,10 +59,12 @@ class UGSAMerge:
         if self.beta < 0:
             raise ValueError(f"UGSA beta must be >= 0, got {self.beta}")
         if self.normalizer not in UGSA_NORMALIZERS:
-            raise ValueError(f"unknown UGSA normalizer {self.normalizer!r}; valid names are: "
-                             f"{', '.join(UGSA_NORMALIZERS)}")
+            raise ValueError(
+                f"unknown UGSA normalizer {self.normalizer!r}; valid names are: {', '.join(UGSA_NORMALIZERS)}"
+            )
 
-    def merge(self, global_state: State, client_state: State, *, sigma: float,
-              history: MergeHistory) -> Tuple[State, float]:
+    def merge(
+        self, global_state: State, client_state: State, *, sigma: float, history: MergeHistory
+    ) -> Tuple[State, float]:
         w = ugsa_weight(list(history.sigmas) + [sigma], beta=self.beta, normalizer=self.normalizer)
         return ugsa_merge(global_state, client_state, gamma=self.gamma, weight=w), w

@@ -9,8 +9,19 @@ import numpy as np
 from fedcore.data.partition import Partition, build_partition, sha256_arrays, sha256_file
 from fedcore.data.sources import LOADERS, ImageSet, load_dataset
 
-__all__ = ["CORRUPTION_NAMES", "corrupt", "Partition", "build_partition", "ImageSet", "load_dataset",
-           "LOADERS", "save_prepared", "load_prepared", "sha256_arrays", "sha256_file"]
+__all__ = [
+    "CORRUPTION_NAMES",
+    "corrupt",
+    "Partition",
+    "build_partition",
+    "ImageSet",
+    "load_dataset",
+    "LOADERS",
+    "save_prepared",
+    "load_prepared",
+    "sha256_arrays",
+    "sha256_file",
+]
 
 
 def __getattr__(name: str):
@@ -37,8 +48,7 @@ def load_prepared(path: str | Path) -> ImageSet:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
-            f"prepared data {path} is missing. Build it with `dvc repro prepare` "
-            "(or `python -m flows.stages prepare`)."
+            f"prepared data {path} is missing. Build it with `dvc repro prepare` (or `python -m flows.stages prepare`)."
         )
     with np.load(path) as z:
         return ImageSet(z["x"], z["y"], int(z["num_classes"]))

@@ -20,7 +20,7 @@ Deviations from the reference script, each forced by what is available offline:
 from __future__ import annotations
 
 from io import BytesIO
-from typing import Callable, Dict
+from typing import Callable, Dict, cast
 
 import cv2
 import numpy as np
@@ -76,12 +76,8 @@ def _plasma_fractal(mapsize: int, wibbledecay: float, rng: np.random.Generator) 
         arr[half:mapsize:step, half:mapsize:step] = wibbled(sq)
         dr = arr[half:mapsize:step, half:mapsize:step]
         ul = arr[0:mapsize:step, 0:mapsize:step]
-        arr[0:mapsize:step, half:mapsize:step] = wibbled(
-            dr + np.roll(dr, 1, axis=0) + ul + np.roll(ul, -1, axis=1)
-        )
-        arr[half:mapsize:step, 0:mapsize:step] = wibbled(
-            dr + np.roll(dr, 1, axis=1) + ul + np.roll(ul, -1, axis=0)
-        )
+        arr[0:mapsize:step, half:mapsize:step] = wibbled(dr + np.roll(dr, 1, axis=0) + ul + np.roll(ul, -1, axis=1))
+        arr[half:mapsize:step, 0:mapsize:step] = wibbled(dr + np.roll(dr, 1, axis=1) + ul + np.roll(ul, -1, axis=0))
         step //= 2
         wibble /= wibbledecay
     arr -= arr.min()
@@ -100,7 +96,7 @@ def _motion_kernel_blur(img2d: np.ndarray, radius: float, sigma: float, angle: f
     for i, t in enumerate(taps):
         if t < 1e-6:
             continue
-        m = np.float32([[1, 0, -i * dx], [0, 1, -i * dy]])
+        m = np.asarray([[1, 0, -i * dx], [0, 1, -i * dy]], dtype=np.float32)
         out += t * cv2.warpAffine(src, m, (w, h), flags=cv2.INTER_LINEAR, borderMode=cv2.BORDER_REPLICATE)
     return out
 
@@ -291,7 +287,7 @@ def jpeg_compression(x, severity, rng):
 
 
 def _to_pil(x: np.ndarray) -> Image.Image:
-    arr = np.uint8(np.clip(x, 0, 1) * 255 + 0.5)
+    arr = cast(np.ndarray, np.uint8(np.clip(x, 0, 1) * 255 + 0.5))
     return Image.fromarray(arr[..., 0] if arr.shape[-1] == 1 else arr)
 
 
@@ -302,8 +298,21 @@ def _from_pil(img: Image.Image, channels: int) -> np.ndarray:
 
 _BATCHED = {"glass_blur": glass_blur_batch}
 CORRUPTION_NAMES = (
-    "gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur", "glass_blur", "motion_blur", "zoom_blur",
-    "snow", "frost", "fog", "brightness", "contrast", "elastic_transform", "pixelate", "jpeg_compression",
+    "gaussian_noise",
+    "shot_noise",
+    "impulse_noise",
+    "defocus_blur",
+    "glass_blur",
+    "motion_blur",
+    "zoom_blur",
+    "snow",
+    "frost",
+    "fog",
+    "brightness",
+    "contrast",
+    "elastic_transform",
+    "pixelate",
+    "jpeg_compression",
 )  # the CIFAR-10-C order: noise, blur, weather, digital
 
 
@@ -339,7 +348,7 @@ def corrupt(images: np.ndarray, name: str, severity: int, *, seed: int) -> np.nd
     rng = np.random.default_rng([int(seed), CORRUPTION_NAMES.index(name), int(severity)])
     if name in _BATCHED:
         y = _BATCHED[name](batch.astype(np.float32) / 255.0, int(severity), rng).reshape(batch.shape)
-        out = np.uint8(np.clip(y, 0, 1) * 255 + 0.5)
+        out = cast(np.ndarray, np.uint8(np.clip(y, 0, 1) * 255 + 0.5))
         return out[..., 0] if squeeze else out
     fn = CORRUPTIONS[name]
     out = np.empty_like(batch)

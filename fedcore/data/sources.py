@@ -10,7 +10,7 @@ import io
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict
+from typing import Callable, Dict, cast
 
 import numpy as np
 
@@ -44,7 +44,7 @@ def load_mnist5k(root: str | Path | None = None) -> ImageSet:
 
     x, y = mnist_data()
     x = np.asarray(x, dtype=np.float64).reshape(-1, 28, 28, 1)
-    return ImageSet(np.uint8(np.clip(x, 0, 255)), np.asarray(y, dtype=np.int64), 10)
+    return ImageSet(cast(np.ndarray, np.uint8(np.clip(x, 0, 255))), np.asarray(y, dtype=np.int64), 10)
 
 
 def load_digits16(root: str | Path | None = None) -> ImageSet:
@@ -55,7 +55,7 @@ def load_digits16(root: str | Path | None = None) -> ImageSet:
     d = load_digits()
     imgs = (d.images / 16.0 * 255.0).astype(np.float32)
     up = np.stack([cv2.resize(im, (16, 16), interpolation=cv2.INTER_LINEAR) for im in imgs])
-    return ImageSet(np.uint8(np.clip(up, 0, 255))[..., None], d.target.astype(np.int64), 10)
+    return ImageSet(cast(np.ndarray, np.uint8(np.clip(up, 0, 255)))[..., None], d.target.astype(np.int64), 10)
 
 
 def _missing(root: Path, what: str) -> FileNotFoundError:

@@ -13,14 +13,20 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import torch
-from torch import nn
 
-from fedcore.adapt import (GRADIENT_METHODS, METHODS, USES_BATCH_STATS, check_method_settings, create_method,
-                           method_class, softmax_entropy)
+from fedcore.adapt import (
+    GRADIENT_METHODS,
+    METHODS,
+    USES_BATCH_STATS,
+    check_method_settings,
+    create_method,
+    method_class,
+    softmax_entropy,
+)
 from fedcore.aggregate import MergeHistory, State, advance, create_aggregator, l2_distance
 from fedcore.data.partition import Partition, TargetClient, order_stream
 from fedcore.engine.checkpoint import CheckpointError, RunInterrupted, load_state, save_state
@@ -30,6 +36,9 @@ from fedcore.evaluate import accuracy, batch_statistics, forgetting
 from fedcore.privacy import Ledger, PrivacyConfig, privatize_gate
 from fedcore.tensors import batches, resolve_device, state_to_cpu, to_tensor
 
+# What submitting an arrival gives: the client's future, whether the ledger refused it, the ledger's
+# record of the client and the ledger's state.
+_Pending = Tuple[Any, bool, Dict[str, float], Dict[int, Dict[str, Any]]]
 
 STREAMS = ("shuffled", "class_sorted", "as_partitioned")
 
@@ -55,8 +64,10 @@ class ArrivalConfig:
         check_method_settings(self.method, self.method_params)  # and misspelt settings, or a wrong kind of value
         pcfg = self.privacy_config()
         if pcfg.mode != "off" and self.method not in GRADIENT_METHODS:
-            raise ValueError(f"privacy mode {pcfg.mode!r} privatises gradient updates, and method {self.method!r} "
-                             f"takes none; private forms exist for: {', '.join(sorted(GRADIENT_METHODS))}")
+            raise ValueError(
+                f"privacy mode {pcfg.mode!r} privatises gradient updates, and method {self.method!r} "
+                f"takes none; private forms exist for: {', '.join(sorted(GRADIENT_METHODS))}"
+            )
         create_aggregator(self.aggregator, **self.aggregator_params)
         for key in ("lr", "sigma0"):
             v = self.method_params.get(key)
@@ -112,9 +123,17 @@ class AdaptResult:
     extras: Dict[str, float] = field(default_factory=dict)
 
 
-def adapt_client(*, global_state: State, spec: ModelSpec, client: TargetClient, cfg: ArrivalConfig,
-                 seed: int, arrival: int = -1, source_x: np.ndarray | None = None,
-                 refused: bool = False) -> AdaptResult:
+def adapt_client(
+    *,
+    global_state: State,
+    spec: ModelSpec,
+    client: TargetClient,
+    cfg: ArrivalConfig,
+    seed: int,
+    arrival: int = -1,
+    source_x: np.ndarray | None = None,
+    refused: bool = False,
+) -> AdaptResult:
     """Adapt the received global model on the client's unlabelled stream, batch by batch.
 
     ``source_x``: source samples for methods that need them (EATA's Fisher). ``refused``: the
@@ -150,10 +169,15 @@ def adapt_client(*, global_state: State, spec: ModelSpec, client: TargetClient, 
         ent = [softmax_entropy(model(x[sl])) for sl in batches(len(x), cfg.batch_size)]
     sigma = float(torch.cat(ent).mean())
     # Released noised in dp mode; a refused client releases nothing (the server ignores it anyway).
-    sigma = math.nan if refused else privatize_gate(sigma, cfg.privacy_config(), num_classes=spec.num_classes,
-                                                    n=len(x))
-    return AdaptResult(state=state_to_cpu(model.state_dict()), online_acc=correct / len(x), sigma=sigma,
-                       num_examples=len(x), seconds=time.perf_counter() - t0, extras=extras)
+    sigma = math.nan if refused else privatize_gate(sigma, cfg.privacy_config(), num_classes=spec.num_classes, n=len(x))
+    return AdaptResult(
+        state=state_to_cpu(model.state_dict()),
+        online_acc=correct / len(x),
+        sigma=sigma,
+        num_examples=len(x),
+        seconds=time.perf_counter() - t0,
+        extras=extras,
+    )
 
 
 def stream_order(labels: np.ndarray, cfg: ArrivalConfig, arrival: int) -> np.ndarray:
@@ -165,8 +189,16 @@ def stream_order(labels: np.ndarray, cfg: ArrivalConfig, arrival: int) -> np.nda
     return order_stream(labels, order=cfg.stream, rng=rng)
 
 
-def evaluate_global(*, state: State, spec: ModelSpec, partition: Partition, clients: Sequence[int],
-                    device: str = "cpu", batch_stats: bool = False, batch_size: int = 64) -> Dict[str, Any]:
+def evaluate_global(
+    *,
+    state: State,
+    spec: ModelSpec,
+    partition: Partition,
+    clients: Sequence[int],
+    device: str = "cpu",
+    batch_stats: bool = False,
+    batch_size: int = 64,
+) -> Dict[str, Any]:
     """Accuracy of a global model on the clean source test set and on the given hold-outs.
 
     With ``batch_stats`` the hold-outs are scored with BatchNorm batch statistics over batches of
@@ -176,11 +208,21 @@ def evaluate_global(*, state: State, spec: ModelSpec, partition: Partition, clie
     dev = resolve_device(device)
     model = spec.build().to(dev)
     model.load_state_dict(state)
-    hold = {int(j): accuracy(model, partition.targets[j].holdout_x, partition.targets[j].holdout_y, device=dev,
-                             batch_stats=batch_stats, batch_size=batch_size)
-            for j in clients}
-    return {"source_acc": accuracy(model, partition.source_test_x, partition.source_test_y, device=dev),
-            "holdout": hold}
+    hold = {
+        int(j): accuracy(
+            model,
+            partition.targets[j].holdout_x,
+            partition.targets[j].holdout_y,
+            device=dev,
+            batch_stats=batch_stats,
+            batch_size=batch_size,
+        )
+        for j in clients
+    }
+    return {
+        "source_acc": accuracy(model, partition.source_test_x, partition.source_test_y, device=dev),
+        "holdout": hold,
+    }
 
 
 @dataclass
@@ -205,7 +247,9 @@ class ServerState:
     @classmethod
     def from_payload(cls, payload: Dict[str, Any], fingerprint: str) -> "ServerState":
         d = dict(payload)
-        d["history"] = MergeHistory(**{k: tuple(v) if k != "merged" else v for k, v in d["history"].items()})
+        d["history"] = MergeHistory(
+            **cast(Dict[str, Any], {k: tuple(v) if k != "merged" else v for k, v in d["history"].items()})
+        )
         return cls(fingerprint=fingerprint, **d)
 
 
@@ -240,16 +284,19 @@ def privacy_summary(records: List[Dict[str, Any]]) -> Dict[str, float]:
     """The largest ε any client has spent, and how many updates were refused (dp mode only)."""
     if not records or "eps_client_total" not in records[0]:
         return {}
-    return {"eps_max_client": float(max(r["eps_client_total"] for r in records)),
-            "eps_per_arrival": float(max(r["eps_arrival"] for r in records)),
-            "privacy_refusals": float(sum(r["privacy_refused"] for r in records))}
+    return {
+        "eps_max_client": float(max(r["eps_client_total"] for r in records)),
+        "eps_per_arrival": float(max(r["eps_arrival"] for r in records)),
+        "privacy_refusals": float(sum(r["privacy_refused"] for r in records)),
+    }
 
 
 ArrivalHook = Callable[[Dict[str, Any], ServerState, AdaptResult], None]
 
 
-def initial_state(source_state: State, cfg: ArrivalConfig, *, checkpoint_dir: str | Path | None = None,
-                  resume: bool = False) -> ServerState:
+def initial_state(
+    source_state: State, cfg: ArrivalConfig, *, checkpoint_dir: str | Path | None = None, resume: bool = False
+) -> ServerState:
     """The state a run starts from: the one saved in ``checkpoint_dir`` (with ``resume``), else the source model.
 
     A corrupt checkpoint raises :class:`CheckpointError` whether or not it is resumed, before anything
@@ -260,17 +307,32 @@ def initial_state(source_state: State, cfg: ArrivalConfig, *, checkpoint_dir: st
         found = load_state(checkpoint_dir)
         if resume and found is not None:
             if found.fingerprint != fp:
-                raise CheckpointError(f"checkpoint in {checkpoint_dir} was written by another config "
-                                      f"({found.fingerprint} != {fp}); resume with the same config or use a fresh "
-                                      "checkpoint folder")
+                raise CheckpointError(
+                    f"checkpoint in {checkpoint_dir} was written by another config "
+                    f"({found.fingerprint} != {fp}); resume with the same config or use a fresh "
+                    "checkpoint folder"
+                )
             return ServerState.from_payload(found.payload, found.fingerprint)
-    return ServerState(done=0, fingerprint=fp, global_state=source_state, theta0=source_state,
-                       history=MergeHistory(), records=[], acc_rows=[])
+    return ServerState(
+        done=0,
+        fingerprint=fp,
+        global_state=source_state,
+        theta0=source_state,
+        history=MergeHistory(),
+        records=[],
+        acc_rows=[],
+    )
 
 
-def iter_arrivals(partition: Partition, spec: ModelSpec, cfg: ArrivalConfig, start: ServerState, *,
-                  submit: Submit = run_now, stop_at: int | None = None
-                  ) -> Iterator[Tuple[Dict[str, Any], ServerState, AdaptResult]]:
+def iter_arrivals(
+    partition: Partition,
+    spec: ModelSpec,
+    cfg: ArrivalConfig,
+    start: ServerState,
+    *,
+    submit: Submit = run_now,
+    stop_at: int | None = None,
+) -> Iterator[Tuple[Dict[str, Any], ServerState, AdaptResult]]:
     """The arrivals after ``start.done`` (up to ``stop_at``, exclusive), one ``(record, state, result)`` each.
 
     Each yielded state is complete: a run continued from it (by this function, in any process)
@@ -284,8 +346,9 @@ def iter_arrivals(partition: Partition, spec: ModelSpec, cfg: ArrivalConfig, sta
     merger = create_aggregator(cfg.aggregator, **cfg.aggregator_params)
     fp = cfg.fingerprint()
     if start.fingerprint != fp:
-        raise CheckpointError(f"a run state written by another config ({start.fingerprint} != {fp}) cannot be "
-                              "continued under this one")
+        raise CheckpointError(
+            f"a run state written by another config ({start.fingerprint} != {fp}) cannot be continued under this one"
+        )
     st = start
     param_keys = [k for k, _ in spec.build().named_parameters()]
     ledger = Ledger(cfg.privacy_config(), uses=cfg.uses_per_arrival)
@@ -293,21 +356,30 @@ def iter_arrivals(partition: Partition, spec: ModelSpec, cfg: ArrivalConfig, sta
     n_source = method_class(cfg.method).source_samples(cfg.method_params)
     source_x = source_pool(partition, n_source, cfg.seed) if n_source else None
 
-    def submit_arrival(a: int, global_state: State):
+    def submit_arrival(a: int, global_state: State) -> _Pending:
         # The ledger is charged when the client is sent off, so the next client's decision
         # (submitted before this one's result is in) already sees this charge.
         k = schedule[a]
         refused = ledger.would_exceed(k)
         if not refused:
             ledger.charge(k)
-        fut = submit(adapt_client, global_state=global_state, spec=spec, client=partition.targets[k],
-                     cfg=cfg, seed=cfg.seed * 100_003 + a, arrival=a, source_x=source_x, refused=refused)
+        fut = submit(
+            adapt_client,
+            global_state=global_state,
+            spec=spec,
+            client=partition.targets[k],
+            cfg=cfg,
+            seed=cfg.seed * 100_003 + a,
+            arrival=a,
+            source_x=source_x,
+            refused=refused,
+        )
         return fut, refused, ledger.record(k, refused=refused), ledger.state_dict()
 
     pending = submit_arrival(st.done, st.global_state) if st.done < end else None
     for a in range(st.done, end):
         k = schedule[a]
-        fut, refused, privacy_record, ledger_state = pending
+        fut, refused, privacy_record, ledger_state = cast(_Pending, pending)  # set for every a < end
         res: AdaptResult = fut.result()
         if refused:  # nothing private was learnt: the server keeps its model and its merge history
             new_global, weight = st.global_state, 0.0
@@ -317,35 +389,72 @@ def iter_arrivals(partition: Partition, spec: ModelSpec, cfg: ArrivalConfig, sta
         # overlaps this arrival's evaluation, checkpoint and logging (same results, less wall time).
         pending = submit_arrival(a + 1, new_global) if a + 1 < end else None
         seen = sorted(set(schedule[: a + 1]))
-        ev = evaluate_global(state=new_global, spec=spec, partition=partition, clients=seen, device=cfg.device,
-                             batch_stats=cfg.method in USES_BATCH_STATS, batch_size=cfg.batch_size)
+        ev = evaluate_global(
+            state=new_global,
+            spec=spec,
+            partition=partition,
+            clients=seen,
+            device=cfg.device,
+            batch_stats=cfg.method in USES_BATCH_STATS,
+            batch_size=cfg.batch_size,
+        )
         row = [ev["holdout"].get(j, math.nan) for j in range(K)]
         record = {
-            "arrival": a, "pass": a // K, "client_id": k, "corruption": partition.targets[k].corruption,
-            "online_acc": res.online_acc, **({} if refused else {"sigma": res.sigma}), "weight": weight,
+            "arrival": a,
+            "pass": a // K,
+            "client_id": k,
+            "corruption": partition.targets[k].corruption,
+            "online_acc": res.online_acc,
+            **({} if refused else {"sigma": res.sigma}),
+            "weight": weight,
             "drift_step": l2_distance(new_global, st.global_state, param_keys),
             "drift_total": l2_distance(new_global, st.theta0, param_keys),
-            "source_acc": ev["source_acc"], "holdout_acc_client": ev["holdout"][k],
+            "source_acc": ev["source_acc"],
+            "holdout_acc_client": ev["holdout"][k],
             "holdout_avg_seen": float(np.mean([ev["holdout"][j] for j in seen])),
-            "adapt_seconds": res.seconds, **res.extras, **privacy_record,
+            "adapt_seconds": res.seconds,
+            **res.extras,
+            **privacy_record,
         }
-        st = ServerState(done=a + 1, fingerprint=fp, global_state=new_global, theta0=st.theta0,
-                         history=st.history if refused else advance(st.history, sigma=res.sigma, weight=weight),
-                         records=st.records + [record], acc_rows=st.acc_rows + [row], ledgers=ledger_state)
+        st = ServerState(
+            done=a + 1,
+            fingerprint=fp,
+            global_state=new_global,
+            theta0=st.theta0,
+            history=st.history if refused else advance(st.history, sigma=res.sigma, weight=weight),
+            records=st.records + [record],
+            acc_rows=st.acc_rows + [row],
+            ledgers=ledger_state,
+        )
         yield record, st, res
 
 
 def arrivals_result(st: ServerState, schedule: List[int]) -> ArrivalsResult:
     """A finished run's result from its last state."""
     acc = np.asarray(st.acc_rows, dtype=float)
-    return ArrivalsResult(records=st.records, acc_matrix=acc, summary=summarise(st.records, acc, schedule),
-                          final_state=st.global_state, schedule=schedule, ledgers=st.ledgers)
+    return ArrivalsResult(
+        records=st.records,
+        acc_matrix=acc,
+        summary=summarise(st.records, acc, schedule),
+        final_state=st.global_state,
+        schedule=schedule,
+        ledgers=st.ledgers,
+    )
 
 
-def run_arrivals(partition: Partition, spec: ModelSpec, source_state: State, cfg: ArrivalConfig, *,
-                 submit: Submit = run_now, checkpoint_dir: str | Path | None = None, resume: bool = False,
-                 stop_after: int | None = None, on_arrival: ArrivalHook | None = None,
-                 progress: bool = False) -> ArrivalsResult:
+def run_arrivals(
+    partition: Partition,
+    spec: ModelSpec,
+    source_state: State,
+    cfg: ArrivalConfig,
+    *,
+    submit: Submit = run_now,
+    checkpoint_dir: str | Path | None = None,
+    resume: bool = False,
+    stop_after: int | None = None,
+    on_arrival: ArrivalHook | None = None,
+    progress: bool = False,
+) -> ArrivalsResult:
     """Unlabelled clients arrive one after another; each adapts from θ_G and is merged into it.
 
     Parameters
@@ -359,15 +468,17 @@ def run_arrivals(partition: Partition, spec: ModelSpec, source_state: State, cfg
         Called after each arrival's merge, evaluation and checkpoint with the arrival's record.
     """
     schedule = cfg.schedule(len(partition.targets))
-    st = initial_state(source_state, cfg, checkpoint_dir=checkpoint_dir, resume=resume)
+    start = initial_state(source_state, cfg, checkpoint_dir=checkpoint_dir, resume=resume)
+    st = start
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(desc=f"{cfg.method}+{cfg.aggregator} arrivals", unit="client", initial=st.done,
-                   total=len(schedule))
+        bar = tqdm(
+            desc=f"{cfg.method}+{cfg.aggregator} arrivals", unit="client", initial=start.done, total=len(schedule)
+        )
     try:
-        for record, st, res in iter_arrivals(partition, spec, cfg, st, submit=submit, stop_at=stop_after):
+        for record, st, res in iter_arrivals(partition, spec, cfg, start, submit=submit, stop_at=stop_after):
             if checkpoint_dir is not None:
                 save_state(checkpoint_dir, st.to_payload(), fingerprint=st.fingerprint)
             if on_arrival is not None:

@@ -55,8 +55,7 @@ def save_state(folder: str | Path, payload: Dict[str, Any], *, fingerprint: str,
     return path
 
 
-def load_state(folder: str | Path, *, fingerprint: str | None = None, name: str = "server_state"
-               ) -> Saved | None:
+def load_state(folder: str | Path, *, fingerprint: str | None = None, name: str = "server_state") -> Saved | None:
     """The saved checkpoint, or ``None`` when there is none.
 
     Raises :class:`CheckpointError` for a file that does not match its sha256, an old format,
@@ -69,7 +68,8 @@ def load_state(folder: str | Path, *, fingerprint: str | None = None, name: str 
     if not digest_path.exists():
         raise CheckpointError(
             f"checkpoint {path} has no sha256 file ({digest_path.name}), so it cannot be checked; it has been left "
-            "untouched. Move it away to start fresh, or restore both files from the MLflow run's artifacts.")
+            "untouched. Move it away to start fresh, or restore both files from the MLflow run's artifacts."
+        )
     if sha256_file(path) != digest_path.read_text().strip():
         raise CheckpointError(
             f"checkpoint {path} does not match its sha256 file (truncated or corrupt). It has been left untouched; "
@@ -78,15 +78,19 @@ def load_state(folder: str | Path, *, fingerprint: str | None = None, name: str 
     try:
         raw = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise CheckpointError(f"checkpoint {path} cannot be read as plain tensors and containers ({exc}); "
-                              "move it away to start fresh") from exc
+        raise CheckpointError(
+            f"checkpoint {path} cannot be read as plain tensors and containers ({exc}); move it away to start fresh"
+        ) from exc
     if not isinstance(raw, dict) or raw.get("version") != CHECKPOINT_VERSION:
         found = raw.get("version") if isinstance(raw, dict) else type(raw).__name__
-        raise CheckpointError(f"checkpoint {path} has format {found}, expected {CHECKPOINT_VERSION}; "
-                              "move it away to start fresh")
+        raise CheckpointError(
+            f"checkpoint {path} has format {found}, expected {CHECKPOINT_VERSION}; move it away to start fresh"
+        )
     if fingerprint is not None and raw["fingerprint"] != fingerprint:
-        raise CheckpointError(f"checkpoint in {folder} was written by another config ({raw['fingerprint']} "
-                              f"!= {fingerprint}); resume with the same config or use a fresh checkpoint folder")
+        raise CheckpointError(
+            f"checkpoint in {folder} was written by another config ({raw['fingerprint']} "
+            f"!= {fingerprint}); resume with the same config or use a fresh checkpoint folder"
+        )
     return Saved(fingerprint=raw["fingerprint"], payload=raw["payload"])
 
 

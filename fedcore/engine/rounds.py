@@ -18,7 +18,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Protocol, Sequence, Tuple, cast
 
 import numpy as np
 import torch
@@ -32,6 +32,12 @@ from fedcore.models import check_feature_layer
 from fedcore.tensors import resolve_device
 from fedcore.train import TRAINERS, create_trainer
 from fedcore.types import ClientUpdate, ModelSpec, RoundData, State
+
+
+class _ModelBound(Protocol):
+    """A strategy with ``needs_model``: the engine hands it the network before setup."""
+
+    def bind_model(self, model: torch.nn.Module) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -54,17 +60,23 @@ class RoundConfig:
         if self.rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
         if not 0 < self.participation <= 1:
-            raise ValueError(f"participation must be in (0, 1], got {self.participation}; "
-                             "1.0 selects every client, 0.2 a fifth of them each round")
+            raise ValueError(
+                f"participation must be in (0, 1], got {self.participation}; "
+                "1.0 selects every client, 0.2 a fifth of them each round"
+            )
         trainer, strategy = self.make_trainer(), self.make_strategy()
         if self.trainer not in strategy.trainer:
-            raise ValueError(f"strategy {self.strategy!r} is written for the trainer(s) "
-                             f"{', '.join(strategy.trainer)}, not {self.trainer!r}; set trainer to one of them")
+            raise ValueError(
+                f"strategy {self.strategy!r} is written for the trainer(s) "
+                f"{', '.join(strategy.trainer)}, not {self.trainer!r}; set trainer to one of them"
+            )
         shared = {"alpha"} & set(vars(trainer)) & set(vars(strategy))
         for key in sorted(shared):  # FedDyn's alpha is one number used on both sides
             if getattr(trainer, key) != getattr(strategy, key):
-                raise ValueError(f"trainer and strategy disagree on {key} ({getattr(trainer, key)} vs "
-                                 f"{getattr(strategy, key)}); set both to the same value")
+                raise ValueError(
+                    f"trainer and strategy disagree on {key} ({getattr(trainer, key)} vs "
+                    f"{getattr(strategy, key)}); set both to the same value"
+                )
 
     def make_trainer(self):
         return create_trainer(self.trainer, **self.trainer_params)
@@ -87,9 +99,21 @@ class RoundConfig:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def train_step(*, global_state: State, spec: ModelSpec, x: np.ndarray, y: np.ndarray, trainer: str,
-               trainer_params: Dict[str, Any], broadcast: Dict[str, Any], client_state: Dict[str, Any],
-               seed: int, device: str = "cpu", client_id: int = -1, round_index: int = -1) -> ClientUpdate:
+def train_step(
+    *,
+    global_state: State,
+    spec: ModelSpec,
+    x: np.ndarray,
+    y: np.ndarray,
+    trainer: str,
+    trainer_params: Dict[str, Any],
+    broadcast: Dict[str, Any],
+    client_state: Dict[str, Any],
+    seed: int,
+    device: str = "cpu",
+    client_id: int = -1,
+    round_index: int = -1,
+) -> ClientUpdate:
     """One client's round: load the global weights, train locally, return the update.
 
     ``client_id`` and ``round_index`` only name the step (task names, logs); the result depends on ``seed``.
@@ -98,12 +122,20 @@ def train_step(*, global_state: State, spec: ModelSpec, x: np.ndarray, y: np.nda
     model = spec.build()
     model.load_state_dict(global_state)
     return create_trainer(trainer, **trainer_params).train(
-        model, x, y, global_state=global_state, seed=seed, broadcast=broadcast, client_state=client_state,
-        device=resolve_device(device))
+        model,
+        x,
+        y,
+        global_state=global_state,
+        seed=seed,
+        broadcast=broadcast,
+        client_state=client_state,
+        device=resolve_device(device),
+    )
 
 
-def evaluate_sets(state: State, spec: ModelSpec, sets: Mapping[str, Tuple[np.ndarray, np.ndarray]], *,
-                  device: str = "cpu") -> Dict[str, float]:
+def evaluate_sets(
+    state: State, spec: ModelSpec, sets: Mapping[str, Tuple[np.ndarray, np.ndarray]], *, device: str = "cpu"
+) -> Dict[str, float]:
     """Accuracy (eval mode) on every named set, plus their mean ``avg_acc`` and minimum ``worst_acc``."""
     dev = resolve_device(device)
     model = spec.build().to(dev)
@@ -141,11 +173,22 @@ class RoundsResult:
 RoundHook = Callable[[Dict[str, Any], State], None]
 
 
-def run_rounds(data: RoundData, spec: ModelSpec, cfg: RoundConfig, *, init: State | None = None,
-               submit: Submit = run_now, submit_round: SubmitRound | None = None,
-               evaluate: Callable[[State], Dict[str, float]] | None = None,
-               checkpoint_dir: str | Path | None = None, resume: bool = False, stop_after: int | None = None,
-               on_round: RoundHook | None = None, progress: bool = False, desc: str | None = None) -> RoundsResult:
+def run_rounds(
+    data: RoundData,
+    spec: ModelSpec,
+    cfg: RoundConfig,
+    *,
+    init: State | None = None,
+    submit: Submit = run_now,
+    submit_round: SubmitRound | None = None,
+    evaluate: Callable[[State], Dict[str, float]] | None = None,
+    checkpoint_dir: str | Path | None = None,
+    resume: bool = False,
+    stop_after: int | None = None,
+    on_round: RoundHook | None = None,
+    progress: bool = False,
+    desc: str | None = None,
+) -> RoundsResult:
     """Synchronous federated training for ``cfg.rounds`` rounds.
 
     Parameters
@@ -165,15 +208,20 @@ def run_rounds(data: RoundData, spec: ModelSpec, cfg: RoundConfig, *, init: Stat
         Called with each round's record and the new global state, after the checkpoint.
     """
     strategy = cfg.make_strategy()
-    if data.staged and cfg.rounds != len(data.task_classes) * int(data.rounds_per_task):
-        raise ValueError(f"rounds ({cfg.rounds}) must be tasks x rounds_per_task ({len(data.task_classes)} x "
-                         f"{data.rounds_per_task} = {len(data.task_classes) * int(data.rounds_per_task)})")
+    # staged data has task_classes and rounds_per_task (RoundData checks it); both are read only when staged
+    tasks, per_task = cast(List[List[int]], data.task_classes), cast(int, data.rounds_per_task)
+    if data.staged and cfg.rounds != len(tasks) * int(per_task):
+        raise ValueError(
+            f"rounds ({cfg.rounds}) must be tasks x rounds_per_task ({len(tasks)} x "
+            f"{per_task} = {len(tasks) * int(per_task)})"
+        )
     if cfg.make_trainer().needs_features:
         check_feature_layer(spec.build())  # a model without a feature layer fails before any work
     evaluate = evaluate or (lambda s: evaluate_sets(s, spec, data.eval_sets, device=cfg.device))
     param_keys = [k for k, _ in spec.build().named_parameters()]
     if strategy.needs_model:
-        strategy.bind_model(spec.build())  # a network the strategy cannot handle fails before any work
+        # a network the strategy cannot handle fails before any work
+        cast(_ModelBound, strategy).bind_model(spec.build())
     folder = Path(checkpoint_dir) if checkpoint_dir is not None else None
     fp = cfg.fingerprint()
     state = init_state(spec, cfg.seed) if init is None else {k: v.clone() for k, v in init.items()}
@@ -193,23 +241,40 @@ def run_rounds(data: RoundData, spec: ModelSpec, cfg: RoundConfig, *, init: Stat
     if progress:
         from tqdm.auto import tqdm
 
-        steps = tqdm(steps, desc=desc or f"{cfg.trainer}+{cfg.strategy} rounds", unit="round", initial=done,
-                     total=cfg.rounds)
+        steps = tqdm(
+            steps, desc=desc or f"{cfg.trainer}+{cfg.strategy} rounds", unit="round", initial=done, total=cfg.rounds
+        )
     for r in steps:
         selected = strategy.select(r, cfg.select(r, data.num_clients), num_clients=data.num_clients)
         # every client also learns where it is in the schedule (FedPD++'s mask threshold rises with it)
-        broadcast = {**strategy.broadcast(), "round": r, "rounds": cfg.rounds, "seed": cfg.seed,
-                     "participation": cfg.participation}
+        broadcast = {
+            **strategy.broadcast(),
+            "round": r,
+            "rounds": cfg.rounds,
+            "seed": cfg.seed,
+            "participation": cfg.participation,
+        }
         if data.staged:
-            broadcast.update(task=data.task_of(r), task_classes=data.task_classes,
-                             rounds_per_task=int(data.rounds_per_task))
+            broadcast.update(task=data.task_of(r), task_classes=data.task_classes, rounds_per_task=int(per_task))
         calls = []
         for i in selected:
             x, y = data.client_data(i, r)
-            calls.append(dict(global_state=state, spec=spec, x=x, y=y, trainer=cfg.trainer,
-                              trainer_params=dict(cfg.trainer_params), broadcast=broadcast,
-                              client_state=client_states.get(i, {}), seed=cfg.client_seed(r, i), device=cfg.device,
-                              client_id=i, round_index=r))
+            calls.append(
+                dict(
+                    global_state=state,
+                    spec=spec,
+                    x=x,
+                    y=y,
+                    trainer=cfg.trainer,
+                    trainer_params=dict(cfg.trainer_params),
+                    broadcast=broadcast,
+                    client_state=client_states.get(i, {}),
+                    seed=cfg.client_seed(r, i),
+                    device=cfg.device,
+                    client_id=i,
+                    round_index=r,
+                )
+            )
         if submit_round is not None:
             futures = list(zip(selected, submit_round(train_step, calls)))
         else:
@@ -222,9 +287,13 @@ def run_rounds(data: RoundData, spec: ModelSpec, cfg: RoundConfig, *, init: Stat
                 updates.append((i, upd))
             else:
                 dropped.append((i, upd))
-                warnings.warn(f"round {r}: client {i} ({data.client_group[i]}) sent weights with NaN or inf; "
-                              "its update is not merged (if this repeats, lower its learning rate, or the noise it adds)", RuntimeWarning,
-                              stacklevel=2)
+                warnings.warn(
+                    f"round {r}: client {i} ({data.client_group[i]}) sent weights with NaN or inf; "
+                    "its update is not merged (if this repeats, lower its learning rate, or the noise it "
+                    "adds)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         refused = [i for i, _ in dropped]
         lines = strategy.discarded(dropped) if dropped else {}
         t0 = time.perf_counter()
@@ -239,27 +308,60 @@ def run_rounds(data: RoundData, spec: ModelSpec, cfg: RoundConfig, *, init: Stat
         for i, upd in dropped:  # sent, so spent: a client whose update is not merged still keeps its privacy account
             if upd.client_state and "ledger" in upd.client_state:
                 client_states[i] = {**client_states.get(i, {}), "ledger": upd.client_state["ledger"]}
-        record = _round_record(r, data, updates, refused, agg, agg_seconds, new_state, param_keys,
-                               bytes_down=len(selected) * (model_bytes + state_bytes(broadcast)),
-                               bytes_up=sum(state_bytes(u.state) + state_bytes(u.payload) for _, u in updates))
+        record = _round_record(
+            r,
+            data,
+            updates,
+            refused,
+            agg,
+            agg_seconds,
+            new_state,
+            param_keys,
+            bytes_down=len(selected) * (model_bytes + state_bytes(broadcast)),
+            bytes_up=sum(state_bytes(u.state) + state_bytes(u.payload) for _, u in updates),
+        )
         if data.staged:
             record["task"] = data.task_of(r)
         record.update(evaluate(new_state))
         records.append(record)
         state, done = new_state, r + 1
         if folder is not None:
-            save_state(folder, {"done": done, "global_state": state, "strategy": strategy.state_dict(),
-                                "client_states": client_states, "records": records}, fingerprint=fp)
+            save_state(
+                folder,
+                {
+                    "done": done,
+                    "global_state": state,
+                    "strategy": strategy.state_dict(),
+                    "client_states": client_states,
+                    "records": records,
+                },
+                fingerprint=fp,
+            )
         if on_round is not None:
             on_round(record, state)
         if stop_after is not None and done >= stop_after and done < cfg.rounds:
             raise RunInterrupted(f"stopped after round {done} as asked; resume to continue")
-    return RoundsResult(records=records, final_state=state, summary=summarise_rounds(records),
-                        ledgers={k: v["ledger"] for k, v in sorted(client_states.items()) if "ledger" in v})
+    return RoundsResult(
+        records=records,
+        final_state=state,
+        summary=summarise_rounds(records),
+        ledgers={k: v["ledger"] for k, v in sorted(client_states.items()) if "ledger" in v},
+    )
 
 
-def _round_record(r: int, data: RoundData, updates, refused, agg, agg_seconds: float, state: State,
-                  param_keys: Sequence[str], *, bytes_down: int, bytes_up: int) -> Dict[str, Any]:
+def _round_record(
+    r: int,
+    data: RoundData,
+    updates,
+    refused,
+    agg,
+    agg_seconds: float,
+    state: State,
+    param_keys: Sequence[str],
+    *,
+    bytes_down: int,
+    bytes_up: int,
+) -> Dict[str, Any]:
     n = sum(u.num_examples for _, u in updates)
     rec: Dict[str, Any] = {
         "round": r,
@@ -290,15 +392,18 @@ def summarise_rounds(records: Sequence[Mapping[str, Any]]) -> Dict[str, float]:
     if not records:
         return {}
     last = records[-1]
-    out = {f"final_{k}": float(v) for k, v in last.items() if k in ("avg_acc", "worst_acc", "auroc", "oscr")
-           or k.startswith(("acc.", "auroc.", "oscr.", "auroc_"))}
+    out = {
+        f"final_{k}": float(v)
+        for k, v in last.items()
+        if k in ("avg_acc", "worst_acc", "auroc", "oscr") or k.startswith(("acc.", "auroc.", "oscr.", "auroc_"))
+    }
     out["agg_seconds_mean"] = float(np.mean([r["agg_seconds"] for r in records]))
     out["bytes_per_round"] = float(np.mean([r["bytes_up"] + r["bytes_down"] for r in records]))
     out["final_train_loss"] = float(last["train_loss"])
     if "task" in last:  # class-incremental data: average incremental accuracy, final accuracy, forgetting
         from fedcore.incremental.evaluate import task_end_metrics
 
-        out.update({k: float(v) for k, v in task_end_metrics(records).items() if not isinstance(v, list)})
+        out.update({k: float(cast(float, v)) for k, v in task_end_metrics(records).items() if not isinstance(v, list)})
     return out
 
 
@@ -312,6 +417,9 @@ def strategy_names() -> List[str]:
 
 def source_round_data(partition) -> RoundData:
     """The labelled source clients of a test-time partition, scored on its clean source test set."""
-    return RoundData(client_x=list(partition.source_x), client_y=list(partition.source_y),
-                     client_group=["source"] * len(partition.source_x),
-                     eval_sets={"source_test": (partition.source_test_x, partition.source_test_y)})
+    return RoundData(
+        client_x=list(partition.source_x),
+        client_y=list(partition.source_y),
+        client_group=["source"] * len(partition.source_x),
+        eval_sets={"source_test": (partition.source_test_x, partition.source_test_y)},
+    )

@@ -64,8 +64,10 @@ def load_network(folder: str | Path) -> nn.Module:
     try:
         state = torch.load(weights_path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise ValueError(f"{weights_path} cannot be read as plain tensors ({exc}); it was not written by "
-                         "fedcore's save_network and has not been loaded") from exc
+        raise ValueError(
+            f"{weights_path} cannot be read as plain tensors ({exc}); it was not written by "
+            "fedcore's save_network and has not been loaded"
+        ) from exc
     model = spec.build()
     try:
         model.load_state_dict(state)

@@ -39,8 +39,14 @@ def batch_statistics(model: nn.Module, enabled: bool = True) -> Iterator[nn.Modu
 
 
 @torch.no_grad()
-def predict(model: nn.Module, x: np.ndarray, *, batch_size: int = 512, device: torch.device | str = "cpu",
-            batch_stats: bool = False) -> np.ndarray:
+def predict(
+    model: nn.Module,
+    x: np.ndarray,
+    *,
+    batch_size: int = 512,
+    device: torch.device | str = "cpu",
+    batch_stats: bool = False,
+) -> np.ndarray:
     """Class predictions of ``model``, shape (N,).
 
     Eval mode, except that with ``batch_stats`` BatchNorm layers normalise with the statistics
@@ -100,7 +106,7 @@ def _labels(name: str, value, num_classes: int) -> np.ndarray:
     return arr.astype(np.int64)
 
 
-def cohen_kappa(*, y_true: Sequence[int], y_pred: Sequence[int], num_classes: int) -> float:
+def cohen_kappa(*, y_true: Sequence[int] | np.ndarray, y_pred: Sequence[int] | np.ndarray, num_classes: int) -> float:
     """Cohen's κ = (p_o − p_e) / (1 − p_e) of predictions against labels.
 
     p_o is the observed agreement (the accuracy) and p_e = Σ_c P(true = c)·P(pred = c) the

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple, cast
 
 import numpy as np
 
 
-def _plt():
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (no display needed); imported on first use."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -27,14 +28,15 @@ def save(fig, path: Path) -> Path:
     with matplotlib.rc_context({"figure.autolayout": False, "figure.constrained_layout.use": False}):
         fig.set_layout_engine(None)
     fig.savefig(path, dpi=110)
-    _plt().close(fig)
+    pyplot().close(fig)
     return path
 
 
-def plot_arrivals(records: List[Dict], acc_matrix: np.ndarray, corruptions: Sequence[str], folder: str | Path,
-                  *, title: str = "") -> List[Path]:
+def plot_arrivals(
+    records: List[Dict], acc_matrix: np.ndarray, corruptions: Sequence[str], folder: str | Path, *, title: str = ""
+) -> List[Path]:
     """online accuracy per arrival, accuracy-matrix heatmap, weight drift, gate weights and sigma."""
-    plt = _plt()
+    plt = pyplot()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     a = [r["arrival"] for r in records]
@@ -76,8 +78,9 @@ def plot_arrivals(records: List[Dict], acc_matrix: np.ndarray, corruptions: Sequ
     ax1.set_xlabel("arrival")
     ax1.set_ylabel("w_k", color="tab:blue")
     ax2 = ax1.twinx()
-    ax2.plot(a, [r.get("sigma", np.nan) for r in records], "o-", color="tab:red",
-             label="sigma_k (entropy)")  # a refused client reports none
+    ax2.plot(
+        a, [r.get("sigma", np.nan) for r in records], "o-", color="tab:red", label="sigma_k (entropy)"
+    )  # a refused client reports none
     ax2.set_ylabel("sigma_k (nats)", color="tab:red")
     ax1.set_title(f"{title} gate weights")
     paths.append(save(fig, folder / "gate_weights.png"))
@@ -86,11 +89,21 @@ def plot_arrivals(records: List[Dict], acc_matrix: np.ndarray, corruptions: Sequ
 
 def plot_privacy(records: List[Dict], folder: str | Path) -> Path:
     """Each client's cumulative ε after every arrival (a step line per client), refusals marked."""
-    points = [{"step": r["arrival"], "client": r["client_id"], "label": f"{r['client_id']}:{r['corruption'][:10]}",
-               "eps_client_total": r["eps_client_total"], "privacy_refused": r.get("privacy_refused", 0.0)}
-              for r in records]
-    budget = (records[0]["eps_budget_remaining"] + records[0]["eps_client_total"]
-              if "eps_budget_remaining" in records[0] else None)
+    points = [
+        {
+            "step": r["arrival"],
+            "client": r["client_id"],
+            "label": f"{r['client_id']}:{r['corruption'][:10]}",
+            "eps_client_total": r["eps_client_total"],
+            "privacy_refused": r.get("privacy_refused", 0.0),
+        }
+        for r in records
+    ]
+    budget = (
+        records[0]["eps_budget_remaining"] + records[0]["eps_client_total"]
+        if "eps_budget_remaining" in records[0]
+        else None
+    )
     return plot_ledger(points, folder, step="arrival", budget=budget, width=len(records))
 
 
@@ -98,7 +111,7 @@ def plot_ledger(points: List[Dict], folder: str | Path, *, step: str, budget: fl
     """privacy_ledger.png of any system: each client's cumulative ε after every ``step`` at which it sent (or
     was refused), a step line per client, refusals marked, the budget dashed. ``points``: dicts with ``step``,
     ``client``, ``label``, ``eps_client_total`` and ``privacy_refused``; ``width``: the number of steps."""
-    plt = _plt()
+    plt = pyplot()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(max(6, width * 0.25), 3.6))
@@ -109,8 +122,13 @@ def plot_ledger(points: List[Dict], folder: str | Path, *, step: str, budget: fl
         ax.step([p[0] for p in pts], [p[1] for p in pts], where="post", marker="o", ms=3, label=name)
     refused = [p for p in points if p["privacy_refused"]]
     if refused:
-        ax.plot([p["step"] for p in refused], [p["eps_client_total"] for p in refused], "rx", ms=9,
-                label="refused (budget spent)")
+        ax.plot(
+            [p["step"] for p in refused],
+            [p["eps_client_total"] for p in refused],
+            "rx",
+            ms=9,
+            label="refused (budget spent)",
+        )
     if budget is not None:
         ax.axhline(budget, color="k", ls="--", lw=1, label=f"budget ε={budget:g}")
     ax.set_xlabel(step)
@@ -124,7 +142,7 @@ def plot_rounds(records: List[Dict], domains: Sequence[str], folder: str | Path,
     """Per round: accuracy per domain (worst in bold), the model weights α per client, the weight drift
     ‖α^t − α^{t−1}‖₁ and deviation change ‖d^t − d^{t−1}‖_∞, the global model norm and each domain's
     prototype distance to the global prototypes (the FedPAD paper's Figs. 6–8)."""
-    plt = _plt()
+    plt = pyplot()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     r = [rec["round"] + 1 for rec in records]
@@ -142,8 +160,11 @@ def plot_rounds(records: List[Dict], domains: Sequence[str], folder: str | Path,
     alpha_keys = sorted({k for rec in records for k in rec if per_client.match(k)}, key=lambda k: int(k[7:]))
     for k in alpha_keys:
         ax.plot(r, [rec.get(k, np.nan) for rec in records], lw=1, label=k[6:])
-    ax.set(xlabel="round", ylabel="α (model weight)", title="model weights α per client" if alpha_keys
-           else "no per-client weights (uniform or example-weighted)")
+    ax.set(
+        xlabel="round",
+        ylabel="α (model weight)",
+        title="model weights α per client" if alpha_keys else "no per-client weights (uniform or example-weighted)",
+    )
     if alpha_keys:
         ax.legend(fontsize=6, ncol=2)
     ax = axes[1, 0]
@@ -168,22 +189,33 @@ def plot_rounds(records: List[Dict], domains: Sequence[str], folder: str | Path,
     return save(fig, folder / "rounds.png")
 
 
-def plot_methods(rows: List[Dict], path: str | Path, *, title: str = "",
-                 bars: Sequence[Tuple[str, str]] = (("avg", "average"), ("worst", "worst domain")),
-                 ylabel: str = "test accuracy") -> Path:
+def plot_methods(
+    rows: List[Dict],
+    path: str | Path,
+    *,
+    title: str = "",
+    bars: Sequence[Tuple[str, str]] = (("avg", "average"), ("worst", "worst domain")),
+    ylabel: str = "test accuracy",
+) -> Path:
     """Grouped bars per method, mean ± std over seeds: by default average and worst-domain accuracy.
 
     ``bars`` lists ``(key, label)``; each row holds ``<key>_mean`` and ``<key>_std``.
     """
-    plt = _plt()
+    plt = pyplot()
     names = [row["method"] for row in rows]
     x = np.arange(len(names))
     width = 0.8 / len(bars)
     fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(names) + 2), 3.8))
     for j, (key, label) in enumerate(bars):
         off = (j - (len(bars) - 1) / 2) * width
-        ax.bar(x + off, [row[f"{key}_mean"] for row in rows], width, yerr=[row[f"{key}_std"] for row in rows],
-               capsize=3, label=label)
+        ax.bar(
+            x + off,
+            [row[f"{key}_mean"] for row in rows],
+            width,
+            yerr=[row[f"{key}_std"] for row in rows],
+            capsize=3,
+            label=label,
+        )
     ax.set_xticks(x, names, rotation=35, ha="right", fontsize=8)
     lo = min(row[f"{key}_mean"] - row[f"{key}_std"] for row in rows for key, _ in bars)
     ax.set_ylim(max(0.0, lo - 0.05), 1.0)
@@ -192,21 +224,23 @@ def plot_methods(rows: List[Dict], path: str | Path, *, title: str = "",
     return save(fig, Path(path))
 
 
-def plot_openset_rounds(records: List[Dict], domains: Sequence[str], folder: str | Path, *, score: str,
-                        title: str = "") -> Path:
-    """Per round: closed-set accuracy and AUROC (of the unknown ``score``) per domain, FedPD++'s mask sizes, and its alignment
-    (transport cost and entropy, BatchNorm-statistics drift between clients)."""
-    plt = _plt()
+def plot_openset_rounds(
+    records: List[Dict], domains: Sequence[str], folder: str | Path, *, score: str, title: str = ""
+) -> Path:
+    """Per round: closed-set accuracy and AUROC (of the unknown ``score``) per domain, FedPD++'s mask sizes, and its
+    alignment (transport cost and entropy, BatchNorm-statistics drift between clients)."""
+    plt = pyplot()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     r = [rec["round"] + 1 for rec in records]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    for ax, key, label in ((axes[0, 0], "acc", "closed-set accuracy"),
-                           (axes[0, 1], f"auroc.{score}", f"AUROC ({score} score)")):
+    for ax, key, label in (
+        (axes[0, 0], "acc", "closed-set accuracy"),
+        (axes[0, 1], f"auroc.{score}", f"AUROC ({score} score)"),
+    ):
         for d in domains:
             ax.plot(r, [rec.get(f"{key}.{d}", np.nan) for rec in records], label=d)
-        ax.plot(r, [rec.get("avg_acc" if key == "acc" else key, np.nan) for rec in records], "k-", lw=2.5,
-                label="mean")
+        ax.plot(r, [rec.get("avg_acc" if key == "acc" else key, np.nan) for rec in records], "k-", lw=2.5, label="mean")
         ax.set(xlabel="round", ylabel=label, title=f"{label} per domain")
         ax.legend(fontsize=7)
     ax = axes[1, 0]
@@ -214,8 +248,11 @@ def plot_openset_rounds(records: List[Dict], domains: Sequence[str], folder: str
         vals = [rec.get(f"mask.{part}", np.nan) for rec in records]
         if np.isfinite(vals).any():
             ax.plot(r, vals, "o-", ms=3, label=part)
-    ax.set(xlabel="round", ylabel="mean mask mass", title="parameter parts (mask mass per client)" if ax.lines
-           else "no masks (plain averaging)")
+    ax.set(
+        xlabel="round",
+        ylabel="mean mask mass",
+        title="parameter parts (mask mass per client)" if ax.lines else "no masks (plain averaging)",
+    )
     if ax.lines:
         ax.legend(fontsize=7)
     ax = axes[1, 1]
@@ -230,12 +267,12 @@ def plot_openset_rounds(records: List[Dict], domains: Sequence[str], folder: str
     return save(fig, folder / "rounds.png")
 
 
-
-def plot_incremental(records: List[Dict], acc_matrix: Sequence[Sequence[float]], folder: str | Path, *,
-                     title: str = "") -> Path:
+def plot_incremental(
+    records: List[Dict], acc_matrix: Sequence[Sequence[float]], folder: str | Path, *, title: str = ""
+) -> Path:
     """Class-incremental run: the accuracy matrix (task j after task i), accuracy on the seen classes per round
     with the task boundaries, each client's aggregation weight, and each client's privacy spending (ε)."""
-    plt = _plt()
+    plt = pyplot()
     import re
 
     folder = Path(folder)
@@ -267,29 +304,44 @@ def plot_incremental(records: List[Dict], acc_matrix: Sequence[Sequence[float]],
         keys = sorted({k for rec in records for k in rec if pat.match(k)}, key=lambda k: int(k.rsplit("c", 1)[1]))
         for k in keys:
             ax.plot(r, [rec.get(k, np.nan) for rec in records], "o", ms=3, label=k.rsplit(".", 1)[1])
-        ax.set(xlabel="round", ylabel=label, title=f"{label} per client (when selected)" if keys
-               else f"no {label} (not recorded in this run)")
+        ax.set(
+            xlabel="round",
+            ylabel=label,
+            title=f"{label} per client (when selected)" if keys else f"no {label} (not recorded in this run)",
+        )
         if keys:
             ax.legend(fontsize=6, ncol=3)
     fig.suptitle(title)
     return save(fig, folder / "rounds.png")
 
 
-def plot_privacy_utility(curves: Dict[str, List[Tuple[float, float, float]]], path: str | Path, *,
-                         reference: Tuple[float, float] | None = None, title: str = "",
-                         ylabel: str = "average incremental accuracy") -> Path:
+def plot_privacy_utility(
+    curves: Dict[str, List[Tuple[float, float, float]]],
+    path: str | Path,
+    *,
+    reference: Tuple[float, float] | None = None,
+    title: str = "",
+    ylabel: str = "average incremental accuracy",
+) -> Path:
     """Utility against ε_total, one line per family (e.g. ``LBDP, C = 1``): points ``(ε, mean, std)``;
     ``reference`` is the noise-free run's (mean, std), drawn as a band. The x axis is logarithmic with a tick
     at every ε measured; families are shifted sideways by up to ±4 % of ε so that error bars at one ε stay
     apart, and the legend sits outside the axes."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 4.2))
     n = len(curves)
     for i, (label, pts) in enumerate(curves.items()):
         pts = sorted(pts)
         shift = 1 + 0.08 * ((i + 0.5) / n - 0.5) if n > 1 else 1.0
-        ax.errorbar([p[0] * shift for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o",
-                    capsize=3, label=label, ls="-" if len(pts) > 1 else "none")
+        ax.errorbar(
+            [p[0] * shift for p in pts],
+            [p[1] for p in pts],
+            yerr=[p[2] for p in pts],
+            marker="o",
+            capsize=3,
+            label=label,
+            ls="-" if len(pts) > 1 else "none",
+        )
     if reference is not None:
         ax.axhline(reference[0], color="k", ls="--", lw=1, label="no noise (± std)")
         ax.axhspan(reference[0] - reference[1], reference[0] + reference[1], color="k", alpha=0.08)
@@ -302,8 +354,15 @@ def plot_privacy_utility(curves: Dict[str, List[Tuple[float, float, float]]], pa
     return save(fig, Path(path))
 
 
-def plot_curves(curves: Dict[str, np.ndarray], path: str | Path, *, title: str = "", xlabel: str = "",
-                ylabel: str = "", reference: str | None = None) -> Path:
+def plot_curves(
+    curves: Dict[str, np.ndarray],
+    path: str | Path,
+    *,
+    title: str = "",
+    xlabel: str = "",
+    ylabel: str = "",
+    reference: str | None = None,
+) -> Path:
     """One line per ``method+aggregator`` key (in the dict's order): the mean over rows (seeds) of a
     (seeds, steps) array, with a band of ± one std. Colour names the method, line style the aggregator.
 
@@ -311,7 +370,7 @@ def plot_curves(curves: Dict[str, np.ndarray], path: str | Path, *, title: str =
     reference's, seed by seed: the per-step difficulty that all methods share drops out, and drift
     or collapse stands out.
     """
-    plt = _plt()
+    plt = pyplot()
     methods = list(dict.fromkeys(k.split("+")[0] for k in curves))
     aggregators = list(dict.fromkeys(k.split("+")[-1] for k in curves))
     colours = {m: f"C{i}" for i, m in enumerate(methods)}
@@ -324,7 +383,7 @@ def plot_curves(curves: Dict[str, np.ndarray], path: str | Path, *, title: str =
             if row == 1:
                 if key == reference or key.startswith("source+"):  # the unadapted model would set the scale
                     continue
-                ref = np.atleast_2d(curves[reference])
+                ref = np.atleast_2d(curves[cast(str, reference)])  # a second panel only when reference is a key
                 n = min(len(arr), len(ref))
                 arr = arr[:n] - ref[:n]
             mean, std = arr.mean(0), arr.std(0)

@@ -38,8 +38,7 @@ def wilcoxon_against(scores: Mapping[str, Sequence[float]], target: str) -> List
             raise ValueError(f"{other} has {len(b)} blocks, {target} has {len(a)}: pair them block by block")
         gap = a - b
         p = float("nan") if np.all(gap == 0) else float(wilcoxon(a, b, zero_method="zsplit").pvalue)
-        out.append(PairedTest(other=other, n=len(a), mean_gap=float(gap.mean()), wins=int((gap > 0).sum()),
-                              p_value=p))
+        out.append(PairedTest(other=other, n=len(a), mean_gap=float(gap.mean()), wins=int((gap > 0).sum()), p_value=p))
     return out
 
 

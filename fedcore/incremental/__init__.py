@@ -7,5 +7,4 @@
 from fedcore.incremental.exemplars import ExemplarMemory, herding
 from fedcore.incremental.metrics import average_incremental_accuracy, final_accuracy, forgetting, seen_accuracy
 
-__all__ = ["herding", "ExemplarMemory", "seen_accuracy", "average_incremental_accuracy", "forgetting",
-           "final_accuracy"]
+__all__ = ["herding", "ExemplarMemory", "seen_accuracy", "average_incremental_accuracy", "forgetting", "final_accuracy"]

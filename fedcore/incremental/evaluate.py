@@ -7,7 +7,7 @@ are masked. After a compression round the model in use is the compressed one (th
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -17,8 +17,14 @@ from fedcore.tensors import batches, resolve_device, to_tensor
 
 
 @torch.no_grad()
-def incremental_evaluate(state: Dict[str, torch.Tensor], *, spec, test: Tuple[np.ndarray, np.ndarray],
-                         task_classes: Sequence[Sequence[int]], device: str = "cpu") -> Dict[str, float]:
+def incremental_evaluate(
+    state: Dict[str, torch.Tensor],
+    *,
+    spec,
+    test: Tuple[np.ndarray, np.ndarray],
+    task_classes: Sequence[Sequence[int]],
+    device: str = "cpu",
+) -> Dict[str, float]:
     """``acc.seen`` (= ``avg_acc``: accuracy over every seen class's test samples), ``acc.task<j>`` for each
     task so far, ``worst_acc`` (the lowest of those) and ``model_task`` (the task the weights hold: behind the
     schedule only when no client could train a whole task).
@@ -28,7 +34,7 @@ def incremental_evaluate(state: Dict[str, torch.Tensor], *, spec, test: Tuple[np
     model.load_state_dict(state)
     model.eval()
     task = int(state["task"])
-    seen = [c for t in task_classes[:task + 1] for c in t]
+    seen = [c for t in task_classes[: task + 1] for c in t]
     x, y = test
     keep = np.isin(y, seen)
     xs, ys = x[keep], y[keep]
@@ -39,8 +45,11 @@ def incremental_evaluate(state: Dict[str, torch.Tensor], *, spec, test: Tuple[np
     for sl in batches(len(xt), 512):
         preds.append(masked(model(xt[sl]), mask).argmax(1).cpu().numpy())
     pred = np.concatenate(preds) if preds else np.zeros(0, dtype=np.int64)
-    out: Dict[str, float] = {"model_task": float(task), "acc.seen": float(np.mean(pred == ys)) if len(ys) else float("nan")}
-    for j, classes in enumerate(task_classes[:task + 1]):
+    out: Dict[str, float] = {
+        "model_task": float(task),
+        "acc.seen": float(np.mean(pred == ys)) if len(ys) else float("nan"),
+    }
+    for j, classes in enumerate(task_classes[: task + 1]):
         sel = np.isin(ys, list(classes))
         out[f"acc.task{j}"] = float(np.mean(pred[sel] == ys[sel])) if sel.any() else float("nan")
     out["avg_acc"] = out["acc.seen"]
@@ -48,7 +57,7 @@ def incremental_evaluate(state: Dict[str, torch.Tensor], *, spec, test: Tuple[np
     return out
 
 
-def task_end_metrics(records: Sequence[Dict[str, float]]) -> Dict[str, object]:
+def task_end_metrics(records: Sequence[Mapping[str, Any]]) -> Dict[str, object]:
     """The class-incremental summary of a run's round records (those with a ``task`` key).
 
     Each task is scored at its last round (after its compression, if any): row t of the accuracy
@@ -60,7 +69,7 @@ def task_end_metrics(records: Sequence[Dict[str, float]]) -> Dict[str, object]:
     """
     from fedcore.incremental.metrics import average_incremental_accuracy, forgetting
 
-    last: Dict[int, Dict[str, float]] = {}
+    last: Dict[int, Mapping[str, Any]] = {}
     for rec in records:
         if "task" in rec and "acc.seen" in rec:  # scored by incremental_evaluate (not the engine's default)
             last[int(rec["task"])] = rec
@@ -73,6 +82,10 @@ def task_end_metrics(records: Sequence[Dict[str, float]]) -> Dict[str, object]:
         for j in range(i + 1):  # a task the model never reached (no client could train it) scores 0
             acc[i, j] = float(last[t].get(f"acc.task{j}", 0.0))
     seen = [float(last[t]["acc.seen"]) for t in tasks]
-    return {"avg_inc_acc": average_incremental_accuracy(acc_seen=seen), "final_acc": seen[-1],
-            "forgetting": forgetting(acc=acc) if t_max > 1 else float("nan"),
-            "acc_seen": seen, "acc_matrix": acc.tolist()}
+    return {
+        "avg_inc_acc": average_incremental_accuracy(acc_seen=seen),
+        "final_acc": seen[-1],
+        "forgetting": forgetting(acc=acc) if t_max > 1 else float("nan"),
+        "acc_seen": seen,
+        "acc_matrix": acc.tolist(),
+    }

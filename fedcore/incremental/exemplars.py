@@ -14,7 +14,7 @@ each keeps fewer, dropping its last-herded exemplars first.
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Tuple
+from typing import Any, Dict, List, Mapping, Tuple
 
 import numpy as np
 import torch
@@ -93,8 +93,10 @@ class ExemplarMemory:
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if per_class > capacity:
-            raise ValueError(f"m exemplars per class larger than the memory: per_class={per_class} > "
-                             f"capacity={capacity}; lower per_class or raise capacity")
+            raise ValueError(
+                f"m exemplars per class larger than the memory: per_class={per_class} > "
+                f"capacity={capacity}; lower per_class or raise capacity"
+            )
         self.capacity = int(capacity)
         self.per_class = int(per_class)
         self._store: Dict[int, np.ndarray] = {}
@@ -166,8 +168,10 @@ class ExemplarMemory:
         if x.ndim < 1 or x.shape[0] == 0:
             raise ValueError(f"x must be an (n, ...) array with n >= 1 samples, got shape {x.shape}")
         if not _checkpointable(x.dtype):
-            raise ValueError(f"x has dtype {x.dtype}, which cannot be checkpointed as a tensor; convert it to a "
-                             "numeric dtype such as float32 or uint8")
+            raise ValueError(
+                f"x has dtype {x.dtype}, which cannot be checkpointed as a tensor; convert it to a "
+                "numeric dtype such as float32 or uint8"
+            )
         if isinstance(order, torch.Tensor):
             order = order.detach().cpu().numpy()
         idx = np.asarray(order)
@@ -179,13 +183,16 @@ class ExemplarMemory:
             raise ValueError("order repeats an index; pass distinct indices, e.g. from herding()")
         others = [v for c, v in self._store.items() if c != cls]
         if others and others[0].shape[1:] != x.shape[1:]:
-            raise ValueError(f"x's samples have shape {x.shape[1:]} but the memory holds samples of shape "
-                             f"{others[0].shape[1:]}")
+            raise ValueError(
+                f"x's samples have shape {x.shape[1:]} but the memory holds samples of shape {others[0].shape[1:]}"
+            )
         num_classes = len(others) + 1
         q = self.quota_for(num_classes)
         if q < 1:
-            raise ValueError(f"a memory of capacity {self.capacity} cannot keep one exemplar for each of "
-                             f"{num_classes} classes; raise capacity to at least {num_classes}")
+            raise ValueError(
+                f"a memory of capacity {self.capacity} cannot keep one exemplar for each of "
+                f"{num_classes} classes; raise capacity to at least {num_classes}"
+            )
         self._store[cls] = x[idx[:q]].copy()
         for c in self._store:
             self._store[c] = self._store[c][:q]
@@ -195,11 +202,15 @@ class ExemplarMemory:
     def state_dict(self) -> Dict[str, object]:
         """Plain ints, lists and tensors only, so ``torch.load(weights_only=True)`` reads it back."""
         classes = self.classes
-        return {"capacity": self.capacity, "per_class": self.per_class, "classes": classes,
-                "exemplars": [torch.from_numpy(np.ascontiguousarray(self._store[c])).clone() for c in classes]}
+        return {
+            "capacity": self.capacity,
+            "per_class": self.per_class,
+            "classes": classes,
+            "exemplars": [torch.from_numpy(np.ascontiguousarray(self._store[c])).clone() for c in classes],
+        }
 
     @classmethod
-    def from_state_dict(cls, state: Mapping[str, object]) -> "ExemplarMemory":
+    def from_state_dict(cls, state: Mapping[str, Any]) -> "ExemplarMemory":
         """The memory a :meth:`state_dict` describes (its tensors copied to numpy)."""
         missing = {"capacity", "per_class", "classes", "exemplars"} - set(state)
         if missing:
@@ -212,8 +223,10 @@ class ExemplarMemory:
         for c, t in zip(classes, exemplars):
             arr = t.detach().cpu().numpy().copy() if isinstance(t, torch.Tensor) else np.asarray(t).copy()
             if arr.ndim < 1 or len(arr) > q:
-                raise ValueError(f"state_dict class {c} holds {len(arr) if arr.ndim else 0} exemplars; "
-                                 f"{len(classes)} classes in a memory of capacity {memory.capacity} keep at most {q}")
+                raise ValueError(
+                    f"state_dict class {c} holds {len(arr) if arr.ndim else 0} exemplars; "
+                    f"{len(classes)} classes in a memory of capacity {memory.capacity} keep at most {q}"
+                )
             memory._store[int(c)] = arr
         shapes = {v.shape[1:] for v in memory._store.values()}
         if len(shapes) > 1:

@@ -26,8 +26,9 @@ def log_prior(counts: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(prior), prior, torch.full_like(prior, NEG))
 
 
-def classification(logits: torch.Tensor, y: torch.Tensor, *, seen: torch.Tensor,
-                   prior: torch.Tensor | None = None) -> torch.Tensor:
+def classification(
+    logits: torch.Tensor, y: torch.Tensor, *, seen: torch.Tensor, prior: torch.Tensor | None = None
+) -> torch.Tensor:
     """(B,) cross-entropy over the seen classes; with ``prior`` = :func:`log_prior` of the client's class
     counts it is the balanced softmax of Ren et al. 2020, softmax_b(z)_i = n_i e^{z_i} / Σ_j n_j e^{z_j}
     (PP-FCIL's L_C). A seen class with no local samples drops out of the denominator: the client
@@ -39,17 +40,19 @@ def classification(logits: torch.Tensor, y: torch.Tensor, *, seen: torch.Tensor,
     return F.cross_entropy(z, y, reduction="none")
 
 
-def distillation(student: torch.Tensor, teacher: torch.Tensor, *, old: torch.Tensor,
-                 temperature: float) -> torch.Tensor:
+def distillation(
+    student: torch.Tensor, teacher: torch.Tensor, *, old: torch.Tensor, temperature: float
+) -> torch.Tensor:
     """(B,) τ² · KL(p_teacher ‖ p_student) over the old classes only, both softened by τ (Hinton et al.)."""
     old = old.to(student.device)
     s = F.log_softmax(student[:, old] / temperature, 1)
     t = F.log_softmax(teacher[:, old] / temperature, 1)
-    return temperature ** 2 * (t.exp() * (t - s)).sum(1)
+    return temperature**2 * (t.exp() * (t - s)).sum(1)
 
 
 def feature_match(f_teacher: torch.Tensor, f_student: torch.Tensor) -> torch.Tensor:
-    """(B,) ‖F_mix − F_single‖² / d: L_M's feature term, divided by the width d so λ₀ does not depend on the backbone."""
+    """(B,) ‖F_mix − F_single‖² / d: L_M's feature term, divided by the width d so λ₀ does not depend on the
+    backbone."""
     return ((f_teacher.detach() - f_student) ** 2).mean(1)
 
 

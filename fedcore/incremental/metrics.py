@@ -24,14 +24,18 @@ def _matrix(acc) -> np.ndarray:
     except (TypeError, ValueError):
         raise ValueError("acc must be a (T, T) array of numbers: acc[i, j] = accuracy on task j after task i") from None
     if a.ndim != 2 or a.shape[0] != a.shape[1] or a.shape[0] == 0:
-        raise ValueError(f"acc must be a non-empty square (T, T) matrix, acc[i, j] = accuracy on task j after "
-                         f"training task i, got shape {a.shape}")
+        raise ValueError(
+            f"acc must be a non-empty square (T, T) matrix, acc[i, j] = accuracy on task j after "
+            f"training task i, got shape {a.shape}"
+        )
     lower = np.tril(np.ones(a.shape, dtype=bool))
     bad = lower & ~np.isfinite(a)
     if bad.any():
         i, j = np.argwhere(bad)[0]
-        raise ValueError(f"acc[{i}, {j}] is {a[i, j]}; entries on and below the diagonal (j <= i) must be finite "
-                         "(is the matrix transposed?)")
+        raise ValueError(
+            f"acc[{i}, {j}] is {a[i, j]}; entries on and below the diagonal (j <= i) must be finite "
+            "(is the matrix transposed?)"
+        )
     return a
 
 
@@ -66,7 +70,7 @@ def seen_accuracy(*, acc, task_sizes: Sequence[float] | None = None) -> np.ndarr
     a = _matrix(acc)
     t = a.shape[0]
     w = _task_sizes(task_sizes, t)
-    return np.array([float(a[i, :i + 1] @ w[:i + 1] / w[:i + 1].sum()) for i in range(t)])
+    return np.array([float(a[i, : i + 1] @ w[: i + 1] / w[: i + 1].sum()) for i in range(t)])
 
 
 def average_incremental_accuracy(*, acc_seen: Sequence[float]) -> float:
@@ -82,8 +86,10 @@ def average_incremental_accuracy(*, acc_seen: Sequence[float]) -> float:
     except (TypeError, ValueError):
         raise ValueError(f"acc_seen must be a 1-D sequence of numbers, one per task, got {acc_seen!r}") from None
     if a.ndim != 1 or a.size == 0:
-        raise ValueError(f"acc_seen must be a non-empty 1-D vector, one accuracy per task, got shape {a.shape}; "
-                         "for the (T, T) matrix use seen_accuracy(acc=...) first")
+        raise ValueError(
+            f"acc_seen must be a non-empty 1-D vector, one accuracy per task, got shape {a.shape}; "
+            "for the (T, T) matrix use seen_accuracy(acc=...) first"
+        )
     if not np.isfinite(a).all():
         raise ValueError("acc_seen has non-finite values; every task's accuracy must be a number")
     return float(a.mean())

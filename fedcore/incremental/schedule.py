@@ -30,8 +30,10 @@ class TaskSchedule:
                 if int(c) != c or c < 0:
                     raise ValueError(f"task {t}: class {c!r} is not a class index >= 0")
                 if c in seen:
-                    raise ValueError(f"class {c} appears in task {seen[c]} and again in task {t}; "
-                                     "class-incremental tasks must have disjoint classes")
+                    raise ValueError(
+                        f"class {c} appears in task {seen[c]} and again in task {t}; "
+                        "class-incremental tasks must have disjoint classes"
+                    )
                 seen[int(c)] = t
 
     @classmethod
@@ -44,7 +46,7 @@ class TaskSchedule:
 
     def seen(self, task: int) -> List[int]:
         """Every class of tasks 0..``task``."""
-        return [c for t in self.tasks[:task + 1] for c in t]
+        return [c for t in self.tasks[: task + 1] for c in t]
 
     def task_of_class(self) -> Dict[int, int]:
         return {c: t for t, classes in enumerate(self.tasks) for c in classes}
@@ -65,8 +67,9 @@ def make_schedule(*, num_classes: int, tasks: int, seed: int | None = None) -> T
     return TaskSchedule.of([list(map(int, part)) for part in np.array_split(order, tasks)])
 
 
-def split_by_task(y: np.ndarray, schedule: TaskSchedule, *, num_clients: int, alpha: float, seed: int,
-                  min_per_task: int = 1) -> List[np.ndarray]:
+def split_by_task(
+    y: np.ndarray, schedule: TaskSchedule, *, num_clients: int, alpha: float, seed: int, min_per_task: int = 1
+) -> List[np.ndarray]:
     """Indices of each client's samples: every class's samples dealt out by Dirichlet(α) proportions.
 
     Samples of classes outside the schedule are dropped. A small α gives each client few classes
@@ -96,13 +99,25 @@ def split_by_task(y: np.ndarray, schedule: TaskSchedule, *, num_clients: int, al
                 per_task[k, classes[int(y[i])]] += 1
         if per_task.min() >= min_per_task:
             return [np.sort(np.asarray(o, dtype=np.int64)) for o in owned]
-    raise ValueError(f"could not give each of {num_clients} clients {min_per_task} samples in every task with "
-                     f"alpha={alpha}; raise alpha or use fewer clients")
+    raise ValueError(
+        f"could not give each of {num_clients} clients {min_per_task} samples in every task with "
+        f"alpha={alpha}; raise alpha or use fewer clients"
+    )
 
 
-def incremental_view(x: np.ndarray, y: np.ndarray, test_x: np.ndarray, test_y: np.ndarray,
-                     schedule: TaskSchedule, *, num_clients: int, alpha: float, rounds_per_task: int, seed: int,
-                     group: str = "all"):
+def incremental_view(
+    x: np.ndarray,
+    y: np.ndarray,
+    test_x: np.ndarray,
+    test_y: np.ndarray,
+    schedule: TaskSchedule,
+    *,
+    num_clients: int,
+    alpha: float,
+    rounds_per_task: int,
+    seed: int,
+    group: str = "all",
+):
     """The round engine's input for class-incremental training (:class:`fedcore.engine.RoundData`).
 
     Clients get Dirichlet shares of each task (:func:`split_by_task`); the test set keeps the
@@ -114,7 +129,12 @@ def incremental_view(x: np.ndarray, y: np.ndarray, test_x: np.ndarray, test_y: n
     task_of = schedule.task_of_class()
     to_task = np.vectorize(lambda c: task_of[int(c)], otypes=[np.int64])
     keep = np.isin(test_y, list(task_of))
-    return RoundData(client_x=[x[o] for o in owned], client_y=[y[o] for o in owned],
-                     client_group=[group] * num_clients, eval_sets={"test": (test_x[keep], test_y[keep])},
-                     client_task=[to_task(y[o]) for o in owned], task_classes=schedule.as_lists(),
-                     rounds_per_task=int(rounds_per_task))
+    return RoundData(
+        client_x=[x[o] for o in owned],
+        client_y=[y[o] for o in owned],
+        client_group=[group] * num_clients,
+        eval_sets={"test": (test_x[keep], test_y[keep])},
+        client_task=[to_task(y[o]) for o in owned],
+        task_classes=schedule.as_lists(),
+        rounds_per_task=int(rounds_per_task),
+    )

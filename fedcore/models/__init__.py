@@ -36,5 +36,17 @@ for _base in ("cnn", "lenet", "resnet20", "resnet18"):
     MODELS.register(f"dual-{_base}")(_dual(_base))
 
 
-__all__ = ["embed_and_classify", "mix_split", "check_feature_layer", "create_model", "MODELS", "NORMS", "make_norm",
-           "SmallCNN", "LeNet", "ResNet20", "resnet18_32", "DualNet"]
+__all__ = [
+    "embed_and_classify",
+    "mix_split",
+    "check_feature_layer",
+    "create_model",
+    "MODELS",
+    "NORMS",
+    "make_norm",
+    "SmallCNN",
+    "LeNet",
+    "ResNet20",
+    "resnet18_32",
+    "DualNet",
+]

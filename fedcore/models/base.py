@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable, Protocol, Tuple, cast
+
 import torch
 from torch import nn
 
@@ -11,6 +13,22 @@ from fedcore.models.resnet import ResNet20, resnet18_32
 from fedcore.registry import Registry
 
 MODELS: Registry[nn.Module] = Registry("model")
+
+
+class FeatureNet(Protocol):
+    """A model with a feature layer (what :func:`check_feature_layer` checks): ``embed(x)`` and an ``fc`` head."""
+
+    fc: nn.Module
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class MixableNet(Protocol):
+    """A model that declares its mixing point with ``mix_parts()`` (the ResNets)."""
+
+    def mix_parts(self) -> Tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor]]: ...
+
+
 MODELS.register("cnn")(SmallCNN)
 MODELS.register("lenet")(LeNet)
 MODELS.register("resnet20")(ResNet20)
@@ -29,18 +47,35 @@ def embed_and_classify(model: nn.Module, x):
     them is refused with the names of the models that have them.
     """
     check_feature_layer(model)
-    feats = model.embed(x)
-    return feats, model.fc(feats)
+    net = cast(FeatureNet, model)
+    feats = net.embed(x)
+    return feats, net.fc(feats)
 
 
 def check_feature_layer(model: nn.Module) -> None:
     """Raise a ValueError naming the usable models when ``model`` has no ``embed`` + ``fc`` pair."""
     if not (callable(getattr(model, "embed", None)) and isinstance(getattr(model, "fc", None), nn.Module)):
-        raise ValueError(f"{type(model).__name__} exposes no feature layer (an embed(x) method and an fc head); "
-                         f"prototype methods need one: use one of the models {', '.join(MODELS.names())}")
+        raise ValueError(
+            f"{type(model).__name__} exposes no feature layer (an embed(x) method and an fc head); "
+            f"prototype methods need one: use one of the models {', '.join(MODELS.names())}"
+        )
 
 
-__all__ = ["embed_and_classify", "mix_split", "check_feature_layer", "create_model", "MODELS", "NORMS", "make_norm", "SmallCNN", "LeNet", "ResNet20", "resnet18_32"]
+__all__ = [
+    "embed_and_classify",
+    "mix_split",
+    "check_feature_layer",
+    "create_model",
+    "MODELS",
+    "NORMS",
+    "make_norm",
+    "SmallCNN",
+    "LeNet",
+    "ResNet20",
+    "resnet18_32",
+    "FeatureNet",
+    "MixableNet",
+]
 
 
 def mix_split(model: nn.Module):
@@ -51,14 +86,20 @@ def mix_split(model: nn.Module):
     model without one is refused with the names of those that have one.
     """
     if callable(getattr(model, "mix_parts", None)):
-        return model.mix_parts()
+        return cast(MixableNet, model).mix_parts()
     at = getattr(model, "mix_at", None)
     if at is None or not isinstance(getattr(model, "features", None), nn.Sequential):
-        usable = [n for n in MODELS.names()
-                  if getattr(MODELS.get(n), "mix_at", None) is not None or getattr(MODELS.get(n), "mixable", False)]
-        raise ValueError(f"{type(model).__name__} has no layer to mix at: PROSER mixes features at a middle layer "
-                         f"(a `mix_at` index into `features`); use one of the models {', '.join(usable)}")
-    head, tail = model.features[:at], model.features[at:]
+        usable = [
+            n
+            for n in MODELS.names()
+            if getattr(MODELS.get(n), "mix_at", None) is not None or getattr(MODELS.get(n), "mixable", False)
+        ]
+        raise ValueError(
+            f"{type(model).__name__} has no layer to mix at: PROSER mixes features at a middle layer "
+            f"(a `mix_at` index into `features`); use one of the models {', '.join(usable)}"
+        )
+    features = cast(nn.Sequential, model.features)  # checked above
+    head, tail = features[:at], features[at:]
 
     def post(h):
         return model.fc(torch.flatten(tail(h), 1))

@@ -17,11 +17,16 @@ class SmallCNN(nn.Module):
     def __init__(self, *, in_channels: int = 1, num_classes: int = 10, norm: str = "batch", width: int = 16):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(in_channels, width, 3, padding=1, bias=False), make_norm(norm, width), nn.ReLU(inplace=True),
+            nn.Conv2d(in_channels, width, 3, padding=1, bias=False),
+            make_norm(norm, width),
+            nn.ReLU(inplace=True),
             nn.MaxPool2d(2),
-            nn.Conv2d(width, 2 * width, 3, padding=1, bias=False), make_norm(norm, 2 * width), nn.ReLU(inplace=True),
+            nn.Conv2d(width, 2 * width, 3, padding=1, bias=False),
+            make_norm(norm, 2 * width),
+            nn.ReLU(inplace=True),
             nn.MaxPool2d(2),
-            nn.Conv2d(2 * width, 2 * width, 3, padding=1, bias=False), make_norm(norm, 2 * width),
+            nn.Conv2d(2 * width, 2 * width, 3, padding=1, bias=False),
+            make_norm(norm, 2 * width),
             nn.ReLU(inplace=True),
             nn.AdaptiveAvgPool2d(1),
         )
@@ -51,9 +56,18 @@ class LeNet(nn.Module):
     def __init__(self, *, in_channels: int = 1, num_classes: int = 10, norm: str = "batch", feature_dim: int = 64):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(in_channels, 32, 5, bias=False), make_norm(norm, 32), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-            nn.Conv2d(32, 64, 5, bias=False), make_norm(norm, 64), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-            nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(64 * 16, feature_dim), nn.ReLU(inplace=True),
+            nn.Conv2d(in_channels, 32, 5, bias=False),
+            make_norm(norm, 32),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 5, bias=False),
+            make_norm(norm, 64),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.AdaptiveAvgPool2d(4),
+            nn.Flatten(),
+            nn.Linear(64 * 16, feature_dim),
+            nn.ReLU(inplace=True),
         )
         self.fc = nn.Linear(feature_dim, num_classes)
 

@@ -23,12 +23,12 @@ Integer buffers are counters, not estimates: the server copies them instead of a
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Tuple, cast
 
 import torch
 from torch import nn
 
-from fedcore.models.base import MODELS, check_feature_layer
+from fedcore.models.base import MODELS, FeatureNet, check_feature_layer
 
 NEW_INITS = ("random", "old")
 
@@ -37,7 +37,7 @@ def _backbone(name: str, *, in_channels: int, norm: str) -> Tuple[nn.Module, int
     """A registered network without its classifier (``embed`` only) and its feature width."""
     net = MODELS.create(name, in_channels=in_channels, num_classes=2, norm=norm)
     check_feature_layer(net)
-    width = int(net.fc.in_features)
+    width = int(cast(nn.Linear, net.fc).in_features)  # every registered model's head is a Linear
     net.fc = nn.Identity()  # the dual model's own classifier replaces it; no dead weights in the state
     return net, width
 
@@ -55,8 +55,22 @@ class DualNet(nn.Module):
         Output width of the contrastive projection head.
     """
 
-    def __init__(self, *, backbone: str = "lenet", in_channels: int = 1, num_classes: int = 10,
-                 norm: str = "batch", reduction: int = 4, proj_dim: int = 64) -> None:
+    # buffers (registered in __init__)
+    task: torch.Tensor
+    has_old: torch.Tensor
+    phase: torch.Tensor
+    fuse: torch.Tensor
+
+    def __init__(
+        self,
+        *,
+        backbone: str = "lenet",
+        in_channels: int = 1,
+        num_classes: int = 10,
+        norm: str = "batch",
+        reduction: int = 4,
+        proj_dim: int = 64,
+    ) -> None:
         super().__init__()
         if reduction < 1 or proj_dim < 1:
             raise ValueError(f"reduction and proj_dim must be >= 1, got {reduction}, {proj_dim}")
@@ -88,11 +102,11 @@ class DualNet(nn.Module):
 
     def mix(self, x: torch.Tensor):
         """``(F_mix, F_new, λ)``; λ is None when there is no fusion (first task, or the single-branch form)."""
-        f_new = self.new.embed(x)
+        f_new = cast(FeatureNet, self.new).embed(x)
         if not int(self.has_old) or not int(self.fuse):
             return f_new, f_new, None
         with torch.no_grad():
-            f_old = self.old.embed(x)
+            f_old = cast(FeatureNet, self.old).embed(x)
         lam = self.fusion(f_old)
         return f_old * lam + f_new * (1 - lam), f_new, lam
 
@@ -103,12 +117,12 @@ class DualNet(nn.Module):
         return self.fc(self.embed(x))
 
     def single_logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(self.single.embed(x))
+        return self.fc(cast(FeatureNet, self.single).embed(x))
 
     @torch.no_grad()
     def teacher_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The previous task's model, old_fc(Φ_old(x)): the distillation teacher."""
-        return self.old_fc(self.old.embed(x))
+        return self.old_fc(cast(FeatureNet, self.old).embed(x))
 
     # ------------------------------------------------------------------ task switch
     @torch.no_grad()
@@ -124,8 +138,9 @@ class DualNet(nn.Module):
         if new_init not in NEW_INITS:
             raise ValueError(f"unknown new_init {new_init!r}; use one of {', '.join(NEW_INITS)}")
         if task != int(self.task) + 1:
-            raise ValueError(f"the model holds task {int(self.task)}; it can only advance to task "
-                             f"{int(self.task) + 1}, not {task}")
+            raise ValueError(
+                f"the model holds task {int(self.task)}; it can only advance to task {int(self.task) + 1}, not {task}"
+            )
         source = self.single if compressed and int(self.has_old) else self.new
         self.old.load_state_dict(source.state_dict())
         self.old_fc.load_state_dict(self.fc.state_dict())
@@ -140,4 +155,3 @@ class DualNet(nn.Module):
         self.task.fill_(task)
         self.has_old.fill_(1)
         self.phase.fill_(0)
-

@@ -16,7 +16,7 @@ class BasicBlock(nn.Module):
         self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
         self.bn2 = make_norm(norm, cout)
         self.relu = nn.ReLU(inplace=True)
-        self.shortcut = nn.Identity()
+        self.shortcut: nn.Module = nn.Identity()
         if stride != 1 or cin != cout:
             self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), make_norm(norm, cout))
 
@@ -55,7 +55,8 @@ class ResNet20(nn.Module):
     mixable = True
 
     def mix_parts(self):
-        """PROSER's mixing point: after the second of the three stages, ``(pre, post)`` with ``post(pre(x)) == self(x)``."""
+        """PROSER's mixing point: after the second of the three stages, ``(pre, post)`` with
+        ``post(pre(x)) == self(x)``."""
         k = 2 * len(self.layers) // 3
         pre = nn.Sequential(self.conv1, self.bn1, self.relu, self.layers[:k])
 
@@ -95,4 +96,5 @@ def resnet18_32(*, in_channels: int = 3, num_classes: int = 10, norm: str = "bat
     return model
 
 
-resnet18_32.mixable = True  # builds a model with mix_parts (PROSER can mix in it)
+# builds a model with mix_parts (PROSER can mix in it)
+resnet18_32.mixable = True  # type: ignore[attr-defined]  # mypy cannot type an attribute set on a function

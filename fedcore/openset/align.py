@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import nn
@@ -48,7 +48,8 @@ def _widths(mod: nn.Module) -> Tuple[int, int]:
     """(inputs, outputs) of a conv or linear layer: channels or features."""
     if isinstance(mod, nn.Conv2d):
         return mod.in_channels, mod.out_channels
-    return mod.in_features, mod.out_features
+    linear = cast(nn.Linear, mod)  # a conv or a linear layer
+    return linear.in_features, linear.out_features
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,10 @@ def layer_plan(model: nn.Module) -> List[Layer]:
     for name, mod in model.named_modules():
         if list(mod.children()):
             if not isinstance(mod, nn.Sequential) and mod is not model:
-                raise ValueError(f"{type(model).__name__}.{name} ({type(mod).__name__}) is a compound block that "
-                                 "alignment cannot follow; use align=none")
+                raise ValueError(
+                    f"{type(model).__name__}.{name} ({type(mod).__name__}) is a compound block that "
+                    "alignment cannot follow; use align=none"
+                )
             continue
         if isinstance(mod, (nn.Conv2d, nn.Linear)):
             if isinstance(mod, nn.Conv2d) and mod.groups != 1:
@@ -97,8 +100,11 @@ def layer_plan(model: nn.Module) -> List[Layer]:
         elif isinstance(mod, (nn.BatchNorm1d, nn.BatchNorm2d)):
             if not raw:
                 raise ValueError(f"{name}: a BatchNorm before any layer cannot be aligned; use align=none")
-            raw[-1]["bn"] = tuple(f"{name}.{k}" for k in ("weight", "bias", "running_mean", "running_var")
-                                  if getattr(mod, k, None) is not None)
+            raw[-1]["bn"] = tuple(
+                f"{name}.{k}"
+                for k in ("weight", "bias", "running_mean", "running_var")
+                if getattr(mod, k, None) is not None
+            )
         elif not isinstance(mod, _PASS_THROUGH):
             raise ValueError(f"{name} ({type(mod).__name__}) is a layer alignment cannot reorder; use align=none")
     plan: List[Layer] = []
@@ -111,17 +117,36 @@ def layer_plan(model: nn.Module) -> List[Layer]:
             if isinstance(mod, nn.Linear) and width_in % prev_out == 0:
                 spatial = width_in // prev_out
             elif width_in != prev_out:
-                raise ValueError(f"{r['name']} takes {width_in} inputs but the previous layer gives {prev_out} units: "
-                                 "the transport of one cannot reorder the other; use align=none")
-        plan.append(Layer(name=r["name"], weight=f"{r['name']}.weight",
-                          bias=f"{r['name']}.bias" if mod.bias is not None else None, bn=r["bn"], out=width_out,
-                          spatial=spatial, last=j == len(raw) - 1, src=j - 1 if j else None))
+                raise ValueError(
+                    f"{r['name']} takes {width_in} inputs but the previous layer gives {prev_out} units: "
+                    "the transport of one cannot reorder the other; use align=none"
+                )
+        plan.append(
+            Layer(
+                name=r["name"],
+                weight=f"{r['name']}.weight",
+                bias=f"{r['name']}.bias" if mod.bias is not None else None,
+                bn=r["bn"],
+                out=width_out,
+                spatial=spatial,
+                last=j == len(raw) - 1,
+                src=j - 1 if j else None,
+            )
+        )
         prev_out = width_out
     return plan
 
 
-_FLOW_FUNCTIONS = ("relu", "relu_", "flatten", "dropout", "adaptive_avg_pool2d", "avg_pool2d", "max_pool2d",
-                   "contiguous")
+_FLOW_FUNCTIONS = (
+    "relu",
+    "relu_",
+    "flatten",
+    "dropout",
+    "adaptive_avg_pool2d",
+    "avg_pool2d",
+    "max_pool2d",
+    "contiguous",
+)
 _SUMS = ("add", "add_")  # `out += x` traces as operator.add
 
 
@@ -136,7 +161,10 @@ def _graph_plan(model: nn.Module) -> List[Layer]:
     from torch import fx
 
     kind = type(model).__name__
-    fix = "use align=none, or a network whose layers and residual sums alignment can follow (lenet, cnn, resnet20, resnet18)"
+    fix = (
+        "use align=none, or a network whose layers and residual sums alignment can follow (lenet, cnn, resnet20, "
+        "resnet18)"
+    )
     try:
         graph = fx.symbolic_trace(model).graph
     except Exception as err:  # noqa: BLE001 - any tracing failure means the same thing here
@@ -152,9 +180,9 @@ def _graph_plan(model: nn.Module) -> List[Layer]:
         return g
 
     raw: List[dict] = []
-    group: Dict[str, int] = {}      # node name -> the group ordering its channels
-    producer: Dict[str, int] = {}   # node name -> the layer it comes from through pass-through steps only
-    flat: Dict[str, bool] = {}      # node name -> (batch, features), as a linear layer needs, not (batch, C, ...)
+    group: Dict[str, int] = {}  # node name -> the group ordering its channels
+    producer: Dict[str, int] = {}  # node name -> the layer it comes from through pass-through steps only
+    flat: Dict[str, bool] = {}  # node name -> (batch, features), as a linear layer needs, not (batch, C, ...)
     seen: set = set()
     output_groups: List[int] = []
     for node in graph.nodes:
@@ -162,17 +190,21 @@ def _graph_plan(model: nn.Module) -> List[Layer]:
         if node.op == "placeholder":
             group[node.name], flat[node.name] = INPUT, False
             continue
-        if node.op == "call_module" and isinstance(modules[node.target], (nn.Conv2d, nn.Linear, nn.BatchNorm1d,
-                                                                          nn.BatchNorm2d)):
+        if node.op == "call_module" and isinstance(
+            modules[node.target], (nn.Conv2d, nn.Linear, nn.BatchNorm1d, nn.BatchNorm2d)
+        ):
             if node.target in seen:
-                raise ValueError(f"{kind}.{node.target} is called more than once: one set of weights in two places "
-                                 f"cannot take two orders; {fix}")
+                raise ValueError(
+                    f"{kind}.{node.target} is called more than once: one set of weights in two places "
+                    f"cannot take two orders; {fix}"
+                )
             seen.add(node.target)
         if node.op == "output":
             outs = node.args[0]
             if not isinstance(outs, fx.Node):
-                raise ValueError(f"{kind} cannot be aligned: its forward pass returns {type(outs).__name__}, not one "
-                                 f"tensor; {fix}")
+                raise ValueError(
+                    f"{kind} cannot be aligned: its forward pass returns {type(outs).__name__}, not one tensor; {fix}"
+                )
             output_groups.append(group[outs.name])
             continue
         where = node.target if node.op == "call_module" else getattr(node.target, "__name__", str(node.target))
@@ -183,21 +215,28 @@ def _graph_plan(model: nn.Module) -> List[Layer]:
                     raise ValueError(f"{node.target}: grouped convolutions cannot be aligned unit by unit; {fix}")
                 g_in = group[tensors[0].name]
                 if isinstance(mod, nn.Linear) and g_in != INPUT and not flat[tensors[0].name]:
-                    raise ValueError(f"{node.target}: a linear layer on a (batch, channels, ...) map acts on its last "
-                                     f"axis, not on the channels alignment reorders; flatten from dim 1 first or {fix}")
+                    raise ValueError(
+                        f"{node.target}: a linear layer on a (batch, channels, ...) map acts on its last "
+                        f"axis, not on the channels alignment reorders; flatten from dim 1 first or {fix}"
+                    )
                 j = len(raw)
                 raw.append({"name": node.target, "mod": mod, "bn": (), "in": g_in})
                 parent[j] = j
                 group[node.name], producer[node.name], flat[node.name] = j, j, isinstance(mod, nn.Linear)
                 continue
             if isinstance(mod, (nn.BatchNorm1d, nn.BatchNorm2d)):
-                j = producer.get(tensors[0].name)
-                if j is None or raw[j]["bn"] or mod.num_features != _widths(raw[j]["mod"])[1]:
-                    raise ValueError(f"{node.target}: a BatchNorm that does not follow one conv or linear layer "
-                                     f"directly, channel for channel (after a sum, a flatten, or a second one) cannot "
-                                     f"be aligned; {fix}")
-                raw[j]["bn"] = tuple(f"{node.target}.{k}" for k in ("weight", "bias", "running_mean", "running_var")
-                                     if getattr(mod, k, None) is not None)
+                jp = producer.get(tensors[0].name)
+                if jp is None or raw[jp]["bn"] or mod.num_features != _widths(raw[jp]["mod"])[1]:
+                    raise ValueError(
+                        f"{node.target}: a BatchNorm that does not follow one conv or linear layer "
+                        f"directly, channel for channel (after a sum, a flatten, or a second one) cannot "
+                        f"be aligned; {fix}"
+                    )
+                raw[jp]["bn"] = tuple(
+                    f"{node.target}.{k}"
+                    for k in ("weight", "bias", "running_mean", "running_var")
+                    if getattr(mod, k, None) is not None
+                )
             elif isinstance(mod, nn.Flatten):
                 if mod.start_dim != 1 or mod.end_dim != -1:
                     raise ValueError(f"{node.target}: only a flatten from dim 1 to the end keeps channels apart; {fix}")
@@ -219,8 +258,10 @@ def _graph_plan(model: nn.Module) -> List[Layer]:
                 start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
                 end = node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1)
                 if start != 1 or end != -1:
-                    raise ValueError(f"{kind}: {node.name} flattens from dim {start} to {end}; only a flatten from "
-                                     f"dim 1 to the end keeps channels apart; {fix}")
+                    raise ValueError(
+                        f"{kind}: {node.name} flattens from dim {start} to {end}; only a flatten from "
+                        f"dim 1 to the end keeps channels apart; {fix}"
+                    )
         else:
             raise ValueError(f"{kind}: the operation {where} ({node.name}) is one alignment cannot follow; {fix}")
         if not tensors:
@@ -239,7 +280,7 @@ def _graph_plan(model: nn.Module) -> List[Layer]:
         decider.setdefault(g, j)
     width = {g: _widths(raw[j]["mod"])[1] for g, j in decider.items()}
     srcs: List[Optional[int]] = []
-    for j, r in enumerate(raw):
+    for r in raw:
         g_in = find(r["in"])
         srcs.append(None if g_in == find(INPUT) else decider[g_in])
     plan: List[Layer] = []
@@ -252,15 +293,31 @@ def _graph_plan(model: nn.Module) -> List[Layer]:
             if isinstance(mod, nn.Linear) and width_in % prev_out == 0:
                 spatial = width_in // prev_out
             elif width_in != prev_out:
-                raise ValueError(f"{r['name']} takes {width_in} inputs but its input has {prev_out} channels: the "
-                                 f"transport of one cannot reorder the other; {fix}")
+                raise ValueError(
+                    f"{r['name']} takes {width_in} inputs but its input has {prev_out} channels: the "
+                    f"transport of one cannot reorder the other; {fix}"
+                )
         last = g in fixed
         lead = decider[g] == j
-        joint = tuple(m for m in range(j + 1, len(raw)) if roots[m] == g and (srcs[m] is None or srcs[m] < j)) \
-            if lead and not last else ()
-        plan.append(Layer(name=r["name"], weight=f"{r['name']}.weight",
-                          bias=f"{r['name']}.bias" if mod.bias is not None else None, bn=r["bn"], out=width_out,
-                          spatial=spatial, last=last, src=src, tie=None if lead or last else decider[g], joint=joint))
+        joint = (
+            tuple(m for m in range(j + 1, len(raw)) if roots[m] == g and (srcs[m] is None or cast(int, srcs[m]) < j))
+            if lead and not last
+            else ()
+        )
+        plan.append(
+            Layer(
+                name=r["name"],
+                weight=f"{r['name']}.weight",
+                bias=f"{r['name']}.bias" if mod.bias is not None else None,
+                bn=r["bn"],
+                out=width_out,
+                spatial=spatial,
+                last=last,
+                src=src,
+                tie=None if lead or last else decider[g],
+                joint=joint,
+            )
+        )
     return plan
 
 
@@ -287,8 +344,8 @@ class Transport:
     """One layer's coupling and what it cost: ``P`` (rows: A's units, columns: B's)."""
 
     P: torch.Tensor
-    cost: float        # mean ground distance moved per unit, Σ P·C / n
-    entropy: float     # mean row entropy of P over log n: 0 for a permutation, 1 for uniform
+    cost: float  # mean ground distance moved per unit, Σ P·C / n
+    entropy: float  # mean row entropy of P over log n: 0 for a permutation, 1 for uniform
     converged: bool = True
 
 
@@ -315,8 +372,9 @@ def align_inputs(w: torch.Tensor, prev: Optional[torch.Tensor], layer: Layer) ->
     return torch.einsum("ois,ij->ojs", grouped, P).reshape(out, width)
 
 
-def unit_distance(a: torch.Tensor, b: torch.Tensor, a_weight: Optional[torch.Tensor] = None,
-                  b_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+def unit_distance(
+    a: torch.Tensor, b: torch.Tensor, a_weight: Optional[torch.Tensor] = None, b_weight: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Euclidean distances between the rows of ``a`` and ``b``; with weights, on the coordinates both hold.
 
     ``C_ij = sqrt(Σ_d wa_id · wb_jd · (a_id − b_jd)²)``: two units are close when they agree where
@@ -325,15 +383,25 @@ def unit_distance(a: torch.Tensor, b: torch.Tensor, a_weight: Optional[torch.Ten
     a, b = a.double(), b.double()
     if a_weight is None:
         return torch.cdist(a, b)
-    wa, wb = a_weight.double(), b_weight.double()
+    wa, wb = a_weight.double(), cast(torch.Tensor, b_weight).double()  # the weights come in pairs
     sq = (wa * a * a) @ wb.t() - 2 * (wa * a) @ (wb * b).t() + wa @ (wb * b * b).t()
     return sq.clamp_min(0).sqrt()
 
 
-def transport(a: torch.Tensor, b: torch.Tensor, *, method: str = "sinkhorn", reg: float = 0.05,
-              max_iter: int = 200, tol: float = 1e-6, where: str = "", a_weight: Optional[torch.Tensor] = None,
-              b_weight: Optional[torch.Tensor] = None, extra: Optional[torch.Tensor] = None,
-              extra_weight: float = 1.0) -> Transport:
+def transport(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    method: str = "sinkhorn",
+    reg: float = 0.05,
+    max_iter: int = 200,
+    tol: float = 1e-6,
+    where: str = "",
+    a_weight: Optional[torch.Tensor] = None,
+    b_weight: Optional[torch.Tensor] = None,
+    extra: Optional[torch.Tensor] = None,
+    extra_weight: float = 1.0,
+) -> Transport:
     """The coupling of A's units (rows of ``a``) to B's (rows of ``b``).
 
     ``a_weight``/``b_weight`` weight the coordinates (a part's masks, :func:`unit_distance`);
@@ -379,16 +447,23 @@ def transport(a: torch.Tensor, b: torch.Tensor, *, method: str = "sinkhorn", reg
         P = (T * n).double()
         err = max(float((P.sum(1) - 1).abs().max()), float((P.sum(0) - 1).abs().max()))  # relative marginal error
         if not bool(torch.isfinite(P).all()):
-            warnings.warn(f"{where}Sinkhorn returned non-finite values; this layer keeps its order. Increase reg "
-                          f"(now {reg}) or use align=hungarian", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"{where}Sinkhorn returned non-finite values; this layer keeps its order. Increase reg "
+                f"(now {reg}) or use align=hungarian",
+                RuntimeWarning,
+                stacklevel=3,
+            )
             P, converged = torch.eye(n, dtype=torch.float64), False
         else:
             converged = err <= 5e-2  # warn when more than 5 % of a unit's mass is misplaced
             if not converged:
-                warnings.warn(f"{where}Sinkhorn did not converge in {max_iter} iterations (relative marginal error "
-                              f"{err:.2g}); "
-                              f"increase max_iter or reg (now {reg}), or use align=hungarian", RuntimeWarning,
-                              stacklevel=3)
+                warnings.warn(
+                    f"{where}Sinkhorn did not converge in {max_iter} iterations (relative marginal error "
+                    f"{err:.2g}); "
+                    f"increase max_iter or reg (now {reg}), or use align=hungarian",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
     return Transport(P=P, cost=float((P * C).sum()) / n, entropy=row_entropy(P), converged=converged)
 
 
@@ -416,12 +491,23 @@ class Chain:
 PART_COSTS = ("weighted", "masked")
 
 
-def align_chain(state: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor], plan: Sequence[Layer], *,
-                method: str = "sinkhorn", reg: float = 0.05, max_iter: int = 200, tol: float = 1e-6,
-                mask: Optional[Masks] = None,
-                ref_mask: Optional[Masks] = None, part_cost: str = "weighted",
-                bank_costs: Optional[Mapping[str, torch.Tensor]] = None, sba_weight: float = 1.0,
-                quality: bool = False, where: str = "") -> Chain:
+def align_chain(
+    state: Mapping[str, torch.Tensor],
+    ref: Mapping[str, torch.Tensor],
+    plan: Sequence[Layer],
+    *,
+    method: str = "sinkhorn",
+    reg: float = 0.05,
+    max_iter: int = 200,
+    tol: float = 1e-6,
+    mask: Optional[Masks] = None,
+    ref_mask: Optional[Masks] = None,
+    part_cost: str = "weighted",
+    bank_costs: Optional[Mapping[str, torch.Tensor]] = None,
+    sba_weight: float = 1.0,
+    quality: bool = False,
+    where: str = "",
+) -> Chain:
     """Transports aligning ``state`` to ``ref`` layer by layer, each carried into the next layer's inputs.
 
     ``mask``/``ref_mask`` make it a part's alignment (FedPD++'s close/open/shared parts, Eq. 19–21).
@@ -442,9 +528,10 @@ def align_chain(state: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tenso
             continue
         members = [layer] + [plan[m] for m in layer.joint]
 
-        def units(tensors, aligned):
-            return torch.cat([unit_matrix(tensors, m, chain.P[m.src] if aligned and m.src is not None else None)
-                              for m in members], 1)
+        def units(tensors, aligned, members=members):
+            return torch.cat(
+                [unit_matrix(tensors, m, chain.P[m.src] if aligned and m.src is not None else None) for m in members], 1
+            )
 
         a, b = units(state, True), units(ref, False)
         wa = wb = None
@@ -456,11 +543,21 @@ def align_chain(state: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tenso
                 wa, wb = ma, mb
         extras = [bank_costs[m.name] for m in members if bank_costs and m.name in bank_costs]
         extra = sum(extras[1:], extras[0]) if extras else None
-        t = transport(a, b, method=method, reg=reg, max_iter=max_iter, tol=tol, where=f"{where} {layer.name}".strip(),
-                      a_weight=wa, b_weight=wb, extra=extra, extra_weight=sba_weight)
+        t = transport(
+            a,
+            b,
+            method=method,
+            reg=reg,
+            max_iter=max_iter,
+            tol=tol,
+            where=f"{where} {layer.name}".strip(),
+            a_weight=wa,
+            b_weight=wb,
+            extra=extra,
+            extra_weight=sba_weight,
+        )
         if quality:
-            exact = transport(a, b, method="hungarian", a_weight=wa, b_weight=wb, extra=extra,
-                              extra_weight=sba_weight)
+            exact = transport(a, b, method="hungarian", a_weight=wa, b_weight=wb, extra=extra, extra_weight=sba_weight)
             chain.quality.append(1.0 if t.cost <= 0 else min(exact.cost / t.cost, 1.0))
         chain.P.append(t.P)
         chain.costs.append(t.cost)

@@ -25,8 +25,15 @@ def empty_scores(params: Mapping[str, torch.Tensor]) -> Dict[str, Scores]:
     return {part: {k: torch.zeros_like(p) for k, p in params.items()} for part in ("close", "open")}
 
 
-def importance_step(scores: Dict[str, Scores], params: Mapping[str, torch.Tensor], *, g_close: Mapping[str, torch.Tensor],
-                    g_open: Mapping[str, torch.Tensor], dt: float, mode: str) -> None:
+def importance_step(
+    scores: Dict[str, Scores],
+    params: Mapping[str, torch.Tensor],
+    *,
+    g_close: Mapping[str, torch.Tensor],
+    g_open: Mapping[str, torch.Tensor],
+    dt: float,
+    mode: str,
+) -> None:
     """Add one local step to ``scores`` in place: ``|g · ω| · dt`` (``dpi``) or replace by ``|g · ω|`` (``gradient``).
 
     ``params`` are the weights ω at this step, ``g_close`` and ``g_open`` the two losses' gradients.

@@ -23,10 +23,10 @@ from typing import Dict, Mapping, Sequence, Tuple
 import numpy as np
 import torch
 
-from fedcore.types import ModelSpec
 from fedcore.openset.metrics import auroc, msp_score, oscr, proser_predict, proser_score
 from fedcore.openset.openmax import OpenMax
 from fedcore.tensors import batches, resolve_device, to_tensor
+from fedcore.types import ModelSpec
 
 SCORES = ("msp", "openmax", "proser")
 
@@ -44,15 +44,24 @@ def check_scores(scores: Sequence[str], *, dummy: bool) -> Tuple[str, ...]:
     if bad or not scores:
         raise ValueError(f"unknown open-set score(s) {bad or scores}; use some of {', '.join(SCORES)}")
     if dummy != all(s == "proser" for s in scores) or (dummy and len(scores) != 1):
-        raise ValueError(f"scores {list(scores)} do not fit the model: a PROSER model (trainer proser, one dummy "
-                         "output) is scored with [proser]; a plain classifier with msp and/or openmax")
+        raise ValueError(
+            f"scores {list(scores)} do not fit the model: a PROSER model (trainer proser, one dummy "
+            "output) is scored with [proser]; a plain classifier with msp and/or openmax"
+        )
     return tuple(scores)
 
 
-def openset_evaluate(state: Mapping[str, torch.Tensor], spec: ModelSpec, known: Mapping[str, Tuple[np.ndarray, np.ndarray]],
-                     unknown: Mapping[str, np.ndarray], *, scores: Sequence[str],
-                     fit: Tuple[np.ndarray, np.ndarray] | None = None, device: str = "cpu",
-                     unknown_sets: Mapping[str, Mapping[str, np.ndarray]] | None = None) -> Dict[str, float]:
+def openset_evaluate(
+    state: Mapping[str, torch.Tensor],
+    spec: ModelSpec,
+    known: Mapping[str, Tuple[np.ndarray, np.ndarray]],
+    unknown: Mapping[str, np.ndarray],
+    *,
+    scores: Sequence[str],
+    fit: Tuple[np.ndarray, np.ndarray] | None = None,
+    device: str = "cpu",
+    unknown_sets: Mapping[str, Mapping[str, np.ndarray]] | None = None,
+) -> Dict[str, float]:
     """Open-set metrics of ``state`` on every domain (see the module docstring).
 
     ``unknown_sets``: ``{scenario: {domain: bool mask over unknown[domain]}}``
@@ -62,8 +71,8 @@ def openset_evaluate(state: Mapping[str, torch.Tensor], spec: ModelSpec, known: 
     model that gets a whole known class wrong cannot be fitted (OpenMax needs each class's mean
     activation vector): its OpenMax metrics are NaN in that round, with a warning, and the run goes on.
     """
-    device = resolve_device(device)
-    model = spec.build().to(device)
+    dev = resolve_device(device)
+    model = spec.build().to(dev)
     model.load_state_dict(state)
     dummy = scores[0] == "proser"
     scorer = None
@@ -71,13 +80,16 @@ def openset_evaluate(state: Mapping[str, torch.Tensor], spec: ModelSpec, known: 
         if fit is None:
             raise ValueError("the openmax score needs training data to fit on (fit=(x, y))")
         try:
-            scorer = OpenMax().fit(logits_of(model, fit[0], device=device), np.asarray(fit[1]))
+            scorer = OpenMax().fit(logits_of(model, fit[0], device=dev), np.asarray(fit[1]))
         except ValueError as e:  # an early round's model may get a whole class wrong: no score this round
-            warnings.warn(f"OpenMax cannot be fitted to this model, its metrics are NaN for now: {e}", RuntimeWarning,
-                          stacklevel=2)
+            warnings.warn(
+                f"OpenMax cannot be fitted to this model, its metrics are NaN for now: {e}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     out: Dict[str, float] = {}
     for d, (x, y) in known.items():
-        lk, lu = logits_of(model, x, device=device), logits_of(model, unknown[d], device=device)
+        lk, lu = logits_of(model, x, device=dev), logits_of(model, unknown[d], device=dev)
         pred = proser_predict(lk) if dummy else lk.argmax(1)
         correct = pred == np.asarray(y)
         out[f"acc.{d}"] = float(correct.mean())

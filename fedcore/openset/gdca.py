@@ -12,7 +12,7 @@ statistics, which no mask covers, follow the whole-model transport.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -30,11 +30,23 @@ class Fused:
     per_client: Dict[int, Dict[str, float]] = field(default_factory=dict)
 
 
-def fuse(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float], *, plan: Sequence[Layer],
-         parts: Sequence[Mapping[str, Mapping[str, torch.Tensor]]], ref: int, method: str = "sinkhorn",
-         reg: float = 0.05, max_iter: int = 200, tol: float = 1e-6, part_cost: str = "weighted",
-         banks: Optional[Sequence[Mapping[str, torch.Tensor]]] = None, sba_weight: float = 1.0,
-         quality: bool = False, names: Optional[Sequence[int]] = None) -> Fused:
+def fuse(
+    states: Sequence[Mapping[str, torch.Tensor]],
+    weights: Sequence[float],
+    *,
+    plan: Sequence[Layer],
+    parts: Sequence[Mapping[str, Mapping[str, torch.Tensor]]],
+    ref: int,
+    method: str = "sinkhorn",
+    reg: float = 0.05,
+    max_iter: int = 200,
+    tol: float = 1e-6,
+    part_cost: str = "weighted",
+    banks: Optional[Sequence[Optional[Mapping[str, torch.Tensor]]]] = None,
+    sba_weight: float = 1.0,
+    quality: bool = False,
+    names: Optional[Sequence[int]] = None,
+) -> Fused:
     """Align every client's parts to client ``ref``'s and average them.
 
     Parameters
@@ -50,7 +62,7 @@ def fuse(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float],
         How a part's units are compared (:func:`fedcore.openset.align.align_chain`).
     banks:
         Per client, ``{"rounds": (t,), layer name: (t, C) BatchNorm running means}`` (SBA,
-        :func:`~fedcore.openset.sba.sba_costs`); ``None`` turns SBA off.
+        :func:`~fedcore.openset.sba.sba_costs`), or ``None`` for a client with none yet; ``None`` turns SBA off.
     names:
         Client ids for ``per_client`` (default: positions).
     """
@@ -64,8 +76,11 @@ def fuse(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float],
     total = float(sum(weights))
     num = {k: torch.zeros_like(states[0][k], dtype=torch.float64) for k in param_keys}
     den = {k: torch.zeros_like(num[k]) for k in param_keys}
-    whole_sum = {k: torch.zeros_like(states[0][k], dtype=torch.float64) for k in param_keys + others
-                 if states[0][k].is_floating_point()}
+    whole_sum = {
+        k: torch.zeros_like(states[0][k], dtype=torch.float64)
+        for k in param_keys + others
+        if states[0][k].is_floating_point()
+    }
     costs: Dict[str, List[float]] = {}
     entropies: List[float] = []
     quality_vals: List[float] = []
@@ -75,14 +90,40 @@ def fuse(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float],
             whole = identity_chain(plan)
             chains = {p: whole for p in cut}
         else:
-            sba = dict(bank_costs=sba_costs(banks[k], banks[ref], plan), sba_weight=sba_weight) if banks else {}
-            whole = align_chain(state, states[ref], plan, method=method, reg=reg, max_iter=max_iter, tol=tol,
-                                quality=quality, where=f"client {names[k]}", **sba)
-            chains = {p: whole if p in ("rest", "whole") else
-                      align_chain(state, states[ref], plan, method=method, reg=reg, max_iter=max_iter, tol=tol,
-                                  mask=cut[p], ref_mask=parts[ref][p], part_cost=part_cost,
-                                  where=f"client {names[k]} {p}", **sba)
-                      for p in cut}
+            sba: Dict[str, Any] = (
+                dict(bank_costs=sba_costs(banks[k], banks[ref], plan), sba_weight=sba_weight) if banks else {}
+            )
+            whole = align_chain(
+                state,
+                states[ref],
+                plan,
+                method=method,
+                reg=reg,
+                max_iter=max_iter,
+                tol=tol,
+                quality=quality,
+                where=f"client {names[k]}",
+                **sba,
+            )
+            chains = {
+                p: whole
+                if p in ("rest", "whole")
+                else align_chain(
+                    state,
+                    states[ref],
+                    plan,
+                    method=method,
+                    reg=reg,
+                    max_iter=max_iter,
+                    tol=tol,
+                    mask=cut[p],
+                    ref_mask=parts[ref][p],
+                    part_cost=part_cost,
+                    where=f"client {names[k]} {p}",
+                    **sba,
+                )
+                for p in cut
+            }
             for p, ch in chains.items():
                 costs.setdefault(p, []).extend(ch.costs)
             for ch in {id(c): c for c in chains.values()}.values():  # every transport that acts, once

@@ -69,13 +69,15 @@ def make_mask(q: torch.Tensor, *, mode: str, delta: float) -> torch.Tensor:
     raise ValueError(f"unknown mask mode {mode!r}; use one of {', '.join(MASK_MODES)}")
 
 
-def masks_from_scores(scores: Mapping[str, torch.Tensor], *, mode: str, delta: float, norm: str = "rank"
-                      ) -> Dict[str, torch.Tensor]:
+def masks_from_scores(
+    scores: Mapping[str, torch.Tensor], *, mode: str, delta: float, norm: str = "rank"
+) -> Dict[str, torch.Tensor]:
     return {k: make_mask(normalise(v, norm=norm), mode=mode, delta=delta) for k, v in scores.items()}
 
 
-def split_parts(m_close: Mapping[str, torch.Tensor], m_open: Mapping[str, torch.Tensor], *, mode: str = "three"
-                ) -> Dict[str, Dict[str, torch.Tensor]]:
+def split_parts(
+    m_close: Mapping[str, torch.Tensor], m_open: Mapping[str, torch.Tensor], *, mode: str = "three"
+) -> Dict[str, Dict[str, torch.Tensor]]:
     """The parts each model is cut into before alignment, as masks keyed like the parameters.
 
     ``three`` (FedPD++): close-specific, open-specific, shared, and the rest; they sum to 1.
@@ -87,11 +89,16 @@ def split_parts(m_close: Mapping[str, torch.Tensor], m_open: Mapping[str, torch.
     if mode == "none":
         return {"whole": {k: torch.ones_like(v) for k, v in m_close.items()}}
     if set(m_close) != set(m_open):
-        raise ValueError("the closed-set and open-set masks cover different parameters; both must mask every "
-                         "parameter of the model")
+        raise ValueError(
+            "the closed-set and open-set masks cover different parameters; both must mask every parameter of the model"
+        )
     share = {k: m_close[k] * m_open[k] for k in m_close}
     rest = {k: (1 - m_close[k]) * (1 - m_open[k]) for k in m_close}
     if mode == "two":
         return {"close": dict(m_close), "open": dict(m_open), "rest": rest}
-    return {"close": {k: m_close[k] - share[k] for k in m_close}, "open": {k: m_open[k] - share[k] for k in m_open},
-            "share": share, "rest": rest}
+    return {
+        "close": {k: m_close[k] - share[k] for k in m_close},
+        "open": {k: m_open[k] - share[k] for k in m_open},
+        "share": share,
+        "rest": rest,
+    }

@@ -28,8 +28,9 @@ def _scores(a: Any, name: str) -> np.ndarray:
     """A 1-D, non-empty, finite float64 array, or a ValueError that names ``name``."""
     s = as_numpy(a)
     if s.ndim != 1:
-        raise ValueError(f"{name} must be 1-D (one score per sample), got shape {s.shape}; "
-                         "flatten it or pass one score per sample")
+        raise ValueError(
+            f"{name} must be 1-D (one score per sample), got shape {s.shape}; flatten it or pass one score per sample"
+        )
     if s.size == 0:
         raise ValueError(f"{name} is empty; the metric needs at least one sample on each side")
     if not np.issubdtype(s.dtype, np.number) or np.issubdtype(s.dtype, np.complexfloating):
@@ -37,13 +38,16 @@ def _scores(a: Any, name: str) -> np.ndarray:
     s = s.astype(np.float64)
     bad = int((~np.isfinite(s)).sum())
     if bad:
-        raise ValueError(f"{name} has {bad} non-finite value(s) (NaN or inf); the model or scorer diverged: "
-                         "fix it, or drop those samples knowingly before scoring")
+        raise ValueError(
+            f"{name} has {bad} non-finite value(s) (NaN or inf); the model or scorer diverged: "
+            "fix it, or drop those samples knowingly before scoring"
+        )
     return s
 
 
 def check_logits(logits: Any, name: str = "logits", *, min_classes: int = 1) -> np.ndarray:
-    """``logits`` as a 2-D (N, C) NumPy array with C >= ``min_classes``; anything else is a ValueError naming ``name``."""
+    """``logits`` as a 2-D (N, C) NumPy array with C >= ``min_classes``; anything else is a ValueError naming
+    ``name``."""
     z = as_numpy(logits)
     if z.ndim != 2 or z.shape[1] < min_classes:
         raise ValueError(f"{name} must be 2-D (N, C) with C >= {min_classes}, got shape {z.shape}")
@@ -225,11 +229,15 @@ def open_set_metrics(pred: Any, y: Any, score_known: Any, score_unknown: Any) ->
     p, t = as_numpy(pred), as_numpy(y)
     n = _scores(score_known, "score_known").shape
     if p.shape != n or t.shape != n:
-        raise ValueError(f"pred, y and score_known must describe the same known samples: shapes {p.shape}, "
-                         f"{t.shape}, {n}")
+        raise ValueError(
+            f"pred, y and score_known must describe the same known samples: shapes {p.shape}, {t.shape}, {n}"
+        )
     correct = p == t
-    return {"closed_acc": float(correct.mean()), "auroc": auroc(score_known, score_unknown),
-            "oscr": oscr(score_known, correct, score_unknown)}
+    return {
+        "closed_acc": float(correct.mean()),
+        "auroc": auroc(score_known, score_unknown),
+        "oscr": oscr(score_known, correct, score_unknown),
+    }
 
 
 __all__ = ["auroc", "oscr", "msp_score", "proser_score", "proser_predict", "open_set_metrics"]

@@ -35,7 +35,7 @@ settles them:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -120,8 +120,9 @@ class OpenMax:
 
     def __init__(self, *, tail_size: int = 20, alpha: int | None = None, distance: str = "eucos") -> None:
         if not _is_int(tail_size) or tail_size < 2:
-            raise ValueError(f"tail_size must be an int >= 2 (a Weibull fit needs two points), got {tail_size!r}; "
-                             "the authors use 20")
+            raise ValueError(
+                f"tail_size must be an int >= 2 (a Weibull fit needs two points), got {tail_size!r}; the authors use 20"
+            )
         if alpha is not None and (not _is_int(alpha) or alpha < 1):
             raise ValueError(f"alpha must be an int >= 1 or None (= min(classes, 10)), got {alpha!r}")
         if distance not in DISTANCES:
@@ -140,7 +141,7 @@ class OpenMax:
     @property
     def num_classes(self) -> int:
         self._check_fitted()
-        return int(self.mav_.shape[0])
+        return int(cast(np.ndarray, self.mav_).shape[0])
 
     def fit(self, logits: Any, y: Any) -> "OpenMax":
         """Fit the MAVs and per-class Weibull models on training logits.
@@ -167,11 +168,13 @@ class OpenMax:
         labels = as_numpy(y)
         n, c = z.shape
         if labels.shape != (n,) or not np.issubdtype(labels.dtype, np.integer):
-            raise ValueError(f"y must be an int array of shape ({n},) to match logits, "
-                             f"got {labels.dtype} {labels.shape}")
+            raise ValueError(
+                f"y must be an int array of shape ({n},) to match logits, got {labels.dtype} {labels.shape}"
+            )
         if n and (labels.min() < 0 or labels.max() >= c):
-            raise ValueError(f"y must be class indices 0..{c - 1} (the logits have {c} columns), "
-                             f"got {labels.min()}..{labels.max()}")
+            raise ValueError(
+                f"y must be class indices 0..{c - 1} (the logits have {c} columns), got {labels.min()}..{labels.max()}"
+            )
         alpha = min(c, 10) if self.alpha is None else self.alpha
         if alpha > c:
             raise ValueError(f"alpha={alpha} exceeds the {c} classes of the logits; set alpha <= {c} (or None)")
@@ -182,18 +185,22 @@ class OpenMax:
         for k in range(c):
             rows = (labels == k) & (pred == k)
             if not rows.any():
-                raise ValueError(f"class {k} has no correctly classified training sample, so OpenMax has no mean "
-                                 "activation vector for it; train the model longer, or score with MSP "
-                                 "(fedcore.openset.msp_score) instead")
+                raise ValueError(
+                    f"class {k} has no correctly classified training sample, so OpenMax has no mean "
+                    "activation vector for it; train the model longer, or score with MSP "
+                    "(fedcore.openset.msp_score) instead"
+                )
             mav[k] = z[rows].mean(axis=0)
             d = pairwise_distance(z[rows], mav[k][None], distance=self.distance)[:, 0]
-            tail = np.sort(d)[-self.tail_size:]
+            tail = np.sort(d)[-self.tail_size :]
             tail = tail[tail > 0]
             if np.unique(tail).size < 2:
-                raise ValueError(f"class {k} has {int(rows.sum())} correctly classified training sample(s) but fewer "
-                                 "than 2 distinct nonzero distances to its MAV, too few for a Weibull fit; fit on "
-                                 "more training samples, train the model longer, or score with MSP "
-                                 "(fedcore.openset.msp_score) instead")
+                raise ValueError(
+                    f"class {k} has {int(rows.sum())} correctly classified training sample(s) but fewer "
+                    "than 2 distinct nonzero distances to its MAV, too few for a Weibull fit; fit on "
+                    "more training samples, train the model longer, or score with MSP "
+                    "(fedcore.openset.msp_score) instead"
+                )
             shape[k], _, scale[k] = _weibull().fit(tail, floc=0)
         self.mav_, self.shape_, self.scale_, self.alpha_ = mav, shape, scale, alpha
         return self
@@ -204,10 +211,13 @@ class OpenMax:
 
     def _checked(self, logits: Any) -> np.ndarray:
         self._check_fitted()
+        mav = cast(np.ndarray, self.mav_)  # fitted: fit() sets mav_, shape_, scale_ and alpha_ together
         z = check_logits(logits)
-        if z.shape[1] != self.mav_.shape[0]:
-            raise ValueError(f"logits have {z.shape[1]} columns but OpenMax was fitted on {self.mav_.shape[0]} "
-                             "classes; score logits of the same model")
+        if z.shape[1] != mav.shape[0]:
+            raise ValueError(
+                f"logits have {z.shape[1]} columns but OpenMax was fitted on {mav.shape[0]} "
+                "classes; score logits of the same model"
+            )
         return z
 
     def weibull_cdf(self, distances: Any) -> np.ndarray:
@@ -224,10 +234,11 @@ class OpenMax:
             float64 (N, C) in [0, 1], non-decreasing in the distance, 0 at distance 0.
         """
         self._check_fitted()
+        shape, scale = cast(np.ndarray, self.shape_), cast(np.ndarray, self.scale_)  # fitted (checked above)
         d = np.asarray(distances, dtype=np.float64)
-        if d.ndim != 2 or d.shape[1] != len(self.shape_):
-            raise ValueError(f"distances must be (N, {len(self.shape_)}), got {d.shape}")
-        return _weibull().cdf(d, self.shape_[None, :], loc=0.0, scale=self.scale_[None, :])
+        if d.ndim != 2 or d.shape[1] != len(shape):
+            raise ValueError(f"distances must be (N, {len(shape)}), got {d.shape}")
+        return _weibull().cdf(d, shape[None, :], loc=0.0, scale=scale[None, :])
 
     def predict_proba(self, logits: Any) -> np.ndarray:
         """OpenMax probabilities: the C known classes, then the unknown class in the last column.
@@ -243,12 +254,12 @@ class OpenMax:
             float64 (N, C + 1); each row sums to 1.
         """
         z = self._checked(logits)
+        mav, alpha = cast(np.ndarray, self.mav_), cast(int, self.alpha_)  # fitted (checked by _checked)
         n, c = z.shape
-        w = self.weibull_cdf(pairwise_distance(z, self.mav_, distance=self.distance))
-        ranked = np.argsort(-z, axis=1, kind="stable")[:, : self.alpha_]
+        w = self.weibull_cdf(pairwise_distance(z, mav, distance=self.distance))
+        ranked = np.argsort(-z, axis=1, kind="stable")[:, :alpha]
         alpha_weight = np.zeros_like(z)
-        np.put_along_axis(alpha_weight, ranked,
-                          (self.alpha_ - np.arange(self.alpha_, dtype=np.float64)) / self.alpha_, axis=1)
+        np.put_along_axis(alpha_weight, ranked, (alpha - np.arange(alpha, dtype=np.float64)) / alpha, axis=1)
         removed = z * w * alpha_weight
         revised = np.concatenate([z - removed, removed.sum(axis=1, keepdims=True)], axis=1)
         revised -= revised.max(axis=1, keepdims=True)

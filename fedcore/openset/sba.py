@@ -25,8 +25,9 @@ def bank_cost(bank: torch.Tensor, ref_bank: torch.Tensor) -> torch.Tensor:
     return torch.cdist(bank.double().t(), ref_bank.double().t())
 
 
-def sba_costs(bank: Optional[Mapping[str, torch.Tensor]], ref_bank: Optional[Mapping[str, torch.Tensor]],
-         plan: Sequence[Layer]) -> Dict[str, torch.Tensor]:
+def sba_costs(
+    bank: Optional[Mapping[str, torch.Tensor]], ref_bank: Optional[Mapping[str, torch.Tensor]], plan: Sequence[Layer]
+) -> Dict[str, torch.Tensor]:
     """SBA's per-layer costs between channels, over the rounds both clients have BatchNorm statistics for.
 
     A bank is ``{"rounds": (t,) round indices, <layer name>: (t, C) running means}``.

@@ -15,8 +15,6 @@ from fedcore.privacy.accountant import (
     gdp_epsilon,
     mu_from_sigma,
 )
-from fedcore.privacy.ledger import Ledger, PrivacyConfig
-from fedcore.privacy.gate import gate_noise_std, privatize_gate
 from fedcore.privacy.dp import (
     BACKENDS,
     MODES,
@@ -32,9 +30,37 @@ from fedcore.privacy.dp import (
     per_sample_grads_opacus,
     privatize,
 )
+from fedcore.privacy.gate import gate_noise_std, privatize_gate
+from fedcore.privacy.ledger import Ledger, PrivacyConfig
 
-__all__ = ["CALIBRATIONS", "GDPAccountant", "calibrate_sigma", "check_clip_norm", "check_delta", "check_epsilon",
-           "check_gate_noise", "check_sigma", "gate_mu", "gdp_delta", "gdp_epsilon", "mu_from_sigma", "BACKENDS",
-           "MODES", "NOISE_SOURCES", "ClippedGradient", "PrivacySpec", "PrivateGradient", "check_private_model",
-           "flatten_per_sample", "gaussian_noise", "per_sample_grads_functorch", "per_sample_grads_joint",
-           "per_sample_grads_opacus", "privatize", "Ledger", "PrivacyConfig", "gate_noise_std", "privatize_gate"]
+__all__ = [
+    "CALIBRATIONS",
+    "GDPAccountant",
+    "calibrate_sigma",
+    "check_clip_norm",
+    "check_delta",
+    "check_epsilon",
+    "check_gate_noise",
+    "check_sigma",
+    "gate_mu",
+    "gdp_delta",
+    "gdp_epsilon",
+    "mu_from_sigma",
+    "BACKENDS",
+    "MODES",
+    "NOISE_SOURCES",
+    "ClippedGradient",
+    "PrivacySpec",
+    "PrivateGradient",
+    "check_private_model",
+    "flatten_per_sample",
+    "gaussian_noise",
+    "per_sample_grads_functorch",
+    "per_sample_grads_joint",
+    "per_sample_grads_opacus",
+    "privatize",
+    "Ledger",
+    "PrivacyConfig",
+    "gate_noise_std",
+    "privatize_gate",
+]

@@ -36,22 +36,24 @@ import math
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
-
 CALIBRATIONS = ("dp-tta", "exact")
 
 
 # ------------------------------------------------------------------------------------ checks
 def check_epsilon(epsilon: float) -> float:
     if not (isinstance(epsilon, (int, float)) and math.isfinite(epsilon) and epsilon > 0):
-        raise ValueError(f"epsilon must be a finite number > 0, got {epsilon!r}; "
-                         "for no noise at all use the clip-only form (sigma = 0)")
+        raise ValueError(
+            f"epsilon must be a finite number > 0, got {epsilon!r}; "
+            "for no noise at all use the clip-only form (sigma = 0)"
+        )
     return float(epsilon)
 
 
 def check_delta(delta: float) -> float:
     if not (isinstance(delta, (int, float)) and 0 < delta < 1):
-        raise ValueError(f"delta must lie strictly between 0 and 1, got {delta!r} "
-                         "(commonly well below 1/stream size, e.g. 1e-6)")
+        raise ValueError(
+            f"delta must lie strictly between 0 and 1, got {delta!r} (commonly well below 1/stream size, e.g. 1e-6)"
+        )
     return float(delta)
 
 
@@ -69,9 +71,11 @@ def check_clip_norm(clip_norm: float) -> float:
 
 def check_gate_noise(noise_multiplier: float) -> float:
     if not (isinstance(noise_multiplier, (int, float)) and math.isfinite(noise_multiplier) and noise_multiplier > 0):
-        raise ValueError(f"gate_noise_multiplier must be a finite number > 0, got {noise_multiplier!r}: the client "
-                         "reports its gate statistic sigma_k every arrival, and without noise that release has no "
-                         "finite epsilon (10 costs mu = 0.1 of each arrival's budget)")
+        raise ValueError(
+            f"gate_noise_multiplier must be a finite number > 0, got {noise_multiplier!r}: the client "
+            "reports its gate statistic sigma_k every arrival, and without noise that release has no "
+            "finite epsilon (10 costs mu = 0.1 of each arrival's budget)"
+        )
     return float(noise_multiplier)
 
 
@@ -122,8 +126,9 @@ def gdp_epsilon(mu: float, delta: float) -> float:
 
 
 @functools.lru_cache(maxsize=256)
-def calibrate_sigma(epsilon: float, delta: float, *, uses: int = 1, method: str = "dp-tta",
-                    reserved_mu: float = 0.0) -> float:
+def calibrate_sigma(
+    epsilon: float, delta: float, *, uses: int = 1, method: str = "dp-tta", reserved_mu: float = 0.0
+) -> float:
     """Noise multiplier σ so that a sample used ``uses`` times costs at most (ε, δ).
 
     ``method="exact"`` inverts :func:`gdp_epsilon` (bisection to 1e-10). ``method="dp-tta"``
@@ -142,10 +147,12 @@ def calibrate_sigma(epsilon: float, delta: float, *, uses: int = 1, method: str 
         raise ValueError(f"reserved_mu must be a finite number >= 0, got {reserved_mu!r}")
     budget = mu_from_sigma(base, uses)
     if reserved_mu >= budget:
-        raise ValueError(f"the gate release alone (mu = {reserved_mu:.3g}) spends the whole budget of epsilon = "
-                         f"{epsilon:g} (mu = {budget:.3g}); raise privacy.gate_noise_multiplier above "
-                         f"{1 / budget:.3g}, or the target epsilon")
-    return 2.0 * math.sqrt(uses) / math.sqrt(budget ** 2 - reserved_mu ** 2)
+        raise ValueError(
+            f"the gate release alone (mu = {reserved_mu:.3g}) spends the whole budget of epsilon = "
+            f"{epsilon:g} (mu = {budget:.3g}); raise privacy.gate_noise_multiplier above "
+            f"{1 / budget:.3g}, or the target epsilon"
+        )
+    return 2.0 * math.sqrt(uses) / math.sqrt(budget**2 - reserved_mu**2)
 
 
 def _calibrate_whole(epsilon: float, delta: float, *, uses: int, method: str) -> float:
@@ -168,8 +175,14 @@ def _opacus_prv_sigma(epsilon: float, delta: float, uses: int) -> float:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # PRV's log(0) warnings at sample_rate = 1 are harmless
-        z = get_noise_multiplier(target_epsilon=epsilon, target_delta=delta, sample_rate=1.0, steps=uses,
-                                 accountant="prv", epsilon_tolerance=0.01)
+        z = get_noise_multiplier(
+            target_epsilon=epsilon,
+            target_delta=delta,
+            sample_rate=1.0,
+            steps=uses,
+            accountant="prv",
+            epsilon_tolerance=0.01,
+        )
     return 2.0 * float(z)  # Opacus' noise multiplier is per add/remove sensitivity C; change-one is 2C
 
 
@@ -204,10 +217,11 @@ class GDPAccountant:
     def get_epsilon(self, delta: float) -> float:
         return gdp_epsilon(self.mu, delta)
 
-    def epsilon_after(self, *, noise_multiplier: float, uses: int, delta: float,
-                      gate_noise_multiplier: Optional[float] = None) -> float:
+    def epsilon_after(
+        self, *, noise_multiplier: float, uses: int, delta: float, gate_noise_multiplier: Optional[float] = None
+    ) -> float:
         """The cumulative ε if one more pass were spent (nothing is recorded)."""
-        mu2 = self.mu ** 2 + self._mu2(noise_multiplier, uses, gate_noise_multiplier)
+        mu2 = self.mu**2 + self._mu2(noise_multiplier, uses, gate_noise_multiplier)
         return gdp_epsilon(math.sqrt(mu2), delta)
 
     def state_dict(self) -> Dict[str, Any]:
@@ -217,8 +231,9 @@ class GDPAccountant:
         if state.get("mechanism") != "gdp":
             raise ValueError(f"not a GDP accountant state: mechanism={state.get('mechanism')!r}")
         # entries written before the gate was accounted have two fields: no gate release
-        self.history = [(float(h[0]), int(h[1]), None if len(h) < 3 or h[2] is None else float(h[2]))
-                        for h in state["history"]]
+        self.history = [
+            (float(h[0]), int(h[1]), None if len(h) < 3 or h[2] is None else float(h[2])) for h in state["history"]
+        ]
 
     def __repr__(self) -> str:
         return f"GDPAccountant(steps={len(self.history)}, mu={self.mu:.4g})"

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, List
+from typing import Callable, List, cast
 
 import numpy as np
 import torch
@@ -43,8 +43,9 @@ def clopper_pearson_upper(k: int, n: int, alpha: float) -> float:
     return 1.0 if k >= n else float(beta.ppf(1 - alpha, k + 1, n - k))
 
 
-def epsilon_lower_bound(scores_in: np.ndarray, scores_out: np.ndarray, *, delta: float,
-                        confidence: float = 0.95) -> float:
+def epsilon_lower_bound(
+    scores_in: np.ndarray, scores_out: np.ndarray, *, delta: float, confidence: float = 0.95
+) -> float:
     """The largest ε that the threshold tests on these scores certify (0 if none)."""
     alpha = (1 - confidence) / 2  # two rates bounded at once
     n_in, n_out = len(scores_in), len(scores_out)
@@ -84,9 +85,21 @@ def choose_canary(method, pool: torch.Tensor, candidates: int = 16) -> torch.Ten
     return cands[int(cos.argmin())]
 
 
-def canary_audit(build: Callable[[], nn.Module], pool: torch.Tensor, *, spec: PrivacySpec, delta: float,
-                 num_classes: int, method: str = "tent", lr: float = 0.1, stream_size: int = 8, trials: int = 200,
-                 seed: int = 0, confidence: float = 0.95, progress: bool = False) -> AuditResult:
+def canary_audit(
+    build: Callable[[], nn.Module],
+    pool: torch.Tensor,
+    *,
+    spec: PrivacySpec,
+    delta: float,
+    num_classes: int,
+    method: str = "tent",
+    lr: float = 0.1,
+    stream_size: int = 8,
+    trials: int = 200,
+    seed: int = 0,
+    confidence: float = 0.95,
+    progress: bool = False,
+) -> AuditResult:
     """Run the canary game for one privacy setting (``spec``; mode ``dp0`` is the private step at σ = 0).
 
     ``build`` returns the received global model; ``pool`` holds ordinary samples (N, C, H, W)
@@ -94,12 +107,12 @@ def canary_audit(build: Callable[[], nn.Module], pool: torch.Tensor, *, spec: Pr
     clip norm below the per-sample gradient norms), since the guarantee does not depend on C.
     The method is created once and reset between trials: each trial is one real private step.
     """
-    from fedcore.adapt import create_method
+    from fedcore.adapt import GradientMethod, create_method
 
     if len(pool) < stream_size + 64:
         raise ValueError(f"the audit needs at least {stream_size + 64} pool samples, got {len(pool)}")
     gen = torch.Generator().manual_seed(seed)
-    m = create_method(method, build(), lr=lr, num_classes=num_classes, privacy=spec)
+    m = cast(GradientMethod, create_method(method, build(), lr=lr, num_classes=num_classes, privacy=spec))
     canary = choose_canary(m, pool)
     # The canary's clipped gradient at the received model: the attacker's direction.
     g = per_sample_grads_functorch(m.model, dict(m.params), m.sample_loss, canary.unsqueeze(0), {})
@@ -129,6 +142,13 @@ def canary_audit(build: Callable[[], nn.Module], pool: torch.Tensor, *, spec: Pr
     a_in, a_out = np.asarray(s_in), np.asarray(s_out)
     auc = float((a_in[:, None] > a_out[None, :]).mean() + 0.5 * (a_in[:, None] == a_out[None, :]).mean())
     sigma = spec.noise_multiplier
-    return AuditResult(epsilon_lower=epsilon_lower_bound(a_in, a_out, delta=delta, confidence=confidence),
-                       epsilon_accountant=gdp_epsilon(mu_from_sigma(sigma), delta), sigma=sigma, delta=delta,
-                       trials=trials, auc=auc, scores_in=s_in, scores_out=s_out)
+    return AuditResult(
+        epsilon_lower=epsilon_lower_bound(a_in, a_out, delta=delta, confidence=confidence),
+        epsilon_accountant=gdp_epsilon(mu_from_sigma(sigma), delta),
+        sigma=sigma,
+        delta=delta,
+        trials=trials,
+        auc=auc,
+        scores_in=s_in,
+        scores_out=s_out,
+    )

@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -76,6 +76,9 @@ from fedcore.registry import Registry, check_choice
 
 DEFAULT_ORDERS: Tuple[int, ...] = tuple(range(1, 65)) + (80, 96, 128, 256)
 """Integer orders λ (Rényi order α = λ + 1) over which ε is minimised."""
+
+Orders = Union[Sequence[int], np.ndarray]
+"""Integer orders λ >= 1 as a sequence or a 1-D array."""
 
 ESTIMATORS = ("mean", "ucb")
 
@@ -92,15 +95,17 @@ _CHUNK = 1 << 21  # float64 elements per block in the per-sample (UCB) computati
 # ------------------------------------------------------------------------------------ checks
 def _check_epsilon(epsilon: float) -> float:
     if not (isinstance(epsilon, (int, float, np.floating, np.integer)) and math.isfinite(epsilon) and epsilon > 0):
-        raise ValueError(f"ε_total must be > 0 and finite, got {epsilon!r}; pass the client's privacy budget, "
-                         "e.g. epsilon=8.0")
+        raise ValueError(
+            f"ε_total must be > 0 and finite, got {epsilon!r}; pass the client's privacy budget, e.g. epsilon=8.0"
+        )
     return float(epsilon)
 
 
 def _check_delta(delta: float) -> float:
     if not (isinstance(delta, (int, float, np.floating)) and 0 < delta < 1):
-        raise ValueError(f"delta must lie strictly between 0 and 1, got {delta!r}; "
-                         "use well below 1/(records per client), e.g. 1e-5")
+        raise ValueError(
+            f"delta must lie strictly between 0 and 1, got {delta!r}; use well below 1/(records per client), e.g. 1e-5"
+        )
     return float(delta)
 
 
@@ -112,8 +117,10 @@ def _check_q(q: float) -> float:
 
 def _check_sigma(sigma: float) -> float:
     if not (isinstance(sigma, (int, float, np.floating, np.integer)) and math.isfinite(sigma) and sigma > 0):
-        raise ValueError(f"noise multiplier sigma must be a finite number > 0, got {sigma!r}; "
-                         "it is the noise std divided by the clip norm C")
+        raise ValueError(
+            f"noise multiplier sigma must be a finite number > 0, got {sigma!r}; "
+            "it is the noise std divided by the clip norm C"
+        )
     return float(sigma)
 
 
@@ -125,17 +132,26 @@ def _check_steps(steps: int) -> int:
 
 def _check_confidence(confidence: float) -> float:
     if not (isinstance(confidence, (int, float, np.floating)) and 0 < confidence < 0.5):
-        raise ValueError(f"confidence γ (the probability that the upper bound fails) must lie in (0, 0.5), "
-                         f"got {confidence!r}; e.g. 0.05 for a 95% upper bound")
+        raise ValueError(
+            f"confidence γ (the probability that the upper bound fails) must lie in (0, 0.5), "
+            f"got {confidence!r}; e.g. 0.05 for a 95% upper bound"
+        )
     return float(confidence)
 
 
-def _check_orders(orders: Sequence[int]) -> np.ndarray:
+def _check_orders(orders: Orders) -> np.ndarray:
     arr = np.asarray(list(orders) if not isinstance(orders, np.ndarray) else orders, dtype=float)
-    if arr.ndim != 1 or arr.size == 0 or not np.all(np.isfinite(arr)) or np.any(arr < 1) \
-            or np.any(arr != np.round(arr)):
-        raise ValueError(f"orders must be a non-empty list of integers >= 1 (λ; Rényi order α = λ + 1), "
-                         f"got {orders!r}; e.g. DEFAULT_ORDERS")
+    if (
+        arr.ndim != 1
+        or arr.size == 0
+        or not np.all(np.isfinite(arr))
+        or np.any(arr < 1)
+        or np.any(arr != np.round(arr))
+    ):
+        raise ValueError(
+            f"orders must be a non-empty list of integers >= 1 (λ; Rényi order α = λ + 1), "
+            f"got {orders!r}; e.g. DEFAULT_ORDERS"
+        )
     return arr.astype(np.int64)
 
 
@@ -144,22 +160,28 @@ def _check_sq_norms(sq_norms: Any) -> np.ndarray:
         sq_norms = sq_norms.detach().cpu().double().numpy()
     arr = np.asarray(sq_norms, dtype=float).reshape(-1)
     if arr.size == 0:
-        raise ValueError("sq_norms is empty; pass ‖clip(g)‖²/C² of at least one per-sample gradient "
-                         "(two or more for estimator='ucb')")
+        raise ValueError(
+            "sq_norms is empty; pass ‖clip(g)‖²/C² of at least one per-sample gradient "
+            "(two or more for estimator='ucb')"
+        )
     finite = np.isfinite(arr)
     if not finite.all() or arr.min() < 0 or arr.max() > 1 + _SQ_NORM_SLACK:
         seen = f"values in [{arr[finite].min():.6g}, {arr[finite].max():.6g}]" if finite.any() else "no finite value"
-        raise ValueError(f"sq_norms must lie in [0, 1] (got {seen}"
-                         f"{'' if finite.all() else ' and non-finite entries'}): clipped "
-                         "gradients have norm ≤ C; pass ‖clip(g)‖²/C²")
+        raise ValueError(
+            f"sq_norms must lie in [0, 1] (got {seen}"
+            f"{'' if finite.all() else ' and non-finite entries'}): clipped "
+            "gradients have norm ≤ C; pass ‖clip(g)‖²/C²"
+        )
     return np.clip(arr, 0.0, 1.0)
 
 
 def _check_cost(cost: Any, n_orders: int, what: str = "cost") -> np.ndarray:
     arr = np.asarray(cost, dtype=float).reshape(-1)
     if arr.shape != (n_orders,) or np.any(np.isnan(arr)) or np.any(arr < 0):
-        raise ValueError(f"{what} must hold one non-negative number per order ({n_orders}), got shape "
-                         f"{arr.shape}; pass what step_cost / bdp_step_cost returned for the same orders")
+        raise ValueError(
+            f"{what} must hold one non-negative number per order ({n_orders}), got shape "
+            f"{arr.shape}; pass what step_cost / bdp_step_cost returned for the same orders"
+        )
     return arr
 
 
@@ -186,14 +208,21 @@ def _log_mgf_per_sample(sq_norms: np.ndarray, logpmf: np.ndarray, sigma: float) 
     rows = max(1, _CHUNK // (logpmf.size or 1))
     out = np.empty((sq_norms.size, logpmf.shape[0]))
     for start in range(0, sq_norms.size, rows):
-        d2 = sq_norms[start:start + rows]
+        d2 = sq_norms[start : start + rows]
         terms = logpmf[None, :, :] + (d2[:, None] * half_kk[None, :])[:, None, :]  # (n, J, K)
-        out[start:start + rows] = logsumexp(terms, axis=2)
+        out[start : start + rows] = logsumexp(terms, axis=2)
     return out
 
 
-def bdp_step_cost(*, sq_norms: Any, q: float, sigma: float, orders: Sequence[int] = DEFAULT_ORDERS,
-                  estimator: str = "mean", confidence: float = 0.05) -> np.ndarray:
+def bdp_step_cost(
+    *,
+    sq_norms: Any,
+    q: float,
+    sigma: float,
+    orders: Orders = DEFAULT_ORDERS,
+    estimator: str = "mean",
+    confidence: float = 0.05,
+) -> np.ndarray:
     """Bayesian privacy cost c(λ) of one subsampled-Gaussian step, one value per order.
 
     Parameters
@@ -235,8 +264,10 @@ def bdp_step_cost(*, sq_norms: Any, q: float, sigma: float, orders: Sequence[int
 
     gamma = _check_confidence(confidence)
     if n < 2:
-        raise ValueError("estimator='ucb' needs at least 2 values in sq_norms to estimate a spread; "
-                         "pass the whole batch's clipped norms or use estimator='mean'")
+        raise ValueError(
+            "estimator='ucb' needs at least 2 values in sq_norms to estimate a spread; "
+            "pass the whole batch's clipped norms or use estimator='mean'"
+        )
     from scipy.stats import t as student_t
 
     ell = _log_mgf_per_sample(d2, logpmf, sigma)  # (n, J)
@@ -252,7 +283,7 @@ def bdp_step_cost(*, sq_norms: Any, q: float, sigma: float, orders: Sequence[int
     return np.maximum(np.minimum(log_ucb, worst), 0.0)
 
 
-def bdp_epsilon(*, total_cost: Any, orders: Sequence[int] = DEFAULT_ORDERS, delta: float) -> Tuple[float, int]:
+def bdp_epsilon(*, total_cost: Any, orders: Orders = DEFAULT_ORDERS, delta: float) -> Tuple[float, int]:
     """ε of a Bayesian privacy cost: min_λ (C(λ) − log δ) / λ.
 
     Parameters
@@ -277,7 +308,7 @@ def bdp_epsilon(*, total_cost: Any, orders: Sequence[int] = DEFAULT_ORDERS, delt
     return float(eps[best]), int(lam[best])
 
 
-def rdp_epsilon(*, total_cost: Any, orders: Sequence[int] = DEFAULT_ORDERS, delta: float) -> Tuple[float, int]:
+def rdp_epsilon(*, total_cost: Any, orders: Orders = DEFAULT_ORDERS, delta: float) -> Tuple[float, int]:
     """ε of a classic cost, converted as ``opacus.accountants.RDPAccountant`` does.
 
     With α = λ + 1 and RDP ρ(α) = C(λ)/λ, ε = min_α ρ(α) − (log δ + log α)/(α − 1) + log((α − 1)/α)
@@ -297,20 +328,28 @@ def rdp_epsilon(*, total_cost: Any, orders: Sequence[int] = DEFAULT_ORDERS, delt
     return max(float(eps[best]), 0.0), int(lam[best])
 
 
-def classic_step_cost(*, q: float, sigma: float, orders: Sequence[int] = DEFAULT_ORDERS) -> np.ndarray:
+def classic_step_cost(*, q: float, sigma: float, orders: Orders = DEFAULT_ORDERS) -> np.ndarray:
     """Worst-case (d = 1) cost of one step: λ · RDP_{λ+1}(q, σ), from Opacus's ``compute_rdp``."""
     from opacus.accountants.analysis.rdp import compute_rdp
 
     q, sigma, lam = _check_q(q), _check_sigma(sigma), _check_orders(orders)
-    rdp = np.asarray(compute_rdp(q=q, noise_multiplier=sigma, steps=1, orders=[float(a) for a in lam + 1]),
-                     dtype=float)
+    rdp = np.asarray(compute_rdp(q=q, noise_multiplier=sigma, steps=1, orders=[float(a) for a in lam + 1]), dtype=float)
     return lam * rdp
 
 
 # ------------------------------------------------------------------------------------ calibration
-def calibrate_sigma_bdp(*, sq_norms: Any, q: float, steps: int, epsilon: float, delta: float,
-                        spent: Optional[Any] = None, orders: Sequence[int] = DEFAULT_ORDERS,
-                        estimator: str = "mean", confidence: float = 0.05) -> float:
+def calibrate_sigma_bdp(
+    *,
+    sq_norms: Any,
+    q: float,
+    steps: int,
+    epsilon: float,
+    delta: float,
+    spent: Optional[Any] = None,
+    orders: Orders = DEFAULT_ORDERS,
+    estimator: str = "mean",
+    confidence: float = 0.05,
+) -> float:
     """The smallest noise multiplier σ with BDP ε(spent + steps · c_σ) ≤ ``epsilon``.
 
     Parameters
@@ -349,11 +388,15 @@ def calibrate_sigma_bdp(*, sq_norms: Any, q: float, steps: int, epsilon: float, 
 
     floor, _ = bdp_epsilon(total_cost=base, orders=lam, delta=delta)
     if floor >= target and spent is None:
-        raise ValueError(f"ε_total={target:.4g} is below what these orders can certify at δ={delta:g} even with no "
-                         f"cost (−log δ / max λ = {floor:.4g}); raise ε_total or add larger orders")
+        raise ValueError(
+            f"ε_total={target:.4g} is below what these orders can certify at δ={delta:g} even with no "
+            f"cost (−log δ / max λ = {floor:.4g}); raise ε_total or add larger orders"
+        )
     if floor >= target:
-        raise ValueError(f"the budget is already spent: ε of `spent` alone is {floor:.4g} ≥ ε_total={target:.4g}, "
-                         "and no noise can lower it; stop training this client or raise ε_total")
+        raise ValueError(
+            f"the budget is already spent: ε of `spent` alone is {floor:.4g} ≥ ε_total={target:.4g}, "
+            "and no noise can lower it; stop training this client or raise ε_total"
+        )
 
     def eps_at(sigma: float) -> float:
         cost = bdp_step_cost(sq_norms=d2, q=q, sigma=sigma, orders=lam, estimator=estimator, confidence=confidence)
@@ -367,8 +410,9 @@ def _bisect_sigma(eps_at, target: float) -> float:
     while eps_at(hi) > target:
         hi *= 2.0
         if hi > SIGMA_MAX:
-            raise ValueError(f"even sigma={SIGMA_MAX:g} does not meet ε_total={target:.4g}; raise ε_total or "
-                             "take fewer steps")
+            raise ValueError(
+                f"even sigma={SIGMA_MAX:g} does not meet ε_total={target:.4g}; raise ε_total or take fewer steps"
+            )
     lo = hi / 2.0
     while eps_at(lo) <= target:
         hi, lo = lo, lo / 2.0
@@ -383,8 +427,9 @@ def _bisect_sigma(eps_at, target: float) -> float:
     return float(hi)
 
 
-def calibrate_sigma_classic(*, q: float, steps: int, epsilon: float, delta: float,
-                            orders: Sequence[int] = DEFAULT_ORDERS) -> float:
+def calibrate_sigma_classic(
+    *, q: float, steps: int, epsilon: float, delta: float, orders: Orders = DEFAULT_ORDERS
+) -> float:
     """The noise multiplier σ that Opacus calibrates for (ε, δ)-DP over ``steps`` steps.
 
     Uses ``opacus.accountants.utils.get_noise_multiplier`` with the RDP accountant, evaluated on
@@ -398,12 +443,20 @@ def calibrate_sigma_classic(*, q: float, steps: int, epsilon: float, delta: floa
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Optimal order is the")  # noisy during bisection
         try:
-            sigma = get_noise_multiplier(target_epsilon=target, target_delta=delta, sample_rate=q, steps=steps,
-                                         accountant="rdp", epsilon_tolerance=1e-3 * target,
-                                         alphas=[float(a) for a in lam + 1])
+            sigma = get_noise_multiplier(
+                target_epsilon=target,
+                target_delta=delta,
+                sample_rate=q,
+                steps=steps,
+                accountant="rdp",
+                epsilon_tolerance=1e-3 * target,
+                alphas=[float(a) for a in lam + 1],
+            )
         except ValueError as err:
-            raise ValueError(f"Opacus cannot calibrate sigma for ε_total={target:.4g}, δ={delta:g}, q={q:g}, "
-                             f"steps={steps}: {err}; raise ε_total or take fewer steps") from None
+            raise ValueError(
+                f"Opacus cannot calibrate sigma for ε_total={target:.4g}, δ={delta:g}, q={q:g}, "
+                f"steps={steps}: {err}; raise ε_total or take fewer steps"
+            ) from None
     return float(sigma)
 
 
@@ -416,7 +469,7 @@ class _CostAccountant:
 
     name = ""
 
-    def __init__(self, *, orders: Sequence[int] = DEFAULT_ORDERS) -> None:
+    def __init__(self, *, orders: Orders = DEFAULT_ORDERS) -> None:
         self.orders = _check_orders(orders)
         self.total_cost = np.zeros(self.orders.size)
         self._steps = 0
@@ -450,17 +503,24 @@ class _CostAccountant:
         return self._convert(self.total_cost + _check_cost(cost, self.orders.size), delta)[0]
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"accountant": self.name, "orders": [int(o) for o in self.orders],
-                "total_cost": [float(c) for c in self.total_cost], "steps": int(self._steps)}
+        return {
+            "accountant": self.name,
+            "orders": [int(o) for o in self.orders],
+            "total_cost": [float(c) for c in self.total_cost],
+            "steps": int(self._steps),
+        }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if state.get("accountant") != self.name:
-            raise ValueError(f"state of a {state.get('accountant')!r} accountant cannot be loaded into a "
-                             f"{self.name!r} one; create_accountant({state.get('accountant')!r}, ...) instead")
+            raise ValueError(
+                f"state of a {state.get('accountant')!r} accountant cannot be loaded into a "
+                f"{self.name!r} one; create_accountant({state.get('accountant')!r}, ...) instead"
+            )
         orders = _check_orders(state["orders"])
         if not np.array_equal(orders, self.orders):
-            raise ValueError("the state was saved with different orders; create the accountant with "
-                             f"orders={list(map(int, orders))}")
+            raise ValueError(
+                f"the state was saved with different orders; create the accountant with orders={list(map(int, orders))}"
+            )
         steps = state["steps"]
         if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 0:
             raise ValueError(f"steps in the state must be an integer >= 0, got {steps!r}")
@@ -487,16 +547,21 @@ class BayesianAccountant(_CostAccountant):
 
     name = "bayesian"
 
-    def __init__(self, *, orders: Sequence[int] = DEFAULT_ORDERS, estimator: str = "mean",
-                 confidence: float = 0.05) -> None:
+    def __init__(self, *, orders: Orders = DEFAULT_ORDERS, estimator: str = "mean", confidence: float = 0.05) -> None:
         super().__init__(orders=orders)
         self.estimator = check_choice("estimator", estimator, ESTIMATORS)
         self.confidence = _check_confidence(confidence)
 
     def step_cost(self, *, sq_norms: Any, q: float, sigma: float) -> np.ndarray:
         """c(λ) of one step whose batch has clipped norms² ``sq_norms`` (‖clip(g)‖²/C²)."""
-        return bdp_step_cost(sq_norms=sq_norms, q=q, sigma=sigma, orders=self.orders, estimator=self.estimator,
-                             confidence=self.confidence)
+        return bdp_step_cost(
+            sq_norms=sq_norms,
+            q=q,
+            sigma=sigma,
+            orders=self.orders,
+            estimator=self.estimator,
+            confidence=self.confidence,
+        )
 
     def _convert(self, total_cost: np.ndarray, delta: float) -> Tuple[float, int]:
         return bdp_epsilon(total_cost=total_cost, orders=self.orders, delta=delta)
@@ -526,6 +591,19 @@ def create_accountant(name: str, **settings: Any) -> _CostAccountant:
     return ACCOUNTANTS.create(name, **settings)
 
 
-__all__ = ["ACCOUNTANTS", "BayesianAccountant", "ClassicAccountant", "DEFAULT_ORDERS", "ESTIMATORS", "SIGMA_MAX",
-           "SIGMA_MIN", "bdp_epsilon", "bdp_step_cost", "calibrate_sigma_bdp", "calibrate_sigma_classic",
-           "classic_step_cost", "create_accountant", "rdp_epsilon"]
+__all__ = [
+    "ACCOUNTANTS",
+    "BayesianAccountant",
+    "ClassicAccountant",
+    "DEFAULT_ORDERS",
+    "ESTIMATORS",
+    "SIGMA_MAX",
+    "SIGMA_MIN",
+    "bdp_epsilon",
+    "bdp_step_cost",
+    "calibrate_sigma_bdp",
+    "calibrate_sigma_classic",
+    "classic_step_cost",
+    "create_accountant",
+    "rdp_epsilon",
+]

@@ -27,7 +27,7 @@ import math
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Dict, Mapping
+from typing import Callable, Dict, Mapping, Optional, cast
 
 import numpy as np
 import torch
@@ -49,16 +49,20 @@ SampleLoss = Callable[[torch.Tensor, Mapping[str, torch.Tensor], Params], torch.
 
 def check_mode(mode: str) -> str:
     if mode not in MODES:
-        raise ValueError(f"unknown privacy mode {mode!r}; valid names are: {', '.join(MODES)} "
-                         "(clip: the paper's clip-only form; dp0: the private form at sigma = 0)")
+        raise ValueError(
+            f"unknown privacy mode {mode!r}; valid names are: {', '.join(MODES)} "
+            "(clip: the paper's clip-only form; dp0: the private form at sigma = 0)"
+        )
     return mode
 
 
 def check_noise_source(source: str) -> str:
     if source not in NOISE_SOURCES:
-        raise ValueError(f"unknown privacy noise_source {source!r}; valid names are: {', '.join(NOISE_SOURCES)} "
-                         "(secure: OS entropy, for any run whose guarantee matters; seeded: torch's generator, "
-                         "reproducible from the run's seed, for research grids)")
+        raise ValueError(
+            f"unknown privacy noise_source {source!r}; valid names are: {', '.join(NOISE_SOURCES)} "
+            "(secure: OS entropy, for any run whose guarantee matters; seeded: torch's generator, "
+            "reproducible from the run's seed, for research grids)"
+        )
     return source
 
 
@@ -83,17 +87,20 @@ class PrivacySpec:
         check_mode(self.mode)
         check_noise_source(self.noise_source)
         if self.backend not in BACKENDS:
-            raise ValueError(f"unknown per-sample gradient backend {self.backend!r}; "
-                             f"valid names are: {', '.join(BACKENDS)}")
+            raise ValueError(
+                f"unknown per-sample gradient backend {self.backend!r}; valid names are: {', '.join(BACKENDS)}"
+            )
         if self.mode != "off":
             check_clip_norm(self.clip_norm)
         check_sigma(self.noise_multiplier)
         if self.mode in ("clip", "dp0") and self.noise_multiplier != 0:
             raise ValueError(f"mode {self.mode!r} adds no noise; set noise_multiplier to 0 or use mode 'dp'")
         if self.mode == "dp" and self.noise_multiplier == 0:
-            raise ValueError("mode 'dp' needs a noise multiplier > 0 (calibrate it from epsilon); for clipping "
-                             "without noise use mode 'clip' (the paper's clip-only form) or 'dp0' (the private "
-                             "form at sigma = 0)")
+            raise ValueError(
+                "mode 'dp' needs a noise multiplier > 0 (calibrate it from epsilon); for clipping "
+                "without noise use mode 'clip' (the paper's clip-only form) or 'dp0' (the private "
+                "form at sigma = 0)"
+            )
 
     @property
     def private(self) -> bool:
@@ -115,15 +122,16 @@ def _secure_standard_normal(n: int) -> torch.Tensor:
     """
     pairs = 2 * n  # four draws per output, two per Box–Muller pair
     words = np.frombuffer(os.urandom(16 * pairs), dtype=np.uint64).reshape(2, pairs)
-    u1 = ((words[0] >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0 ** -53  # (0, 1]: log is finite
-    u2 = (words[1] >> np.uint64(11)).astype(np.float64) * 2.0 ** -53  # [0, 1)
+    u1 = ((words[0] >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0**-53  # (0, 1]: log is finite
+    u2 = (words[1] >> np.uint64(11)).astype(np.float64) * 2.0**-53  # [0, 1)
     r = np.sqrt(-2.0 * np.log(u1))
     z = np.concatenate([r * np.cos(2 * np.pi * u2), r * np.sin(2 * np.pi * u2)])[: 4 * n]
     return torch.from_numpy(z.reshape(4, n).sum(0) / 2.0)
 
 
-def gaussian_noise(shape, *, std: float, source: str, device=None, dtype=torch.float32,
-                   generator: torch.Generator | None = None) -> torch.Tensor:
+def gaussian_noise(
+    shape, *, std: float, source: str, device=None, dtype=torch.float32, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """N(0, std²) of the given shape from the named source (:data:`NOISE_SOURCES`).
 
     ``seeded``: ``torch.randn`` on ``generator`` (default: torch's global generator, which
@@ -158,11 +166,19 @@ def check_private_model(model: nn.Module) -> None:
         raise ValueError(
             f"private adaptation needs per-sample gradients, but the model has BatchNorm ({bns[0]}, ...), which "
             "mixes the samples of a batch in train mode. Use the GroupNorm or LayerNorm variant: "
-            "model.norm=group (or model.norm=layer), and pretrain that source model.")
+            "model.norm=group (or model.norm=layer), and pretrain that source model."
+        )
 
 
-def per_sample_grads_functorch(model: nn.Module, params: Params, sample_loss: SampleLoss, x: torch.Tensor,
-                               aux: Mapping[str, torch.Tensor], *, with_logits: bool = False):
+def per_sample_grads_functorch(
+    model: nn.Module,
+    params: Params,
+    sample_loss: SampleLoss,
+    x: torch.Tensor,
+    aux: Mapping[str, torch.Tensor],
+    *,
+    with_logits: bool = False,
+):
     """{name: (B, *shape)} per-sample gradients of ``sample_loss`` over ``params`` via torch.func.
 
     With ``with_logits`` also the (B, C) logits of that same forward pass.
@@ -180,13 +196,20 @@ def per_sample_grads_functorch(model: nn.Module, params: Params, sample_loss: Sa
     return (grads, logits) if with_logits else grads
 
 
-def per_sample_grads_opacus(model: nn.Module, params: Params, sample_loss: SampleLoss, x: torch.Tensor,
-                            aux: Mapping[str, torch.Tensor], *, with_logits: bool = False):
+def per_sample_grads_opacus(
+    model: nn.Module,
+    params: Params,
+    sample_loss: SampleLoss,
+    x: torch.Tensor,
+    aux: Mapping[str, torch.Tensor],
+    *,
+    with_logits: bool = False,
+):
     """The same through Opacus' per-layer hooks. The loss may depend on the parameters only
     through the model's output (no direct parameter terms: those are invisible to hooks)."""
     from opacus import GradSampleModule
 
-    gsm = model._fedcore_gsm if hasattr(model, "_fedcore_gsm") else None
+    gsm = cast(Optional[GradSampleModule], model._fedcore_gsm) if hasattr(model, "_fedcore_gsm") else None
     if gsm is None:
         for m in model.modules():  # Opacus' backward hooks forbid in-place ops on hooked outputs
             if isinstance(m, (nn.ReLU, nn.ReLU6, nn.LeakyReLU)):
@@ -196,15 +219,18 @@ def per_sample_grads_opacus(model: nn.Module, params: Params, sample_loss: Sampl
         object.__setattr__(model, "_fedcore_gsm", gsm)  # hooks stay; not registered as a submodule
     named = dict(model.named_parameters())
     for p in named.values():
-        p.grad_sample = None
+        p.grad_sample = None  # type: ignore[attr-defined]  # Opacus' runtime attribute; torch's Parameter stub lacks it
     logits = gsm(x)
     with warnings.catch_warnings():  # inputs need no grad here; Opacus' full backward hooks say so every call
         warnings.simplefilter("ignore", UserWarning)
         sample_loss(logits, dict(aux), {k: named[k] for k in params}).sum().backward()
-    out = {k: named[k].grad_sample.detach().clone() for k in params}
+    out = {
+        k: named[k].grad_sample.detach().clone()  # type: ignore[attr-defined]  # Opacus' runtime attribute
+        for k in params
+    }
     for p in named.values():
         p.grad = None
-        p.grad_sample = None
+        p.grad_sample = None  # type: ignore[attr-defined]  # Opacus' runtime attribute; torch's Parameter stub lacks it
     return (out, logits.detach()) if with_logits else out
 
 
@@ -213,9 +239,15 @@ def flatten_per_sample(per_sample: Params) -> torch.Tensor:
     return torch.cat([g.reshape(g.shape[0], -1) for g in per_sample.values()], dim=1)
 
 
-def privatize(per_sample: Params, *, clip_norm: float, noise_multiplier: float, batch_size: float,
-              noise_source: str = "secure",
-              generator: torch.Generator | None = None) -> tuple[Params, Dict[str, float]]:
+def privatize(
+    per_sample: Params,
+    *,
+    clip_norm: float,
+    noise_multiplier: float,
+    batch_size: float,
+    noise_source: str = "secure",
+    generator: torch.Generator | None = None,
+) -> tuple[Params, Dict[str, float]]:
     """Clip each sample's joint gradient to ``clip_norm``, sum, add N(0, σ²C²), divide by ``batch_size``.
 
     The noise comes from ``noise_source`` (:func:`gaussian_noise`; ``generator`` only for
@@ -232,12 +264,20 @@ def privatize(per_sample: Params, *, clip_norm: float, noise_multiplier: float, 
         g = per_sample[k]
         summed = torch.einsum("b,b...->...", factor, g)
         if noise_multiplier > 0:
-            summed = summed + gaussian_noise(summed.shape, std=noise_multiplier * clip_norm, source=noise_source,
-                                             generator=generator, device=summed.device, dtype=summed.dtype)
+            summed = summed + gaussian_noise(
+                summed.shape,
+                std=noise_multiplier * clip_norm,
+                source=noise_source,
+                generator=generator,
+                device=summed.device,
+                dtype=summed.dtype,
+            )
         out[k] = summed / batch_size
     live = norms[norms > 0]
-    stats = {"clip_fraction": float((live > clip_norm).float().mean()) if len(live) else 0.0,
-             "grad_norm": float(live.mean()) if len(live) else 0.0}
+    stats = {
+        "clip_fraction": float((live > clip_norm).float().mean()) if len(live) else 0.0,
+        "grad_norm": float(live.mean()) if len(live) else 0.0,
+    }
     return out, stats
 
 
@@ -262,10 +302,14 @@ def per_sample_grads_joint(losses: torch.Tensor, params: Mapping[str, torch.Tens
     graph) computes the same and was about three times slower on the CNNs here (64 samples, CPU).
     """
     names = list(params)
-    rows = [torch.autograd.grad(losses[i], [params[k] for k in names], allow_unused=True, retain_graph=True)
-            for i in range(len(losses))]
-    return {k: torch.stack([torch.zeros_like(params[k]) if r[j] is None else r[j] for r in rows])
-            for j, k in enumerate(names)}
+    rows = [
+        torch.autograd.grad(losses[i], [params[k] for k in names], allow_unused=True, retain_graph=True)
+        for i in range(len(losses))
+    ]
+    return {
+        k: torch.stack([torch.zeros_like(params[k]) if r[j] is None else r[j] for r in rows])
+        for j, k in enumerate(names)
+    }
 
 
 class ClippedGradient(_RunningStats):
@@ -297,8 +341,15 @@ class ClippedGradient(_RunningStats):
         """Σ_i clip(∇ losses_i) / ``normaliser``, by parameter name; ``losses`` (N,) still has its graph."""
         return self._clip_sum(per_sample_grads_joint(losses, params), normaliser)
 
-    def by_hooks(self, model: nn.Module, params: Mapping[str, torch.Tensor], sample_loss: SampleLoss, x: torch.Tensor,
-                 aux: Mapping[str, torch.Tensor], normaliser: float) -> Params:
+    def by_hooks(
+        self,
+        model: nn.Module,
+        params: Mapping[str, torch.Tensor],
+        sample_loss: SampleLoss,
+        x: torch.Tensor,
+        aux: Mapping[str, torch.Tensor],
+        normaliser: float,
+    ) -> Params:
         """The same gradient, with g_i from Opacus' per-layer hooks over one forward and backward of ``x``.
 
         Only where no layer mixes the samples of a batch (no BatchNorm: :func:`has_batchnorm`) and
@@ -332,7 +383,12 @@ class PrivateGradient(_RunningStats):
     def __call__(self, sample_loss: SampleLoss, x: torch.Tensor, aux: Mapping[str, torch.Tensor]):
         """The private gradient, and the logits of the forward pass that computed it."""
         per_sample, logits = self._fn(self.model, dict(self.params), sample_loss, x, aux, with_logits=True)
-        g, stats = privatize(per_sample, clip_norm=self.spec.clip_norm, noise_multiplier=self.spec.noise_multiplier,
-                             batch_size=len(x), noise_source=self.spec.noise_source)
+        g, stats = privatize(
+            per_sample,
+            clip_norm=self.spec.clip_norm,
+            noise_multiplier=self.spec.noise_multiplier,
+            batch_size=len(x),
+            noise_source=self.spec.noise_source,
+        )
         self._add(stats)
         return g, logits

@@ -56,32 +56,41 @@ class PrivacyConfig:
         if self.calibration not in CALIBRATIONS:
             raise ValueError(f"unknown calibration {self.calibration!r}; valid names are: {', '.join(CALIBRATIONS)}")
         if self.backend not in BACKENDS:
-            raise ValueError(f"unknown per-sample gradient backend {self.backend!r}; "
-                             f"valid names are: {', '.join(BACKENDS)}")
+            raise ValueError(
+                f"unknown per-sample gradient backend {self.backend!r}; valid names are: {', '.join(BACKENDS)}"
+            )
         if self.mode == "off":
             return
         check_clip_norm(self.clip_norm)
         if self.mode in ("clip", "dp0"):
             if self.budget is not None or self.epsilon is not None:
-                raise ValueError(f"privacy mode {self.mode!r} adds no noise and gives no privacy guarantee, so "
-                                 "epsilon and budget do not apply; use privacy mode 'dp' for a guarantee")
+                raise ValueError(
+                    f"privacy mode {self.mode!r} adds no noise and gives no privacy guarantee, so "
+                    "epsilon and budget do not apply; use privacy mode 'dp' for a guarantee"
+                )
             return
         check_delta(self.delta)
         check_gate_noise(self.gate_noise_multiplier)
         if self.noise_multiplier is None:
             if self.epsilon is None:
-                raise ValueError("privacy mode 'dp' needs a target epsilon per arrival (privacy.epsilon) "
-                                 "or an explicit privacy.noise_multiplier")
+                raise ValueError(
+                    "privacy mode 'dp' needs a target epsilon per arrival (privacy.epsilon) "
+                    "or an explicit privacy.noise_multiplier"
+                )
             check_epsilon(self.epsilon)
         elif check_sigma(self.noise_multiplier) == 0:
-            raise ValueError("privacy mode 'dp' needs noise_multiplier > 0; for sigma = 0 use mode 'dp0' (the "
-                             "private form) or 'clip' (the paper's clip-only form)")
+            raise ValueError(
+                "privacy mode 'dp' needs noise_multiplier > 0; for sigma = 0 use mode 'dp0' (the "
+                "private form) or 'clip' (the paper's clip-only form)"
+            )
         if self.budget is not None:
             try:
                 check_epsilon(self.budget)
             except ValueError:
-                raise ValueError(f"privacy.budget must be a finite epsilon > 0 (each client's total), got "
-                                 f"{self.budget!r}; null sets no budget") from None
+                raise ValueError(
+                    f"privacy.budget must be a finite epsilon > 0 (each client's total), got "
+                    f"{self.budget!r}; null sets no budget"
+                ) from None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> "PrivacyConfig":
@@ -89,8 +98,9 @@ class PrivacyConfig:
         d.pop("name", None)
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
-            raise ValueError(f"unknown privacy setting(s) {sorted(unknown)}; valid names are: "
-                             f"{', '.join(cls.__dataclass_fields__)}")
+            raise ValueError(
+                f"unknown privacy setting(s) {sorted(unknown)}; valid names are: {', '.join(cls.__dataclass_fields__)}"
+            )
         return cls(**d)
 
     def sigma(self, uses: int) -> float:
@@ -101,8 +111,13 @@ class PrivacyConfig:
         return calibrate_sigma(self.epsilon, self.delta, uses=uses, method=self.calibration, reserved_mu=self.gate_mu)
 
     def spec(self, uses: int) -> PrivacySpec:
-        return PrivacySpec(mode=self.mode, clip_norm=self.clip_norm, noise_multiplier=self.sigma(uses),
-                           backend=self.backend, noise_source=self.noise_source)
+        return PrivacySpec(
+            mode=self.mode,
+            clip_norm=self.clip_norm,
+            noise_multiplier=self.sigma(uses),
+            backend=self.backend,
+            noise_source=self.noise_source,
+        )
 
     @property
     def name(self) -> str:
@@ -152,20 +167,20 @@ class Ledger:
         """ε of one arrival: the update and the gate release, composed."""
         if not self.cfg.accounted:
             return math.inf
-        mu = math.sqrt(mu_from_sigma(self.sigma, self.uses) ** 2 + self.cfg.gate_mu ** 2)
+        mu = math.sqrt(mu_from_sigma(self.sigma, self.uses) ** 2 + self.cfg.gate_mu**2)
         return gdp_epsilon(mu, self.cfg.delta)
 
     def would_exceed(self, client: int) -> bool:
         if not self.cfg.accounted or self.cfg.budget is None:
             return False
-        after = self.account(client).epsilon_after(noise_multiplier=self.sigma, uses=self.uses, delta=self.cfg.delta,
-                                                   gate_noise_multiplier=self.cfg.gate)
+        after = self.account(client).epsilon_after(
+            noise_multiplier=self.sigma, uses=self.uses, delta=self.cfg.delta, gate_noise_multiplier=self.cfg.gate
+        )
         return after > self.cfg.budget * (1 + 1e-9)
 
     def charge(self, client: int) -> None:
         if self.cfg.accounted:
-            self.account(client).step(noise_multiplier=self.sigma, uses=self.uses,
-                                      gate_noise_multiplier=self.cfg.gate)
+            self.account(client).step(noise_multiplier=self.sigma, uses=self.uses, gate_noise_multiplier=self.cfg.gate)
 
     def state_dict(self) -> Dict[int, Dict[str, Any]]:
         return {k: a.state_dict() for k, a in sorted(self.accountants.items())}
@@ -179,8 +194,14 @@ class Ledger:
         """The per-arrival ledger line for MLflow (finite numbers only)."""
         if not self.cfg.accounted:
             return {}
-        return ledger_line("arrival", sigma=self.sigma, spent=0.0 if refused else self.arrival_epsilon(),
-                           total=self.epsilon(client), budget=self.cfg.budget, refused=refused)
+        return ledger_line(
+            "arrival",
+            sigma=self.sigma,
+            spent=0.0 if refused else self.arrival_epsilon(),
+            total=self.epsilon(client),
+            budget=self.cfg.budget,
+            refused=refused,
+        )
 
 
 # ---------------------------------------------------------------- one ledger format for every system
@@ -189,15 +210,21 @@ class Ledger:
 # Both are written the same way: a ledger line per client and step in MLflow, privacy_ledger.json with every
 # client's final account, and privacy_ledger.png (fedcore.evaluate.plots.plot_ledger).
 
-def ledger_line(step: str, *, sigma: float, spent: float, total: float, budget: Optional[float],
-                refused: bool) -> Dict[str, float]:
+
+def ledger_line(
+    step: str, *, sigma: float, spent: float, total: float, budget: Optional[float], refused: bool
+) -> Dict[str, float]:
     """One client's ledger line after one ``step`` (``"arrival"`` or ``"round"``), as MLflow metrics.
 
     ``spent``: the ε this step cost (``eps_<step>``; 0 when refused); ``total``: the client's cumulative ε;
     ``refused``: the client sent nothing because its budget is spent.
     """
-    out = {"privacy_sigma": float(sigma), "privacy_refused": float(refused), f"eps_{step}": float(spent),
-           "eps_client_total": float(total)}
+    out = {
+        "privacy_sigma": float(sigma),
+        "privacy_refused": float(refused),
+        f"eps_{step}": float(spent),
+        "eps_client_total": float(total),
+    }
     if budget is not None:
         out["eps_budget_remaining"] = max(0.0, float(budget) - out["eps_client_total"])
     return out
@@ -206,11 +233,14 @@ def ledger_line(step: str, *, sigma: float, spent: float, total: float, budget: 
 _ROUND_EPSILON = re.compile(r"^epsilon\.c(\d+)$")
 
 
-def round_ledger_lines(records: Sequence[Mapping[str, Any]], *,
-                       budget: Optional[float]) -> List[Tuple[int, int, Dict[str, float]]]:
+def round_ledger_lines(
+    records: Sequence[Mapping[str, Any]], *, budget: Optional[float]
+) -> List[Tuple[int, int, Dict[str, float]]]:
     """(round, client, ledger line) for every client that reported a ledger in a round's record
     (``epsilon.c<k>``, ``sigma.c<k>`` and ``budget_spent.c<k>``, as the ``ppfcil`` strategy writes them)."""
-    lines, last, sigmas = [], {}, {}
+    lines: List[Tuple[int, int, Dict[str, float]]] = []
+    last: Dict[int, float] = {}
+    sigmas: Dict[int, float] = {}
     for rec in records:
         for key in sorted(rec, key=lambda k: (len(k), k)):
             m = _ROUND_EPSILON.match(key)
@@ -222,9 +252,20 @@ def round_ledger_lines(records: Sequence[Mapping[str, Any]], *,
             if math.isfinite(sigma) and not refused:
                 sigmas[k] = sigma
             # as private TTA's: a refused line carries the client's σ (its last), and every number is finite
-            lines.append((int(rec["round"]), k, ledger_line(
-                "round", sigma=sigmas.get(k, 0.0) if refused or not math.isfinite(sigma) else sigma,
-                spent=0.0 if refused else total - last.get(k, 0.0), total=total, budget=budget, refused=refused)))
+            lines.append(
+                (
+                    int(rec["round"]),
+                    k,
+                    ledger_line(
+                        "round",
+                        sigma=sigmas.get(k, 0.0) if refused or not math.isfinite(sigma) else sigma,
+                        spent=0.0 if refused else total - last.get(k, 0.0),
+                        total=total,
+                        budget=budget,
+                        refused=refused,
+                    ),
+                )
+            )
             last[k] = total
     return lines
 

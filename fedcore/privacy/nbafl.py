@@ -21,7 +21,7 @@ Two readings are settled here:
 ΔS = 2C/m is NbAFL's sensitivity: it assumes the local model is an average of per-sample terms each
 bounded by C, so one changed sample moves it by at most 2C/m. For a network trained by SGD that is
 NbAFL's assumption, not a worst-case bound (the worst case of a vector clipped to C is 2C); we use
-it as the paper does and say so in docs/ppfcil.md. The noise is added to every coordinate, so its
+it as the paper does and say so in docs/systems/ppfcil.md. The noise is added to every coordinate, so its
 norm grows as √d while what it protects is at most C: noise / signal ≈ 2cL·√d / (m·ε), whatever C is.
 
 The server's downlink noise (NbAFL's Theorem 2: needed only when the rounds T exceed L·√N) is not
@@ -32,7 +32,7 @@ added: with participation F the uploads are L ≈ F·T, so it is needed only whe
 from __future__ import annotations
 
 import math
-from typing import Dict, Tuple
+from typing import Dict, Tuple, cast
 
 import torch
 
@@ -51,7 +51,8 @@ def exposure_epsilon(epsilon: float, exposures: int) -> float:
         raise ValueError(
             f"NbAFL's Gaussian calibration (c = sqrt(2 ln(1.25/δ))) holds only for ε < 1 per upload, but ε_total "
             f"{epsilon:g} over L = {exposures} uploads is {eps_e:.3g} each. Lower epsilon below {exposures:g}, or "
-            f"plan more uploads (more rounds or a higher participation)")
+            f"plan more uploads (more rounds or a higher participation)"
+        )
     return eps_e
 
 
@@ -70,22 +71,33 @@ def downlink_needed(*, rounds: int, exposures: int, clients: int) -> bool:
 
 
 @torch.no_grad()
-def clip_and_noise(update: Dict[str, torch.Tensor], *, clip_norm: float, std: float,
-                   generator: torch.Generator | None = None, source: str = "seeded"
-                   ) -> Tuple[Dict[str, torch.Tensor], float]:
+def clip_and_noise(
+    update: Dict[str, torch.Tensor],
+    *,
+    clip_norm: float,
+    std: float,
+    generator: torch.Generator | None = None,
+    source: str = "seeded",
+) -> Tuple[Dict[str, torch.Tensor], float]:
     """Scale ``update`` jointly to norm at most C, add N(0, std²) to every coordinate; returns the noised
     update and the norm before clipping. ``source="seeded"`` draws the noise from ``generator`` in the dict's
     key order; ``"secure"`` from OS entropy (:func:`fedcore.privacy.dp.gaussian_noise`)."""
     from fedcore.privacy.dp import check_noise_source, gaussian_noise
 
     check_noise_source(source)
-    norm = float(torch.sqrt(sum((u.double() ** 2).sum() for u in update.values()))) if update else 0.0
+    norm = (
+        float(torch.sqrt(cast(torch.Tensor, sum((u.double() ** 2).sum() for u in update.values())))) if update else 0.0
+    )
     scale = min(1.0, clip_norm / (norm + 1e-12))
     if source == "seeded":
-        return {k: u * scale + torch.randn(u.shape, generator=generator).to(u.device, u.dtype) * std
-                for k, u in update.items()}, norm
-    return {k: u * scale + gaussian_noise(u.shape, std=std, source="secure", device=u.device, dtype=u.dtype)
-            for k, u in update.items()}, norm
+        return {
+            k: u * scale + torch.randn(u.shape, generator=generator).to(u.device, u.dtype) * std
+            for k, u in update.items()
+        }, norm
+    return {
+        k: u * scale + gaussian_noise(u.shape, std=std, source="secure", device=u.device, dtype=u.dtype)
+        for k, u in update.items()
+    }, norm
 
 
 __all__ = ["clip_and_noise", "downlink_needed", "exposure_epsilon", "nbafl_std", "planned_uploads"]

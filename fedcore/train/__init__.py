@@ -3,7 +3,7 @@
 Importing this package registers every trainer in :data:`TRAINERS`.
 """
 
-from fedcore.train import fcil, feddyn, prox, proser, proto, scaffold, sgd  # noqa: F401 - registers the trainers
+from fedcore.train import fcil, feddyn, proser, proto, prox, scaffold, sgd  # noqa: F401 - registers the trainers
 from fedcore.train.base import TRAINERS, ClientUpdate, LocalTrainer, augment_batch, create_trainer
 from fedcore.train.proto import class_prototypes
 

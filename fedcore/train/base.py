@@ -12,9 +12,8 @@ A trainer is a small object holding its settings (keyword-only, defaults written
 
 from __future__ import annotations
 
-from typing import Any, Dict
-
 import math
+from typing import Any, Dict
 
 import numpy as np
 import torch
@@ -23,7 +22,6 @@ from torch import nn
 from fedcore.registry import Registry
 from fedcore.tensors import batches, state_to_cpu, to_tensor
 from fedcore.types import ClientUpdate, State
-
 
 
 class LocalTrainer:
@@ -56,9 +54,18 @@ class LocalTrainer:
     LR_SCHEDULES = ("constant", "cosine")
     constant_lr_because: str | None = None  # a subclass whose arithmetic assumes the lr it was given says why
 
-    def __init__(self, *, lr: float = 0.05, local_epochs: int = 1, batch_size: int = 64, momentum: float = 0.9,
-                 weight_decay: float = 5e-4, augment: bool | str = False, lr_schedule: str = "constant",
-                 channels_last: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        lr: float = 0.05,
+        local_epochs: int = 1,
+        batch_size: int = 64,
+        momentum: float = 0.9,
+        weight_decay: float = 5e-4,
+        augment: bool | str = False,
+        lr_schedule: str = "constant",
+        channels_last: bool = False,
+    ) -> None:
         if lr <= 0:
             raise ValueError(f"trainer lr must be > 0, got {lr}")
         if local_epochs < 1 or batch_size < 1:
@@ -80,8 +87,9 @@ class LocalTrainer:
     needs_features = False  # True when the trainer reads the penultimate features (embed_and_classify)
 
     # ------------------------------------------------------------------ hooks
-    def begin(self, model: nn.Module, *, global_state: State, broadcast: Dict[str, Any],
-              client_state: Dict[str, Any]) -> None:
+    def begin(
+        self, model: nn.Module, *, global_state: State, broadcast: Dict[str, Any], client_state: Dict[str, Any]
+    ) -> None:
         """Called once before training, with the model already holding the global weights."""
 
     def loss(self, model: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
@@ -90,21 +98,33 @@ class LocalTrainer:
     def after_backward(self, model: nn.Module) -> None:
         """Called after each backward pass, before the optimizer step."""
 
-    def finish(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: int
-               ) -> tuple[Dict[str, Any], Dict[str, Any]]:
+    def finish(
+        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: int
+    ) -> tuple[Dict[str, Any], Dict[str, Any]]:
         """``(client_state, payload)`` to send back; ``steps`` is the number of SGD steps taken."""
         return {}, {}
 
     # ------------------------------------------------------------------ the loop
-    def train(self, model: nn.Module, x: np.ndarray, y: np.ndarray, *, global_state: State, seed: int,
-              broadcast: Dict[str, Any] | None = None, client_state: Dict[str, Any] | None = None,
-              device: torch.device | str = "cpu") -> ClientUpdate:
+    def train(
+        self,
+        model: nn.Module,
+        x: np.ndarray,
+        y: np.ndarray,
+        *,
+        global_state: State,
+        seed: int,
+        broadcast: Dict[str, Any] | None = None,
+        client_state: Dict[str, Any] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> ClientUpdate:
         """Train ``model`` (already holding ``global_state``) in place; return the client's update."""
         g = torch.Generator().manual_seed(seed)
         broadcast = broadcast or {}
         if self.lr_schedule != "constant" and not {"round", "rounds"} <= set(broadcast):
-            raise ValueError(f"lr_schedule={self.lr_schedule} reads the round from the server's broadcast "
-                             "(round, rounds); train through the round engine, or set lr_schedule=constant")
+            raise ValueError(
+                f"lr_schedule={self.lr_schedule} reads the round from the server's broadcast "
+                "(round, rounds); train through the round engine, or set lr_schedule=constant"
+            )
         model.to(device).train()
         self.begin(model, global_state=global_state, broadcast=broadcast, client_state=client_state or {})
         if self.channels_last:  # after begin: what it keeps (SCAFFOLD's c_i, FedDyn's memory) stays in the usual layout
@@ -115,8 +135,16 @@ class LocalTrainer:
             if self.channels_last:
                 model.to(memory_format=torch.contiguous_format)
 
-    def _loop(self, model: nn.Module, x: np.ndarray, y: np.ndarray, *, broadcast: Dict[str, Any],
-              g: torch.Generator, device: torch.device | str) -> ClientUpdate:
+    def _loop(
+        self,
+        model: nn.Module,
+        x: np.ndarray,
+        y: np.ndarray,
+        *,
+        broadcast: Dict[str, Any],
+        g: torch.Generator,
+        device: torch.device | str,
+    ) -> ClientUpdate:
         opt = torch.optim.SGD(model.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
         xt, yt = to_tensor(x, device=device), torch.as_tensor(np.array(y), device=device)
         total, count, steps = 0.0, 0, 0
@@ -144,9 +172,13 @@ class LocalTrainer:
         if self.channels_last:
             model.to(memory_format=torch.contiguous_format)  # finish and the weights see the usual layout
         client_state, payload = self.finish(model, xt, yt, steps=steps)
-        return ClientUpdate(state=state_to_cpu(model.state_dict()), num_examples=len(xt),
-                            metrics={"train_loss": total / max(count, 1)}, client_state=client_state,
-                            payload=payload)
+        return ClientUpdate(
+            state=state_to_cpu(model.state_dict()),
+            num_examples=len(xt),
+            metrics={"train_loss": total / max(count, 1)},
+            client_state=client_state,
+            payload=payload,
+        )
 
     def scheduled_lr(self, broadcast: Dict[str, Any], progress: float) -> float:
         """The lr at ``progress`` (0 to 1) through this round's local steps, under ``lr_schedule``."""
@@ -165,7 +197,7 @@ def augment_batch(x: torch.Tensor, g: torch.Generator, *, per_sample: bool = Fal
     padded = nn.functional.pad(x, (2, 2, 2, 2), mode="reflect")
     if not per_sample:
         dy, dx = torch.randint(0, 5, (2,), generator=g).tolist()
-        x = padded[:, :, dy:dy + h, dx:dx + w]
+        x = padded[:, :, dy : dy + h, dx : dx + w]
         if c == 3 and bool(torch.rand(1, generator=g) < 0.5):
             x = x.flip(3)
         return x
@@ -173,8 +205,9 @@ def augment_batch(x: torch.Tensor, g: torch.Generator, *, per_sample: bool = Fal
     shift = torch.randint(0, 5, (n, 2), generator=g).to(dev)
     rows = (shift[:, :1] + torch.arange(h, device=dev))[:, None, :, None]
     cols = (shift[:, 1:] + torch.arange(w, device=dev))[:, None, None, :]
-    x = padded[torch.arange(n, device=dev)[:, None, None, None], torch.arange(c, device=dev)[None, :, None, None],
-               rows, cols]
+    x = padded[
+        torch.arange(n, device=dev)[:, None, None, None], torch.arange(c, device=dev)[None, :, None, None], rows, cols
+    ]
     if c == 3:
         flip = (torch.rand(n, generator=g) < 0.5).to(x.device)[:, None, None, None]
         x = torch.where(flip, x.flip(3), x)
@@ -189,5 +222,6 @@ TRAINERS: Registry[LocalTrainer] = Registry("trainer")
 
 
 def create_trainer(name: str, **settings) -> LocalTrainer:
-    """A trainer by name, e.g. ``create_trainer("prox", mu=0.01, lr=0.01)``; bad names and settings list the valid ones."""
+    """A trainer by name, e.g. ``create_trainer("prox", mu=0.01, lr=0.01)``; bad names and settings list the valid
+    ones."""
     return TRAINERS.create(name, **settings)

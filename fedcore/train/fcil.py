@@ -28,11 +28,11 @@ every sample's gradient to ``clip_norm`` and adds N(0, σ²C²) to the sum. A cl
 any step that would take its ε past ``epsilon``, and sends nothing in a round it cannot afford.
 ``clip`` is a diagnostic with no guarantee: ``dp``'s Poisson sampling, per-sample clipping and
 division by the expected batch, with no noise, no account and no budget; set beside ``none`` and
-``dp`` it separates what DP-SGD's mechanics cost from what its noise costs. The supervised contrastive loss couples the samples of a batch, which per-sample
-clipping cannot bound, so private runs need ``rho = 0``. ``nbafl`` is the second baseline, NbAFL's
-uplink noise (:mod:`fedcore.privacy.nbafl`): plain local training, then what the client sends (its
-change to the round's starting weights) clipped to norm ``clip_norm`` with N(0, σ_u²) added to every
-coordinate, σ_u calibrated for the client's ⌈rounds·F⌉ planned uploads; a client that has made them
+``dp`` it separates what DP-SGD's mechanics cost from what its noise costs. The supervised contrastive loss
+couples the samples of a batch, which per-sample clipping cannot bound, so private runs need ``rho = 0``.
+``nbafl`` is the second baseline, NbAFL's uplink noise (:mod:`fedcore.privacy.nbafl`): plain local training, then
+what the client sends (its change to the round's starting weights) clipped to norm ``clip_norm`` with N(0, σ_u²)
+added to every coordinate, σ_u calibrated for the client's ⌈rounds·F⌉ planned uploads; a client that has made them
 all sends nothing more. Every private form draws its noise and Poisson samples from OS entropy unless
 ``noise_source`` is ``seeded`` (reproducible research runs, with no guarantee).
 """
@@ -40,15 +40,16 @@ all sends nothing more. Every private form draws its noise and Poisson samples f
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Mapping, Sequence, cast
 
 import numpy as np
 import torch
 from torch import nn
 
 from fedcore.incremental import losses as L
-from fedcore.models.dual import NEW_INITS, DualNet
 from fedcore.incremental.exemplars import ExemplarMemory, herding
+from fedcore.models.base import FeatureNet
+from fedcore.models.dual import NEW_INITS, DualNet
 from fedcore.privacy.nbafl import planned_uploads
 from fedcore.registry import check_choice
 from fedcore.tensors import batches, state_to_cpu, to_tensor
@@ -99,22 +100,46 @@ class FCILTrainer(LocalTrainer):
         ``worst`` (2C, all that clipping the update to C bounds without that assumption).
     """
 
-    def __init__(self, *, rho: float = 0.1, kd_temperature: float = 2.0, supcon_temperature: float = 0.1,
-                 classifier_loss: str = "balanced", distill: bool = True, branches: int = 2,
-                 compress: str = "distil", compress_rounds: int = 1, lambda0: float = 1.0, new_init: str = "random",
-                 memory: int = 200, per_class: int = 20, exemplars: str = "herding", privacy: str = "none",
-                 epsilon: float = 8.0, delta: float = 1e-5, clip_norm: float = 1.0, sample_rate: float = 0.1,
-                 bdp_estimator: str = "mean", bdp_confidence: float = 0.05, nbafl_sensitivity: str = "average",
-                 noise_source: str = "secure", **kw) -> None:
+    def __init__(
+        self,
+        *,
+        rho: float = 0.1,
+        kd_temperature: float = 2.0,
+        supcon_temperature: float = 0.1,
+        classifier_loss: str = "balanced",
+        distill: bool = True,
+        branches: int = 2,
+        compress: str = "distil",
+        compress_rounds: int = 1,
+        lambda0: float = 1.0,
+        new_init: str = "random",
+        memory: int = 200,
+        per_class: int = 20,
+        exemplars: str = "herding",
+        privacy: str = "none",
+        epsilon: float = 8.0,
+        delta: float = 1e-5,
+        clip_norm: float = 1.0,
+        sample_rate: float = 0.1,
+        bdp_estimator: str = "mean",
+        bdp_confidence: float = 0.05,
+        nbafl_sensitivity: str = "average",
+        noise_source: str = "secure",
+        **kw,
+    ) -> None:
         super().__init__(**kw)
         if self.lr_schedule != "constant" or self.channels_last or self.augment_mode == "sample":
-            raise ValueError("the fcil trainer runs its own loop: it takes lr_schedule=constant, channels_last=false "
-                             "and augment true or false")
+            raise ValueError(
+                "the fcil trainer runs its own loop: it takes lr_schedule=constant, channels_last=false "
+                "and augment true or false"
+            )
         if rho < 0 or lambda0 < 0:
             raise ValueError(f"loss weights must be >= 0, got rho={rho}, lambda0={lambda0}")
         if kd_temperature <= 0 or supcon_temperature <= 0:
-            raise ValueError(f"temperatures must be > 0, got kd_temperature={kd_temperature}, "
-                             f"supcon_temperature={supcon_temperature}")
+            raise ValueError(
+                f"temperatures must be > 0, got kd_temperature={kd_temperature}, "
+                f"supcon_temperature={supcon_temperature}"
+            )
         check_choice("classifier_loss", classifier_loss, CLASSIFIER_LOSSES)
         check_choice("compress", compress, COMPRESSION)
         check_choice("new_init", new_init, NEW_INITS)
@@ -128,13 +153,16 @@ class FCILTrainer(LocalTrainer):
 
         check_noise_source(noise_source)
         if not 0 < bdp_confidence < 1:
-            raise ValueError(f"bdp_confidence (γ of the ucb estimator: its bound holds with probability 1 − γ per "
-                             f"step) must be in (0, 1), got {bdp_confidence}; e.g. 0.05")
+            raise ValueError(
+                f"bdp_confidence (γ of the ucb estimator: its bound holds with probability 1 − γ per "
+                f"step) must be in (0, 1), got {bdp_confidence}; e.g. 0.05"
+            )
         if branches not in (1, 2):
             raise ValueError(f"branches must be 2 (the dual model) or 1 (the single-branch ablation), got {branches}")
         if compress_rounds < 1:
-            raise ValueError(f"compress_rounds must be >= 1, got {compress_rounds}; use compress=none to skip "
-                             "the compression step")
+            raise ValueError(
+                f"compress_rounds must be >= 1, got {compress_rounds}; use compress=none to skip the compression step"
+            )
         ExemplarMemory(capacity=memory, per_class=per_class)  # its own checks: per_class <= capacity, both >= 1
         if privacy != "none":
             from fedcore.privacy.accountant import check_clip_norm, check_delta, check_epsilon
@@ -145,17 +173,26 @@ class FCILTrainer(LocalTrainer):
             if not 0 < sample_rate <= 1:
                 raise ValueError(f"sample_rate (Poisson sampling rate q) must be in (0, 1], got {sample_rate}")
             if rho > 0:
-                raise ValueError("private training needs rho=0: the supervised contrastive loss couples the samples "
-                                 "of a batch, so clipping each sample's gradient does not bound its influence")
+                raise ValueError(
+                    "private training needs rho=0: the supervised contrastive loss couples the samples "
+                    "of a batch, so clipping each sample's gradient does not bound its influence"
+                )
             if classifier_loss == "balanced":
-                raise ValueError("private training needs classifier_loss=plain: the balanced softmax's prior is the "
-                                 "client's class counts, which every record changes, so one record would move every "
-                                 "sample's gradient")
+                raise ValueError(
+                    "private training needs classifier_loss=plain: the balanced softmax's prior is the "
+                    "client's class counts, which every record changes, so one record would move every "
+                    "sample's gradient"
+                )
             if exemplars == "herding":
-                raise ValueError("private training needs exemplars=random (or none): herding picks exemplars by the "
-                                 "class mean of every record, a release the privacy ledger does not account")
-        self.rho, self.kd_temperature, self.supcon_temperature = float(rho), float(kd_temperature), \
-            float(supcon_temperature)
+                raise ValueError(
+                    "private training needs exemplars=random (or none): herding picks exemplars by the "
+                    "class mean of every record, a release the privacy ledger does not account"
+                )
+        self.rho, self.kd_temperature, self.supcon_temperature = (
+            float(rho),
+            float(kd_temperature),
+            float(supcon_temperature),
+        )
         self.classifier_loss, self.distill, self.branches = classifier_loss, bool(distill), int(branches)
         self.compress, self.compress_rounds, self.lambda0 = compress, int(compress_rounds), float(lambda0)
         self.new_init, self.memory, self.per_class, self.exemplars = new_init, int(memory), int(per_class), exemplars
@@ -167,37 +204,60 @@ class FCILTrainer(LocalTrainer):
     needs_features = True
 
     # ------------------------------------------------------------------ the round
-    def train(self, model: nn.Module, x: np.ndarray, y: np.ndarray, *, global_state: State, seed: int,
-              broadcast: Dict[str, Any] | None = None, client_state: Dict[str, Any] | None = None,
-              device: torch.device | str = "cpu") -> ClientUpdate:
+    def train(
+        self,
+        model: nn.Module,
+        x: np.ndarray,
+        y: np.ndarray,
+        *,
+        global_state: State,
+        seed: int,
+        broadcast: Dict[str, Any] | None = None,
+        client_state: Dict[str, Any] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> ClientUpdate:
         if not isinstance(model, DualNet):
-            raise ValueError(f"the fcil trainer needs PP-FCIL's dual model, got {type(model).__name__}; "
-                             "use a model named dual-<backbone> (dual-lenet, dual-cnn, ...)")
+            raise ValueError(
+                f"the fcil trainer needs PP-FCIL's dual model, got {type(model).__name__}; "
+                "use a model named dual-<backbone> (dual-lenet, dual-cnn, ...)"
+            )
         b, cs = broadcast or {}, dict(client_state or {})
         if "task" not in b:
-            raise ValueError("the fcil trainer needs data that arrives in tasks (RoundData with client_task, "
-                             "task_classes and rounds_per_task)")
+            raise ValueError(
+                "the fcil trainer needs data that arrives in tasks (RoundData with client_task, "
+                "task_classes and rounds_per_task)"
+            )
         task, task_classes, per_task = int(b["task"]), [list(c) for c in b["task_classes"]], int(b["rounds_per_task"])
         if self.compress == "distil" and self.compress_rounds >= per_task:
-            raise ValueError(f"compress_rounds ({self.compress_rounds}) must be below rounds_per_task ({per_task}): "
-                             "each task needs at least one training round before it is compressed")
+            raise ValueError(
+                f"compress_rounds ({self.compress_rounds}) must be below rounds_per_task ({per_task}): "
+                "each task needs at least one training round before it is compressed"
+            )
         g = torch.Generator().manual_seed(seed)
         model.to(device)
         while int(model.task) < task:  # a task no client could train (all out of budget) is passed through
-            model.advance(int(model.task) + 1, compressed=self.compress == "distil", new_init=self.new_init,
-                          seed=int(b.get("seed", 0)))
+            model.advance(
+                int(model.task) + 1,
+                compressed=self.compress == "distil",
+                new_init=self.new_init,
+                seed=int(b.get("seed", 0)),
+            )
         model.fuse.fill_(int(self.branches == 2))
         within = int(b["round"]) - task * per_task
-        compressing = self.compress == "distil" and bool(int(model.has_old)) \
-            and within >= per_task - self.compress_rounds
+        compressing = (
+            self.compress == "distil" and bool(int(model.has_old)) and within >= per_task - self.compress_rounds
+        )
         model.phase.fill_(int(compressing))
         num_classes = model.fc.out_features
-        seen = _mask(num_classes, [c for t in task_classes[:task + 1] for c in t])
+        seen = _mask(num_classes, [c for t in task_classes[: task + 1] for c in t])
         old = _mask(num_classes, [c for t in task_classes[:task] for c in t])
         lam = float(old.sum()) / float(seen.sum())
 
-        memory = ExemplarMemory.from_state_dict(cs["memory"]) if "memory" in cs else \
-            ExemplarMemory(capacity=self.memory, per_class=self.per_class)
+        memory = (
+            ExemplarMemory.from_state_dict(cs["memory"])
+            if "memory" in cs
+            else ExemplarMemory(capacity=self.memory, per_class=self.per_class)
+        )
         mx, my = memory.data()
         keep = np.isin(my, np.flatnonzero(old.numpy())) if len(my) else np.zeros(0, bool)
         xs = np.concatenate([x, mx[keep]]) if keep.any() else x
@@ -214,8 +274,11 @@ class FCILTrainer(LocalTrainer):
             model.new.eval()  # the dual model is the teacher now: its features, and BatchNorm statistics, stay put
             params = list(model.single.parameters())  # the classifier stays: single must fit the dual model's
         else:
-            params = [p for n, p in model.named_parameters()
-                      if n.split(".")[0] in ("new", "fusion", "fc", "proj") and p.requires_grad]
+            params = [
+                p
+                for n, p in model.named_parameters()
+                if n.split(".")[0] in ("new", "fusion", "fc", "proj") and p.requires_grad
+            ]
         opt = torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
         objective = _Objective(self, model, seen=seen, old=old, lam=lam, counts=counts, compressing=compressing)
         privacy_metrics: Dict[str, float] = {}
@@ -232,13 +295,17 @@ class FCILTrainer(LocalTrainer):
             if stopped:  # every planned upload made: nothing more is sent
                 ledger["exhausted"] = True
                 total, count, steps = 0.0, 0, 0
-                privacy_metrics = {"epsilon": float(ledger.get("epsilon", 0.0)),
-                                   "sigma": float(ledger.get("sigma", float("nan"))), "budget_exhausted": 1.0}
+                privacy_metrics = {
+                    "epsilon": float(ledger.get("epsilon", 0.0)),
+                    "sigma": float(ledger.get("sigma", float("nan"))),
+                    "budget_exhausted": 1.0,
+                }
             else:
                 total, count, steps = self._plain_epochs(objective, opt, xt, yt, g)
         else:
             total, count, steps, ledger, privacy_metrics = self._private_epochs(
-                objective, opt, params, xt, yt, g, ledger=ledger, broadcast=b, stopped=stopped)
+                objective, opt, params, xt, yt, g, ledger=ledger, broadcast=b, stopped=stopped
+            )
             stopped = bool(ledger.get("exhausted", False))
 
         # exemplars of this task's classes, from the features of the model just trained
@@ -246,12 +313,25 @@ class FCILTrainer(LocalTrainer):
         rng = np.random.default_rng(seed)
         with torch.no_grad():
             xn = to_tensor(x, device=device)
-            feats = torch.cat([model.embed(xn[sl]) if not compressing else model.single.embed(xn[sl])
-                               for sl in batches(len(xn), 256)]).cpu().numpy() if len(x) else np.zeros((0, 1))
+            feats = (
+                torch.cat(
+                    [
+                        model.embed(xn[sl]) if not compressing else cast(FeatureNet, model.single).embed(xn[sl])
+                        for sl in batches(len(xn), 256)
+                    ]
+                )
+                .cpu()
+                .numpy()
+                if len(x)
+                else np.zeros((0, 1))
+            )
         for c in sorted(set(int(v) for v in np.unique(y))) if self.exemplars != "none" else []:
             idx = np.flatnonzero(y == c)
-            order = herding(features=feats[idx], m=self.per_class) if self.exemplars == "herding" else \
-                rng.permutation(len(idx))[:self.per_class]
+            order = (
+                herding(features=feats[idx], m=self.per_class)
+                if self.exemplars == "herding"
+                else rng.permutation(len(idx))[: self.per_class]
+            )
             memory.update(cls=c, x=x[idx], order=np.asarray(order))
         if self.privacy == "nbafl" and not stopped:  # before the report: it describes the model the server gets
             ledger, privacy_metrics = self._nbafl_release(model, start, ledger, n=len(xt), planned=planned, g=g)
@@ -259,16 +339,37 @@ class FCILTrainer(LocalTrainer):
         new_state = {"memory": memory.state_dict(), "counts_by_task": counts_by_task}
         if self.privacy != "none":
             new_state["ledger"] = ledger
-        payload = {"new_examples": int(len(x)), "total_examples": int(sum(counts_by_task.values())),
-                   "accuracy": report["accuracy"], "loss": report["loss"], "kappa": report["kappa"],
-                   "stopped": bool(steps == 0 and stopped)}
-        metrics = {"train_loss": total / max(count, 1), "steps": float(steps), "lambda": lam,
-                   "memory_bytes": float(memory.nbytes), "compressing": float(compressing), **privacy_metrics}
+        payload = {
+            "new_examples": int(len(x)),
+            "total_examples": int(sum(counts_by_task.values())),
+            "accuracy": report["accuracy"],
+            "loss": report["loss"],
+            "kappa": report["kappa"],
+            "stopped": bool(steps == 0 and stopped),
+        }
+        metrics = {
+            "train_loss": total / max(count, 1),
+            "steps": float(steps),
+            "lambda": lam,
+            "memory_bytes": float(memory.nbytes),
+            "compressing": float(compressing),
+            **privacy_metrics,
+        }
         if payload["stopped"]:  # nothing trained: the update is the global model, and the server drops it
-            return ClientUpdate(state={k: v.clone() for k, v in global_state.items()}, num_examples=0,
-                                metrics=metrics, client_state=new_state, payload=payload)
-        return ClientUpdate(state=state_to_cpu(model.state_dict()), num_examples=int(len(xt)), metrics=metrics,
-                            client_state=new_state, payload=payload)
+            return ClientUpdate(
+                state={k: v.clone() for k, v in global_state.items()},
+                num_examples=0,
+                metrics=metrics,
+                client_state=new_state,
+                payload=payload,
+            )
+        return ClientUpdate(
+            state=state_to_cpu(model.state_dict()),
+            num_examples=int(len(xt)),
+            metrics=metrics,
+            client_state=new_state,
+            payload=payload,
+        )
 
     # ------------------------------------------------------------------ loops
     def _plain_epochs(self, objective: "_Objective", opt, xt, yt, g):
@@ -296,7 +397,9 @@ class FCILTrainer(LocalTrainer):
         check_private_model(objective.model)
         name = "bayesian" if self.privacy == "lbdp" else "classic"
         clip_only = self.privacy == "clip"  # the mechanics without noise: nothing to account, no budget
-        bdp = {"estimator": self.bdp_estimator, "confidence": self.bdp_confidence} if name == "bayesian" else {}
+        bdp: Dict[str, Any] = (
+            {"estimator": self.bdp_estimator, "confidence": self.bdp_confidence} if name == "bayesian" else {}
+        )
         acct = create_accountant(name, **bdp)
         if "accountant" in ledger:
             acct.load_state_dict(ledger["accountant"])
@@ -324,12 +427,20 @@ class FCILTrainer(LocalTrainer):
             probe = torch.randperm(n, generator=g)[:64].to(xt.device)
             sq_seen = self._clipped_sq(objective, named, xt[probe], yt[probe])[0]
             if self.bdp_estimator == "ucb" and len(sq_seen) < 2:
-                raise ValueError(f"bdp_estimator=ucb needs at least 2 samples on a client to estimate a spread; this "
-                                 f"client has {n}. Use bdp_estimator=mean, or give every client more data")
+                raise ValueError(
+                    f"bdp_estimator=ucb needs at least 2 samples on a client to estimate a spread; this "
+                    f"client has {n}. Use bdp_estimator=mean, or give every client more data"
+                )
             try:
-                sigma = calibrate_sigma_bdp(sq_norms=sq_seen, q=q, steps=max(1, planned - acct.steps),
-                                            epsilon=self.epsilon, delta=self.delta,
-                                            spent=acct.total_cost if acct.steps else None, **bdp)
+                sigma = calibrate_sigma_bdp(
+                    sq_norms=sq_seen,
+                    q=q,
+                    steps=max(1, planned - acct.steps),
+                    epsilon=self.epsilon,
+                    delta=self.delta,
+                    spent=acct.total_cost if acct.steps else None,
+                    **bdp,
+                )
             except ValueError:  # what is left of ε_total buys no step at any σ: the budget is spent
                 ledger["exhausted"] = True
                 stopped = True
@@ -349,11 +460,16 @@ class FCILTrainer(LocalTrainer):
                 acct.spend(cost)  # an empty batch is still a step: it releases noise, and the analysis counts it
             opt.zero_grad(set_to_none=True)
             for key, p in named.items():
-                summed = torch.zeros_like(p) if not len(idx) else torch.einsum(
-                    "b,b...->...", (self.clip_norm / (norms + 1e-12)).clamp(max=1.0), per_sample[key])
-                noise = torch.randn(summed.shape, generator=g).to(summed.device) * sigma * self.clip_norm \
-                    if self.noise_source == "seeded" else \
-                    gaussian_noise(summed.shape, std=sigma * self.clip_norm, source="secure", device=summed.device)
+                summed = (
+                    torch.zeros_like(p)
+                    if not len(idx)
+                    else torch.einsum("b,b...->...", (self.clip_norm / (norms + 1e-12)).clamp(max=1.0), per_sample[key])
+                )
+                noise = (
+                    torch.randn(summed.shape, generator=g).to(summed.device) * sigma * self.clip_norm
+                    if self.noise_source == "seeded"
+                    else gaussian_noise(summed.shape, std=sigma * self.clip_norm, source="secure", device=summed.device)
+                )
                 p.grad = (summed + noise) / expected
             opt.step()
             if len(idx):
@@ -364,37 +480,77 @@ class FCILTrainer(LocalTrainer):
             steps += 1
             sigmas.append(sigma)
         if clip_only:  # no ledger: nothing is promised
-            return total, count, steps, ledger, {
-                "sigma": 0.0, "clipped_sq_norm": float(np.mean(sq_all)) if sq_all else float("nan")}
+            return (
+                total,
+                count,
+                steps,
+                ledger,
+                {"sigma": 0.0, "clipped_sq_norm": float(np.mean(sq_all)) if sq_all else float("nan")},
+            )
         if acct.steps >= planned:  # the plan's last step is taken: tell the server now, so that it retires this
             ledger["exhausted"] = True  # client (as NbAFL's after its last upload) rather than pick it for nothing
-        ledger.update({"accountant": acct.state_dict(), "epsilon": float(acct.epsilon(self.delta)) if acct.steps
-                       else 0.0, "sigma": sigma if name == "classic" else ledger.get("sigma", 0.0)})
-        metrics = {"epsilon": ledger["epsilon"], "sigma": float(np.mean(sigmas)) if sigmas else float("nan"),
-                   "clipped_sq_norm": float(np.mean(sq_all)) if sq_all else float("nan"),
-                   "budget_exhausted": float(bool(ledger.get("exhausted", False)))}
+        ledger.update(
+            {
+                "accountant": acct.state_dict(),
+                "epsilon": float(acct.epsilon(self.delta)) if acct.steps else 0.0,
+                "sigma": sigma if name == "classic" else ledger.get("sigma", 0.0),
+            }
+        )
+        metrics = {
+            "epsilon": ledger["epsilon"],
+            "sigma": float(np.mean(sigmas)) if sigmas else float("nan"),
+            "clipped_sq_norm": float(np.mean(sq_all)) if sq_all else float("nan"),
+            "budget_exhausted": float(bool(ledger.get("exhausted", False))),
+        }
         return total, count, steps, ledger, metrics
 
-
-    def _nbafl_release(self, model: DualNet, start: Dict[str, torch.Tensor], ledger: Dict[str, Any], *, n: int,
-                       planned: int, g: torch.Generator):
+    def _nbafl_release(
+        self,
+        model: DualNet,
+        start: Dict[str, torch.Tensor],
+        ledger: Dict[str, Any],
+        *,
+        n: int,
+        planned: int,
+        g: torch.Generator,
+    ):
         """NbAFL: replace the trained parameters by start + clip(trained − start) + N(0, σ_u²); one upload spent."""
         from fedcore.privacy.nbafl import clip_and_noise, nbafl_std
 
-        std = nbafl_std(clip_norm=self.clip_norm, num_samples=n if self.nbafl_sensitivity == "average" else 1,
-                        exposures=planned, epsilon=self.epsilon, delta=self.delta)
+        std = nbafl_std(
+            clip_norm=self.clip_norm,
+            num_samples=n if self.nbafl_sensitivity == "average" else 1,
+            exposures=planned,
+            epsilon=self.epsilon,
+            delta=self.delta,
+        )
         named = dict(model.named_parameters())
-        released, norm = clip_and_noise({k: named[k].detach() - v for k, v in start.items()},
-                                        clip_norm=self.clip_norm, std=std, generator=g, source=self.noise_source)
+        released, norm = clip_and_noise(
+            {k: named[k].detach() - v for k, v in start.items()},
+            clip_norm=self.clip_norm,
+            std=std,
+            generator=g,
+            source=self.noise_source,
+        )
         with torch.no_grad():
             for k, d in released.items():
                 named[k].copy_(start[k] + d)
         uploads = int(ledger.get("uploads", 0)) + 1
-        ledger = {**ledger, "uploads": uploads, "planned": planned, "epsilon": self.epsilon * uploads / planned,
-                  "sigma": std / self.clip_norm, "exhausted": uploads >= planned}
-        return ledger, {"epsilon": ledger["epsilon"], "sigma": ledger["sigma"], "update_norm": norm,
-                        "clipped_sq_norm": min(1.0, norm / self.clip_norm) ** 2,
-                        "budget_exhausted": float(ledger["exhausted"])}
+        ledger = {
+            **ledger,
+            "uploads": uploads,
+            "planned": planned,
+            "epsilon": self.epsilon * uploads / planned,
+            "sigma": std / self.clip_norm,
+            "exhausted": uploads >= planned,
+        }
+        return ledger, {
+            "epsilon": ledger["epsilon"],
+            "sigma": ledger["sigma"],
+            "update_norm": norm,
+            "clipped_sq_norm": min(1.0, norm / self.clip_norm) ** 2,
+            "budget_exhausted": float(ledger["exhausted"]),
+        }
 
     def _clipped_sq(self, objective: "_Objective", named, xb, yb):
         """Per-sample gradients of the batch, their norms, and their squared clipped norms ‖clip(g)‖²/C²."""
@@ -426,7 +582,7 @@ class _Objective(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.compressing:
-            f = self.m.single.embed(x)
+            f = cast(FeatureNet, self.m.single).embed(x)
             return torch.cat([self.m.fc(f), f], dim=1)
         return self.m.fc(self.m.embed(x))
 
@@ -440,15 +596,16 @@ class _Objective(nn.Module):
                 out["teacher"] = self.m.teacher_logits(xb)
         return out
 
-    def sample_loss(self, out: torch.Tensor, aux: Dict[str, torch.Tensor], _params) -> torch.Tensor:
+    def sample_loss(self, out: torch.Tensor, aux: Mapping[str, torch.Tensor], _params) -> torch.Tensor:
         """(B,) losses: (1 − λ)·L_C + λ·L_D per sample, or L_M in a compression round (no L_S: it is not per-sample)."""
         c = self.m.fc.out_features
         loss = (1 - self.lam) * L.classification(out[:, :c], aux["y"], seen=self.seen, prior=self.prior)
         if self.compressing:
             return loss + self.t.lambda0 * L.feature_match(aux["f_mix"], out[:, c:])
         if "teacher" in aux:
-            loss = loss + self.lam * L.distillation(out[:, :c], aux["teacher"], old=self.old,
-                                                    temperature=self.t.kd_temperature)
+            loss = loss + self.lam * L.distillation(
+                out[:, :c], aux["teacher"], old=self.old, temperature=self.t.kd_temperature
+            )
         return loss
 
     def batch_loss(self, xb: torch.Tensor, yb: torch.Tensor, g: torch.Generator) -> torch.Tensor:
@@ -459,7 +616,7 @@ class _Objective(nn.Module):
         f_mix, f_new, _ = self.m.mix(xb)
         loss = self.sample_loss(self.m.fc(f_mix), aux, {}).mean()
         view = augment_batch(xb, g)
-        z = self.m.proj(torch.cat([f_new, self.m.new.embed(view)]))
+        z = self.m.proj(torch.cat([f_new, cast(FeatureNet, self.m.new).embed(view)]))
         return loss + self.t.rho * L.supcon(z, torch.cat([yb, yb]), temperature=self.t.supcon_temperature)
 
 
@@ -469,7 +626,7 @@ def _poisson_pick(n: int, q: float, g: torch.Generator, source: str) -> torch.Te
     if source == "seeded":
         return torch.rand(n, generator=g) < q
     words = np.frombuffer(os.urandom(8 * n), dtype=np.uint64)
-    return torch.from_numpy((words >> np.uint64(11)).astype(np.float64) * 2.0 ** -53 < q)
+    return torch.from_numpy((words >> np.uint64(11)).astype(np.float64) * 2.0**-53 < q)
 
 
 def _mask(num_classes: int, classes: Sequence[int]) -> torch.Tensor:
@@ -480,8 +637,9 @@ def _mask(num_classes: int, classes: Sequence[int]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _local_report(model: DualNet, xt: torch.Tensor, yt: torch.Tensor, *, seen: torch.Tensor,
-                  num_classes: int) -> Dict[str, float]:
+def _local_report(
+    model: DualNet, xt: torch.Tensor, yt: torch.Tensor, *, seen: torch.Tensor, num_classes: int
+) -> Dict[str, float]:
     """Accuracy, loss and Cohen's kappa of the trained local model on the client's round data."""
     from fedcore.evaluate.metrics import cohen_kappa
 
@@ -491,9 +649,11 @@ def _local_report(model: DualNet, xt: torch.Tensor, yt: torch.Tensor, *, seen: t
     logits = torch.cat([model(xt[sl]) for sl in batches(len(xt), 256)])
     z = L.masked(logits, seen)
     pred = z.argmax(1)
-    return {"accuracy": float((pred == yt).float().mean()),
-            "loss": float(nn.functional.cross_entropy(z, yt)),
-            "kappa": float(cohen_kappa(y_true=yt.cpu().numpy(), y_pred=pred.cpu().numpy(), num_classes=num_classes))}
+    return {
+        "accuracy": float((pred == yt).float().mean()),
+        "loss": float(nn.functional.cross_entropy(z, yt)),
+        "kappa": float(cohen_kappa(y_true=yt.cpu().numpy(), y_pred=pred.cpu().numpy(), num_classes=num_classes)),
+    }
 
 
 __all__: List[str] = ["FCILTrainer", "CLASSIFIER_LOSSES", "COMPRESSION", "PRIVACY", "EXEMPLAR_RULES"]

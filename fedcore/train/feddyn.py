@@ -25,12 +25,12 @@ class FedDynTrainer(LocalTrainer):
             raise ValueError(f"FedDyn alpha must be > 0, got {alpha}")
         self.alpha = float(alpha)
 
-    def begin(self, model: nn.Module, *, global_state: State, broadcast: Dict[str, Any],
-              client_state: Dict[str, Any]) -> None:
+    def begin(
+        self, model: nn.Module, *, global_state: State, broadcast: Dict[str, Any], client_state: Dict[str, Any]
+    ) -> None:
         self._anchor = {k: p.detach().clone() for k, p in model.named_parameters()}
         grads = client_state.get("grad_memory", {})
-        self._h = {k: grads[k].to(p.device) if k in grads else torch.zeros_like(p)
-                   for k, p in model.named_parameters()}
+        self._h = {k: grads[k].to(p.device) if k in grads else torch.zeros_like(p) for k, p in model.named_parameters()}
 
     def loss(self, model: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
         ce = super().loss(model, xb, yb)
@@ -39,6 +39,7 @@ class FedDynTrainer(LocalTrainer):
         return ce - lin + 0.5 * self.alpha * quad
 
     def finish(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: int):
-        memory = {k: (self._h[k] - self.alpha * (p.detach() - self._anchor[k])).cpu()
-                  for k, p in model.named_parameters()}
+        memory = {
+            k: (self._h[k] - self.alpha * (p.detach() - self._anchor[k])).cpu() for k, p in model.named_parameters()
+        }
         return {"grad_memory": memory}, {}

@@ -15,8 +15,8 @@ The model has one more output than there are known classes: the last logit is th
 α = 1); the FedPD++ paper's two learning rates (10⁻² closed, 10⁻⁴ open) would be γ = β = 0.01.
 
 When ``importance`` is not ``none`` the trainer scores every parameter for each loss
-(:mod:`fedcore.openset.dpi`, :mod:`fedcore.openset.masks`): DPI sums ``|∇L · ω| · Δt`` over every local step of the round
-(Δt = the learning rate; the path is the round's local optimisation, since the masks go to the
+(:mod:`fedcore.openset.dpi`, :mod:`fedcore.openset.masks`): DPI sums ``|∇L · ω| · Δt`` over every local step of
+the round (Δt = the learning rate; the path is the round's local optimisation, since the masks go to the
 server every round), ``gradient`` keeps the last step only. The closed- and open-set gradients come
 from two backward passes, summed before the optimizer step, so the update is the same as one
 backward pass of the total loss. The masks go back to the server in the update's payload.
@@ -24,7 +24,7 @@ backward pass of the total loss. The masks go back to the server in the update's
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional, cast
 
 import torch
 from torch import nn
@@ -36,7 +36,6 @@ from fedcore.registry import check_choice
 from fedcore.train.base import TRAINERS, LocalTrainer, State
 
 
-
 @TRAINERS.register("proser")
 class ProserTrainer(LocalTrainer):
     """Parameters: ``beta``, ``gamma``, ``mix_alpha`` (PROSER); ``importance``, ``mask``, ``score_norm``,
@@ -45,9 +44,20 @@ class ProserTrainer(LocalTrainer):
 
     constant_lr_because = "DPI's path integral takes the lr as its time step"
 
-    def __init__(self, *, beta: float = 1.0, gamma: float = 0.01, mix_alpha: float = 1.0, importance: str = "none",
-                 mask: str = "soft", score_norm: str = "rank", delta0: float = 0.5, delta_end: float = 0.8,
-                 mask_rounds: int | None = None, **kw) -> None:
+    def __init__(
+        self,
+        *,
+        beta: float = 1.0,
+        gamma: float = 0.01,
+        mix_alpha: float = 1.0,
+        importance: str = "none",
+        mask: str = "soft",
+        score_norm: str = "rank",
+        delta0: float = 0.5,
+        delta_end: float = 0.8,
+        mask_rounds: int | None = None,
+        **kw,
+    ) -> None:
         super().__init__(**kw)
         if beta < 0 or gamma < 0:
             raise ValueError(f"PROSER loss weights must be >= 0, got beta={beta}, gamma={gamma}")
@@ -57,26 +67,30 @@ class ProserTrainer(LocalTrainer):
         check_choice("mask", mask, MASK_MODES)
         check_choice("score_norm", score_norm, SCORE_NORMS)
         if not 0 <= delta0 <= 1 or not 0 <= delta_end <= 1:
-            raise ValueError(f"the soft-mask thresholds are quantiles in [0, 1], got delta0={delta0}, "
-                             f"delta_end={delta_end}")
+            raise ValueError(
+                f"the soft-mask thresholds are quantiles in [0, 1], got delta0={delta0}, delta_end={delta_end}"
+            )
         if mask_rounds is not None and mask_rounds < 1:
-            raise ValueError(f"mask_rounds (T of the threshold schedule) must be >= 1, got {mask_rounds}; "
-                             "leave it unset to use the run's number of rounds")
+            raise ValueError(
+                f"mask_rounds (T of the threshold schedule) must be >= 1, got {mask_rounds}; "
+                "leave it unset to use the run's number of rounds"
+            )
         self.beta, self.gamma, self.mix_alpha = float(beta), float(gamma), float(mix_alpha)
         self.importance, self.mask, self.score_norm = importance, mask, score_norm
         self.delta0, self.delta_end = float(delta0), float(delta_end)
         self.mask_rounds = None if mask_rounds is None else int(mask_rounds)
 
     # ------------------------------------------------------------------ hooks
-    def begin(self, model: nn.Module, *, global_state: State, broadcast: Dict[str, Any],
-              client_state: Dict[str, Any]) -> None:
+    def begin(
+        self, model: nn.Module, *, global_state: State, broadcast: Dict[str, Any], client_state: Dict[str, Any]
+    ) -> None:
         self._pre, self._post = mix_split(model)  # a model without a mixing layer fails here, before training
         self._round = int(broadcast.get("round", 0))
         self._rounds = self.mask_rounds or int(broadcast.get("rounds", 1))
         self._params = dict(model.named_parameters())
         self._scores = empty_scores(self._params)
-        self._g_close = None
-        self._gen = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, (1,))))
+        self._g_close: Optional[Dict[str, torch.Tensor]] = None
+        self._gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
 
     def losses(self, model: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(L_close, L_open)`` of one batch (see the module docstring)."""
@@ -111,17 +125,22 @@ class ProserTrainer(LocalTrainer):
         if self.importance == "none":
             return
         g_open = {k: torch.zeros_like(p) if p.grad is None else p.grad.detach() for k, p in self._params.items()}
-        importance_step(self._scores, self._params, g_close=self._g_close, g_open=g_open, dt=self.lr,
-                        mode=self.importance)
+        g_close = cast(Dict[str, torch.Tensor], self._g_close)  # set by loss() for this step
+        importance_step(self._scores, self._params, g_close=g_close, g_open=g_open, dt=self.lr, mode=self.importance)
         for k, p in self._params.items():
-            p.grad = g_open[k] + self._g_close[k]
+            p.grad = g_open[k] + g_close[k]
 
     def finish(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: int):
         if self.importance == "none":
             return {}, {}
         delta = delta_soft(self._round, self._rounds, delta0=self.delta0, delta_end=self.delta_end)
-        masks = {part: {k: m.cpu().half() for k, m in
-                        masks_from_scores(self._scores[part], mode=self.mask, delta=delta,
-                                          norm=self.score_norm).items()}
-                 for part in ("close", "open")}
+        masks = {
+            part: {
+                k: m.cpu().half()
+                for k, m in masks_from_scores(
+                    self._scores[part], mode=self.mask, delta=delta, norm=self.score_norm
+                ).items()
+            }
+            for part in ("close", "open")
+        }
         return {}, {"mask_close": masks["close"], "mask_open": masks["open"], "delta": delta}

@@ -20,8 +20,9 @@ from fedcore.train.base import TRAINERS, LocalTrainer, State
 
 
 @torch.no_grad()
-def class_prototypes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, batch_size: int = 256
-                     ) -> Dict[str, torch.Tensor]:
+def class_prototypes(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, batch_size: int = 256
+) -> Dict[str, torch.Tensor]:
     """Class means of ``model``'s penultimate features over (x, y), in eval mode.
 
     Returns
@@ -51,8 +52,9 @@ class ProtoTrainer(LocalTrainer):
             raise ValueError(f"prototype weight lam must be >= 0, got {lam}")
         self.lam = float(lam)
 
-    def begin(self, model: nn.Module, *, global_state: State, broadcast: Dict[str, Any],
-              client_state: Dict[str, Any]) -> None:
+    def begin(
+        self, model: nn.Module, *, global_state: State, broadcast: Dict[str, Any], client_state: Dict[str, Any]
+    ) -> None:
         self._table = None
         g = broadcast.get("prototypes")
         if g is not None and len(g["classes"]):

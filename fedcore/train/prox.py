@@ -26,8 +26,9 @@ class ProxTrainer(LocalTrainer):
             raise ValueError(f"FedProx mu must be >= 0, got {mu}")
         self.mu = float(mu)
 
-    def begin(self, model: nn.Module, *, global_state: State, broadcast: Dict[str, Any],
-              client_state: Dict[str, Any]) -> None:
+    def begin(
+        self, model: nn.Module, *, global_state: State, broadcast: Dict[str, Any], client_state: Dict[str, Any]
+    ) -> None:
         self._anchor = {k: p.detach().clone() for k, p in model.named_parameters()}
 
     def loss(self, model: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ def effective_steps(steps: int, momentum: float) -> float:
     if momentum == 0:
         return float(steps)
     b = momentum
-    return (steps - b * (1 - b ** steps) / (1 - b)) / (1 - b)
+    return (steps - b * (1 - b**steps) / (1 - b)) / (1 - b)
 
 
 @TRAINERS.register("scaffold")
@@ -36,8 +36,9 @@ class ScaffoldTrainer(LocalTrainer):
 
     constant_lr_because = "SCAFFOLD's control variates divide by the lr"
 
-    def begin(self, model: nn.Module, *, global_state: State, broadcast: Dict[str, Any],
-              client_state: Dict[str, Any]) -> None:
+    def begin(
+        self, model: nn.Module, *, global_state: State, broadcast: Dict[str, Any], client_state: Dict[str, Any]
+    ) -> None:
         names = [k for k, _ in model.named_parameters()]
         zeros = {k: torch.zeros_like(p) for k, p in model.named_parameters()}
         self._c = {k: broadcast.get("c", zeros)[k].to(zeros[k].device) for k in names}

@@ -1,0 +1,217 @@
+"""The pipeline's steps, one function each, taking the composed config: what every DVC stage and nightly job runs.
+
+The command line (:mod:`flows.stages`) maps stage names to these; the nightly flows and the stress
+protocols call them directly. Round-based steps take the system whose grid they run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from flows import config as C
+
+
+def prepare(cfg) -> None:
+    from fedcore.data import load_dataset, save_prepared
+    from flows.federation import prepared_path
+
+    t0 = time.perf_counter()
+    data = load_dataset(cfg.data.name, C.resolve_path(cfg.paths.data_root))
+    digest = save_prepared(data, prepared_path(cfg))
+    print(
+        f"prepared {cfg.data.name}: {len(data)} images {data.x.shape[1:]} sha256={digest[:12]} "
+        f"({time.perf_counter() - t0:.1f}s) -> {prepared_path(cfg)}"
+    )
+
+
+def partition(cfg) -> None:
+    from fedcore.data import build_partition, load_prepared
+    from flows.federation import partition_dir, prepared_path
+
+    d = cfg.data
+    t0 = time.perf_counter()
+    data = load_prepared(prepared_path(cfg))
+    part = build_partition(
+        data,
+        dataset=d.name,
+        num_source_clients=int(d.num_source_clients),
+        dirichlet_alpha=float(d.dirichlet_alpha),
+        corruptions=list(d.corruptions),
+        severity=int(d.severity),
+        stream_size=int(d.stream_size),
+        holdout_size=int(d.holdout_size),
+        stream_order=str(d.stream_order),
+        source_fraction=float(d.source_fraction),
+        source_test_fraction=float(d.source_test_fraction),
+        holdout_fraction=float(d.holdout_fraction),
+        official_train_size=d.official_train_size,
+        seed=int(cfg.seed),
+    )
+    out = part.save(partition_dir(cfg))
+    print(
+        f"partition {d.name}: {len(part.source_x)} source clients {[len(x) for x in part.source_x]}, "
+        f"{len(part.targets)} target clients x {d.stream_size} stream / {d.holdout_size} hold-out "
+        f"({time.perf_counter() - t0:.1f}s) -> {out}"
+    )
+
+
+def pretrain(cfg) -> None:
+    from flows.federation import pretrain
+
+    print(f"source model -> {pretrain(cfg)}")
+
+
+def arrival(cfg) -> None:
+    from flows.federation import arrival
+
+    res = arrival(cfg)
+    print(json.dumps(res.summary, indent=1))
+
+
+def summary_key(method: str, aggregator: str, form: str, seed: int) -> str:
+    """A sweep cell's key in summary.json: ``method+aggregator[+form]+s<seed>``."""
+    return "+".join([method, aggregator] + ([form] if form != "plain" else []) + [f"s{seed}"])
+
+
+def adapt(cfg, written=None) -> list:
+    """The sweep, then the table and summary the ``adapt`` stage declares; returns the sweep's results.
+
+    summary.json holds every cell's summary by :func:`summary_key`, and under ``headline`` the configured
+    ``method`` + ``aggregator`` (+ ``privacy``) cell's, when the sweep ran it: the numbers ``dvc exp show``
+    and ``dvc exp diff`` put side by side whatever the sweep's cells.
+
+    ``written``: md5s of inputs the caller wrote itself (the nightly job), see :func:`flows.federation.sweep`.
+    """
+    from flows.federation import sweep
+    from flows.tracking import summary_rows
+
+    t0 = time.perf_counter()
+    results = sweep(cfg, written=written)
+    out = C.resolve_path(cfg.paths.results)
+    out.mkdir(parents=True, exist_ok=True)
+    table = summary_rows(results)
+    (out / "table.md").write_text(table + "\n")
+    summary = {
+        summary_key(r["method"], r["aggregator"], r.get("form", "plain"), r["seed"]): r["summary"] for r in results
+    }
+    head = C.arrival_config(cfg)
+    head_key = summary_key(head.method, head.aggregator, head.form, head.seed)
+    if head_key in summary:  # the configured cell under a fixed name: one column per metric in `dvc exp show`
+        summary["headline"] = summary[head_key]
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
+    print(
+        f"\n{cfg.data.name} ({len(cfg.data.corruptions)} corruptions, severity {cfg.data.severity}, "
+        f"{cfg.adapt.passes} passes), sweep took {time.perf_counter() - t0:.0f}s\n"
+    )
+    print(table)
+    print(f"\nBrowse the runs: mlflow ui --backend-store-uri {C.tracking_uri(cfg)} --host 127.0.0.1 --port 5000")
+    return results
+
+
+def audit(cfg) -> None:
+    """The canary audit of a DP-TTA variant's model: empirical ε lower bounds beside the accountant's ε
+    (results/private/audit.*)."""
+    if C.variant_system(cfg, str(cfg.variant)) != "dptta":
+        raise ValueError(
+            f"the canary audit runs on a DP-TTA variant's private model, not on variant {cfg.variant!r}; "
+            f"add variant=<{'|'.join(sorted(cfg.dptta.variants))}> (conf/experiment/dptta.yaml)"
+        )
+    from omegaconf import OmegaConf
+
+    from flows.federation import audit
+
+    rows = audit(OmegaConf.merge({"audit": cfg.dptta.audit}, cfg))  # flows.federation.audit reads cfg.audit
+    out = C.resolve_path(cfg.paths.results)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "audit.json").write_text(json.dumps(rows, indent=1) + "\n")
+    lines = ["| form | sigma | accountant ε | empirical ε lower bound | AUC |", "|---|---|---|---|---|"]
+    for r in rows:
+        acc = "∞ (no guarantee)" if r["epsilon_accountant"] == float("inf") else f"{r['epsilon_accountant']:.2f}"
+        lines.append(f"| {r['form']} | {r['sigma']:.3f} | {acc} | {r['epsilon_lower']:.2f} | {r['auc']:.3f} |")
+    (out / "audit.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+STEP_PATHS = {"prepare": "prepared", "partition": "partitions", "pretrain": "models"}  # the paths.<key> each writes
+
+
+def stage_writing(cfg, step: str) -> tuple:
+    """The DVC stage that builds this run's input of ``step`` (its ``paths.<key>``), and that stage's variant:
+    the selected variant's own ``<step>@<variant>``, else, for a variant without one that reads the root's
+    folder, the stage of a variant that does too (the private variant reads ``partition@mnist``'s)."""
+    import yaml
+
+    key, variant = STEP_PATHS[step], str(cfg.variant)
+    foreach = yaml.safe_load((C.ROOT / "dvc.yaml").read_text())["stages"].get(step, {}).get("foreach") or {}
+
+    def reads_root(name: str) -> bool:
+        return key not in cfg[C.variant_system(cfg, name)].variants[name].get("paths", {})
+
+    if variant not in foreach and reads_root(variant):
+        variant = next((str(v) for v in foreach if str(v) in C.variants(cfg) and reads_root(str(v))), variant)
+    return f"{step}@{variant}", variant
+
+
+def pointing_at(cfg, run):
+    """Run ``run()``; a missing-input error then names the stage that builds the input for this variant
+    (``dvc repro pretrain`` -> ``dvc repro pretrain@cifar10``)."""
+    try:
+        return run()
+    except (FileNotFoundError, ValueError) as exc:
+        msg = str(exc)
+        for step in STEP_PATHS:
+            stage, variant = stage_writing(cfg, step)
+            msg = msg.replace(f"dvc repro {step}`", f"dvc repro {stage}`").replace(
+                f"flows.stages {step}`", f"flows.stages {step} variant={variant}`"
+            )
+        if msg == str(exc):
+            raise
+        raise type(exc)(msg) from exc
+
+
+def partition_domains(cfg, system: str = "fedpad") -> None:
+    """The grid's domain-silo partition: each client holds one domain (``<system>.grids.<grid>``)."""
+    from fedcore.data.domains import build_domain_partition, load_domains
+
+    name = str(cfg[system].grid)
+    g = C.grid(cfg, system, name)
+    t0 = time.perf_counter()
+    ds = load_domains(
+        str(g.set),
+        C.resolve_path(cfg.paths.data_root),
+        size=int(g.size),
+        seed=int(cfg.seed),
+        max_per_domain=None if g.max_per_domain is None else int(g.max_per_domain),
+    )
+    part = build_domain_partition(
+        ds,
+        clients_per_domain=dict(g.clients_per_domain),
+        test_fraction=float(g.test_fraction),
+        size_skew=float(g.size_skew),
+        seed=int(cfg.seed),
+        label_alpha=None if g.get("label_alpha") is None else float(g.label_alpha),
+    )
+    out = part.save(C.domains_dir(cfg, system, name))
+    sizes = ", ".join(
+        f"{d}: {len(part.clients_of(d))} clients x ~{len(part.client_y[part.clients_of(d)[0]])}" for d in part.domains
+    )
+    print(f"partition {system}@{name} ({g.set}, {g.size}px): {sizes} ({time.perf_counter() - t0:.1f}s) -> {out}")
+
+
+def run_grid(cfg, system: str) -> None:
+    from flows.rounds import grid, results_dir
+
+    t0 = time.perf_counter()
+    grid(cfg, system)
+    out = results_dir(cfg, system, str(cfg[system].grid))
+    print(f"\n{system} grid {cfg[system].grid} took {time.perf_counter() - t0:.0f}s\n")
+    print((out / "table.md").read_text())
+    if (out / "stats.md").is_file():
+        print((out / "stats.md").read_text())
+
+
+def single_run(cfg, system: str = "fedpad") -> None:
+    from flows.rounds import single
+
+    print(json.dumps(single(cfg, system).summary, indent=1))

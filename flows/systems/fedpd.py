@@ -1,0 +1,17 @@
+"""FedPD++: federated open-set recognition with importance masks and optimal-transport alignment."""
+
+from flows.systems.base import System
+
+SYSTEM = System(
+    name="fedpd",
+    title="FedPD++",
+    paper="FedPD++: Enhanced Federated Open-Set Recognition with Parameter Disentanglement (IJCV)",
+    page="docs/systems/fedpd.md",
+    engine="rounds",
+    evaluation="openset",
+    headline="final_auroc",
+    quick="quick",
+    partition_stage="partition_fedpd",
+    cron="30 3 * * *",
+    description="FedPD++, FedPD and FedAvg + PROSER/MSP on an open-set domain grid (AUROC, OSCR)",
+)

@@ -1,0 +1,587 @@
+"""FedPD++: alignment invariants, masks and parts, divide-and-conquer fusion, the PROSER trainer and the strategy."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fedcore.aggregate import weighted_average
+from fedcore.aggregate.fedpd import FedPD
+from fedcore.engine import RoundConfig, RoundData, run_rounds
+from fedcore.engine.checkpoint import RunInterrupted
+from fedcore.engine.spec import ModelSpec
+from fedcore.models import create_model, mix_split
+from fedcore.openset.align import align_chain, apply_chain, layer_plan, shuffled_chain, transport
+from fedcore.openset.gdca import fuse
+from fedcore.openset.masks import delta_soft, make_mask, masks_from_scores, normalise, split_parts
+from fedcore.train import ClientUpdate, create_trainer
+
+
+class MLP(nn.Module):
+    sequential = True
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Flatten(), nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 10), nn.ReLU(), nn.Linear(10, 3)
+        )
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def lenet(seed=0, classes=7, name="lenet"):
+    torch.manual_seed(seed)
+    m = create_model(name, in_channels=1, num_classes=classes)
+    for mod in m.modules():  # BatchNorm vectors that differ per channel, so a wrong reorder would show
+        if isinstance(mod, nn.BatchNorm2d):
+            mod.running_mean.normal_()
+            mod.running_var.uniform_(0.5, 2.0)
+            mod.weight.data.uniform_(0.5, 1.5)
+            mod.bias.data.normal_()
+    return m.eval()
+
+
+def resnet20(seed=0, classes=7):
+    return lenet(seed, classes, name="resnet20")
+
+
+def permuted(model, seed=1):
+    """(state of model with every hidden layer's units shuffled, the permutation matrices used)."""
+    plan = layer_plan(model)
+    chain = shuffled_chain(plan, torch.Generator().manual_seed(seed))
+    return apply_chain(model.state_dict(), plan, chain), chain.P
+
+
+def outputs(model_fn, state, x):
+    m = model_fn()
+    m.load_state_dict(state)
+    return m.eval()(x)
+
+
+# ---------------------------------------------------------------------------------------------- alignment
+@pytest.mark.parametrize("make", [lambda: MLP().eval(), lenet, resnet20], ids=["mlp", "conv+bn", "residual"])
+def test_a_permuted_network_is_aligned_back_and_the_transport_is_the_permutation(make):
+    # Prepare: B is A with its hidden units shuffled (conv channels with their BatchNorm vectors; in the
+    # ResNet, every layer writing into one residual sum with the same shuffle)
+    torch.manual_seed(0)
+    a = make()
+    b_state, perms = permuted(a)
+    plan = layer_plan(a)
+    x = torch.randn(4, 1, 28, 28) if isinstance(a, nn.Module) and not isinstance(a, MLP) else torch.randn(4, 12)
+    name = "resnet20" if any(layer.tie is not None for layer in plan) else "lenet"
+    fresh = (lambda: type(a)()) if isinstance(a, MLP) else (lambda: create_model(name, in_channels=1, num_classes=7))
+    for method, tol in (("hungarian", 0.0), ("sinkhorn", 1e-2)):
+        # Execute
+        chain = align_chain(a.state_dict(), b_state, plan, method=method, reg=0.01)
+        aligned = apply_chain(a.state_dict(), plan, chain)
+        # Assert: each transport is the shuffle; the aligned weights are B's; the function is A's
+        for P, perm in zip(chain.P, perms):
+            if perm is not None:
+                assert (P - perm.double()).abs().max() <= tol + 1e-9
+        for k, v in b_state.items():
+            if v.is_floating_point():
+                assert torch.allclose(aligned[k].float(), v.float(), atol=max(tol, 1e-6) * 10), k
+        assert torch.allclose(outputs(fresh, aligned, x), a(x), atol=1e-4 if method == "hungarian" else 5e-2)
+
+
+@pytest.mark.parametrize("name", ["lenet", "resnet20", "resnet18"])
+def test_alignment_preserves_the_function_of_a_reordered_model(name):
+    a = lenet(name=name)
+    x = torch.randn(6, 1, 28, 28)
+    b_state, _ = permuted(a, seed=7)
+    assert torch.allclose(
+        outputs(lambda: create_model(name, in_channels=1, num_classes=7), b_state, x), a(x), atol=1e-4
+    )
+    assert not torch.equal(
+        b_state[
+            "layer1.0.conv1.weight"
+            if name == "resnet18"
+            else "layers.0.conv1.weight"
+            if name == "resnet20"
+            else "features.0.weight"
+        ],
+        a.state_dict()[
+            "layer1.0.conv1.weight"
+            if name == "resnet18"
+            else "layers.0.conv1.weight"
+            if name == "resnet20"
+            else "features.0.weight"
+        ],
+    )
+
+
+def test_a_residual_sum_ties_its_writers_to_one_transport():
+    plan = {
+        layer.name: (i, layer)
+        for i, layer in enumerate(layer_plan(create_model("resnet20", in_channels=3, num_classes=10)))
+    }
+    stem, first = plan["conv1"], plan["layers.0.conv1"]
+    assert stem[1].tie is None and stem[1].src is None and first[1].src == stem[0]
+    # the stem and every conv2 of the first stage write into one sum: the stem decides, the others follow
+    assert [plan[f"layers.{b}.conv2"][1].tie for b in range(3)] == [stem[0]] * 3
+    # a downsampling block starts a new sum: its conv2 decides together with its shortcut, whose inputs are
+    # already aligned; the later blocks of that stage follow
+    down, short = plan["layers.3.conv2"], plan["layers.3.shortcut.0"]
+    assert down[1].tie is None and down[1].joint == (short[0],) and short[1].tie == down[0]
+    assert short[1].src == stem[0] and plan["layers.4.conv2"][1].tie == down[0]
+    assert plan["layers.3.shortcut.0"][1].bn[0] == "layers.3.shortcut.1.weight"
+    assert plan["fc"][1].last and plan["fc"][1].src == plan["layers.6.conv2"][0]  # classes keep their order
+
+
+def test_a_downsampling_shortcut_joins_the_cost_of_the_transport_it_shares():
+    """Where a block's second conv cannot tell its units apart, its shortcut (joint member) must."""
+    a = resnet20()
+    state = a.state_dict()
+    for key in ("layers.3.conv2.weight", "layers.6.conv2.weight"):  # every unit of conv2 alike ...
+        state[key].zero_()
+    for key in ("layers.3.bn2", "layers.6.bn2"):  # ... with its BatchNorm affine
+        state[f"{key}.weight"].fill_(1.0)
+        state[f"{key}.bias"].zero_()
+    a.load_state_dict(state)
+    b_state, perms = permuted(a, seed=5)
+    plan = layer_plan(a)
+    chain = align_chain(a.state_dict(), b_state, plan, method="hungarian")
+    index = {layer.name: i for i, layer in enumerate(plan)}
+    for name in ("layers.3.conv2", "layers.6.conv2"):
+        assert torch.equal(chain.P[index[name]].float(), perms[index[name]].float()), name
+    x = torch.randn(4, 1, 28, 28)
+    aligned = apply_chain(a.state_dict(), plan, chain)
+    assert torch.allclose(
+        outputs(lambda: create_model("resnet20", in_channels=1, num_classes=7), aligned, x), a(x), atol=1e-4
+    )
+
+
+class _Cat(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.fc = nn.Conv2d(1, 4, 3), nn.Conv2d(1, 4, 3), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(torch.cat([self.a(x), self.b(x)], 1), 1), 1))
+
+
+class _NormAfterSum(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.bn, self.fc = nn.Conv2d(1, 4, 3), nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(self.bn(self.a(x) + self.b(x)), 1), 1))
+
+
+class _Net(nn.Module):
+    """A small traced network whose forward is given as a function of the module."""
+
+    def __init__(self, body, bn=4, fc=4):
+        super().__init__()
+        self.a, self.b, self.c = nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1), nn.Conv2d(4, 1, 1)
+        self.bn, self.fc = nn.BatchNorm1d(bn), nn.Linear(fc, 2)
+        self.body = body
+
+    def forward(self, x):
+        return self.body(self, x)
+
+
+def test_models_alignment_cannot_follow_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"GroupNorm\) is a layer alignment cannot reorder; use align=none"):
+        layer_plan(create_model("resnet20", in_channels=3, num_classes=10, norm="group"))
+    with pytest.raises(ValueError, match="operation cat .* cannot follow; use align=none"):
+        layer_plan(_Cat())
+    with pytest.raises(ValueError, match="BatchNorm that does not follow one conv .*after a sum"):
+        layer_plan(_NormAfterSum())
+    pool = nn.functional.adaptive_avg_pool2d
+    with pytest.raises(ValueError, match="b is called more than once"):  # one weight, two orders
+        layer_plan(_Net(lambda m, x: m.fc(torch.flatten(pool(m.b(m.b(m.a(x))), 1), 1))))
+    with pytest.raises(ValueError, match="flattens from dim 2 to -1"):  # a linear layer over space, not channels
+        layer_plan(_Net(lambda m, x: m.fc(torch.flatten(pool(m.a(x), 2), 2)).sum(-1)))
+    with pytest.raises(ValueError, match="linear layer on a .batch, channels"):
+        layer_plan(_Net(lambda m, x: m.fc(pool(m.a(x), 4)).sum((1, 2))))
+    with pytest.raises(ValueError, match="sums 4 channels with 1 .broadcasting"):
+        layer_plan(_Net(lambda m, x: m.fc(torch.flatten(pool((lambda h: m.b(h) + m.c(h))(m.a(x)), 1), 1))))
+    with pytest.raises(ValueError, match="channel for channel .*a flatten"):
+        layer_plan(_Net(lambda m, x: m.fc(m.bn(torch.flatten(pool(m.a(x), 2), 1))), bn=16, fc=16))
+    with pytest.raises(ValueError, match="has no layer to mix at.*lenet, resnet18, resnet20"):
+        mix_split(create_model("dual-lenet", in_channels=3, num_classes=10))
+    with pytest.raises(ValueError, match="cannot reorder"):
+        FedPD(align="sinkhorn").bind_model(create_model("resnet20", in_channels=3, num_classes=10, norm="group"))
+
+
+def test_sinkhorn_tolerance_reaches_the_solver_and_the_fusion():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(12, 5, generator=g, dtype=torch.float64), torch.randn(12, 5, generator=g, dtype=torch.float64)
+
+    def err(P):
+        return float(max((P.sum(0) - 1).abs().max(), (P.sum(1) - 1).abs().max()))
+
+    loose, tight = transport(a, b, reg=0.02, tol=1e-2), transport(a, b, reg=0.02, tol=1e-9, max_iter=5000)
+    assert err(tight.P) < 1e-6 < err(loose.P)
+    m = lenet()
+    states = [
+        m.state_dict(),
+        {k: v + 0.3 * torch.randn_like(v) if v.is_floating_point() else v for k, v in m.state_dict().items()},
+    ]
+    cut = split_parts({k: torch.ones_like(v) for k, v in m.named_parameters()}, {}, mode="none")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the tight one stops at max_iter, short of 1e-9
+        fused = [
+            fuse(states, [1.0, 1.0], plan=layer_plan(m), parts=[cut, cut], ref=0, reg=0.02, tol=t).state
+            for t in (1e-2, 1e-9)
+        ]
+    assert not all(torch.equal(fused[0][k], fused[1][k]) for k in fused[0])
+
+
+def test_sinkhorn_that_fails_warns_with_advice_and_never_returns_nan():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(8, 5, generator=g, dtype=torch.float64), torch.randn(8, 5, generator=g, dtype=torch.float64)
+    with pytest.warns(
+        RuntimeWarning, match="layer x: Sinkhorn did not converge in 1 iterations.*increase max_iter or reg"
+    ):
+        t = transport(a, b, method="sinkhorn", reg=0.05, max_iter=1, where="layer x")
+    assert torch.isfinite(t.P).all()
+    with pytest.raises(ValueError, match="unknown alignment 'ot'"):
+        transport(a, a, method="ot")
+
+
+# ---------------------------------------------------------------------------------------------- masks
+def test_scores_normalise_to_quantiles_and_hard_masks_keep_half():
+    s = torch.tensor([[0.0, 3.0], [1.0, 2.0]])
+    q = normalise(s)
+    assert torch.allclose(q, torch.tensor([[0.0, 1.0], [1 / 3, 2 / 3]]))
+    assert make_mask(q, mode="hard", delta=0.5).sum() == 2  # the paper's mask ratio 0.5
+    soft = make_mask(q, mode="soft", delta=0.6)
+    assert torch.allclose(soft, torch.tensor([[0.0, 1.0], [1 / 3, 1.0]]))
+    assert torch.allclose(normalise(torch.zeros(5)), torch.full((5,), 0.5))  # ties share their rank
+    assert delta_soft(0, 10) == 0.5 and delta_soft(9, 10) == pytest.approx(0.8)  # first and last round
+    assert delta_soft(3, 10) == pytest.approx(0.6) and delta_soft(0, 1) == pytest.approx(0.8)
+
+
+def test_the_parts_partition_the_parameters_consistently():
+    g = torch.Generator().manual_seed(0)
+    keys = {"w": (4, 3), "b": (4,)}
+    mc = masks_from_scores({k: torch.rand(s, generator=g) for k, s in keys.items()}, mode="soft", delta=0.7)
+    mo = masks_from_scores({k: torch.rand(s, generator=g) for k, s in keys.items()}, mode="soft", delta=0.7)
+    parts = split_parts(mc, mo, mode="three")
+    for k in keys:
+        union = mc[k] + mo[k] - mc[k] * mo[k]
+        assert torch.allclose(parts["close"][k] + parts["open"][k] + parts["share"][k], union)
+        assert torch.allclose(
+            parts["close"][k] + parts["open"][k] + parts["share"][k] + parts["rest"][k], torch.ones_like(union)
+        )
+        assert all((parts[p][k] >= -1e-7).all() for p in parts)
+    hard = split_parts(
+        masks_from_scores({"w": torch.rand(20, generator=g)}, mode="hard", delta=0.5),
+        masks_from_scores({"w": torch.rand(20, generator=g)}, mode="hard", delta=0.5),
+    )
+    total = sum(hard[p]["w"] for p in hard)
+    assert torch.equal(total, torch.ones(20))  # hard parts are disjoint 0/1 sets
+    with pytest.raises(ValueError, match="unknown parts 'four'"):
+        split_parts(mc, mo, mode="four")
+
+
+# ---------------------------------------------------------------------------------------------- fusion
+def _clients(n=3, seed=0):
+    torch.manual_seed(seed)
+    base = create_model("lenet", in_channels=1, num_classes=7)
+    states = []
+    for _ in range(n):
+        states.append(
+            {
+                k: (v + 0.05 * torch.randn_like(v)) if v.is_floating_point() else v.clone()
+                for k, v in base.state_dict().items()
+            }
+        )
+    keys = [k for k, _ in base.named_parameters()]
+    parts = [
+        split_parts(
+            masks_from_scores({k: torch.rand_like(s[k]) for k in keys}, mode="soft", delta=0.6),
+            masks_from_scores({k: torch.rand_like(s[k]) for k in keys}, mode="soft", delta=0.6),
+        )
+        for s in states
+    ]
+    return base, states, parts
+
+
+def test_divide_and_conquer_without_alignment_is_exactly_fedavg():
+    base, states, parts = _clients()
+    w = [10.0, 20.0, 30.0]
+    avg = weighted_average(list(zip(states, w)))
+    for cut in (parts, [split_parts({k: torch.ones(1) for k in p["close"]}, {}, mode="none") for p in parts]):
+        cut = (
+            cut
+            if "close" in cut[0]
+            else [
+                split_parts({k: torch.ones_like(s[k]) for k in p["close"]}, {}, mode="none")
+                for s, p in zip(states, parts)
+            ]
+        )
+        fused = fuse(states, w, plan=layer_plan(base), parts=cut, ref=0, method="none")
+        for k, v in avg.items():
+            if v.is_floating_point():
+                assert torch.allclose(fused.state[k], v, atol=1e-6), k
+
+
+@pytest.mark.parametrize("name", ["lenet", "resnet20"])
+def test_fusing_a_reordered_copy_with_the_original_gives_the_original(name):
+    a = lenet(name=name)
+    b_state, _ = permuted(a, seed=3)
+    plan = layer_plan(a)
+    ones = {k: torch.ones_like(v) for k, v in a.named_parameters()}
+    cut = split_parts(ones, {}, mode="none")
+    fused = fuse([a.state_dict(), b_state], [1.0, 1.0], plan=plan, parts=[cut, cut], ref=0, method="hungarian")
+    plain = fuse([a.state_dict(), b_state], [1.0, 1.0], plan=plan, parts=[cut, cut], ref=0, method="none")
+    x = torch.randn(5, 1, 28, 28)
+    build = lambda: create_model(name, in_channels=1, num_classes=7)  # noqa: E731
+    assert torch.allclose(outputs(build, fused.state, x), a(x), atol=1e-4)
+    assert not torch.allclose(outputs(build, plain.state, x), a(x), atol=1e-2)  # what alignment prevents
+
+
+def test_parts_of_one_model_with_different_masks_are_not_scrambled():
+    """Two clients hold the same weights but different masks: weighted part costs keep every unit in place,
+    while the literal masked weights S*P match units by their mask patterns and scramble the model."""
+    a = lenet()
+    keys = [k for k, _ in a.named_parameters()]
+    g = torch.Generator().manual_seed(0)
+
+    def cut():
+        return split_parts(
+            masks_from_scores(
+                {k: torch.rand(a.state_dict()[k].shape, generator=g) for k in keys}, mode="soft", delta=0.6
+            ),
+            masks_from_scores(
+                {k: torch.rand(a.state_dict()[k].shape, generator=g) for k in keys}, mode="soft", delta=0.6
+            ),
+        )
+
+    parts = [cut(), cut()]
+    plan, x = layer_plan(a), torch.randn(5, 1, 28, 28)
+    build = lambda: create_model("lenet", in_channels=1, num_classes=7)  # noqa: E731
+    kept = fuse([a.state_dict(), a.state_dict()], [1.0, 1.0], plan=plan, parts=parts, ref=0, method="hungarian")
+    assert torch.allclose(outputs(build, kept.state, x), a(x), atol=1e-4)
+    scrambled = fuse(
+        [a.state_dict(), a.state_dict()],
+        [1.0, 1.0],
+        plan=plan,
+        parts=parts,
+        ref=0,
+        method="hungarian",
+        part_cost="masked",
+    )
+    assert not torch.allclose(outputs(build, scrambled.state, x), a(x), atol=1e-2)
+
+
+def test_sba_history_changes_the_match_where_the_weights_cannot_tell():
+    """Two BatchNorm channels with identical weights are told apart only by their statistics' history."""
+    a = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    bank_a = torch.tensor([[5.0, -5.0, 0.0]] * 3)  # rounds x channels
+    bank_b = torch.tensor([[-5.0, 5.0, 0.0]] * 3)  # channels 0 and 1 swapped
+    plain = transport(a, a, method="hungarian")
+    from fedcore.openset.sba import bank_cost
+
+    sba = transport(a, a, method="hungarian", extra=bank_cost(bank_a, bank_b))
+    assert torch.equal(plain.P, torch.eye(3, dtype=torch.float64))
+    assert torch.equal(sba.P, torch.tensor([[0.0, 1, 0], [1, 0, 0], [0, 0, 1]], dtype=torch.float64))
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+def _toy(n=64, seed=0, classes=3):
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, classes, n)
+    x = rng.normal(0, 1, (n, 28, 28, 1)).astype(np.float32)
+    for c in range(classes):
+        x[y == c, 5 * c : 5 * c + 8, 5:20, :] += 2.0
+    return x, y
+
+
+def _train(importance, x, y, **kw):
+    torch.manual_seed(0)
+    m = create_model("lenet", in_channels=1, num_classes=4)
+    init = {k: v.clone() for k, v in m.state_dict().items()}
+    t = create_trainer("proser", **{"lr": 0.05, "batch_size": 16, "importance": importance, **kw})
+    torch.manual_seed(1)
+    upd = t.train(m, x, y, global_state=init, seed=1, broadcast={"round": 2, "rounds": 4})
+    return init, upd
+
+
+def test_dpi_scores_leave_the_update_unchanged_and_masks_are_quantile_masks():
+    x, y = _toy()
+    _, plain = _train("none", x, y, batch_size=len(y))  # one step each
+    _, dpi = _train("dpi", x, y, batch_size=len(y))
+    for k, v in plain.state.items():
+        if v.is_floating_point():
+            assert torch.allclose(dpi.state[k], v, atol=1e-6), k  # two backward passes, summed: the same step
+    assert plain.payload == {}
+    p = _train("dpi", x, y)[1].payload
+    assert p["delta"] == pytest.approx(0.7)  # round 2 of 0..3: 0.5 + (2/3) * 0.3
+    for part in ("mask_close", "mask_open"):
+        for m in p[part].values():
+            assert m.dtype == torch.float16 and float(m.min()) >= 0 and float(m.max()) <= 1
+        share_of_ones = np.mean([float((m == 1).float().mean()) for m in p[part].values() if m.numel() > 10])
+        assert share_of_ones == pytest.approx(0.30, abs=0.05)  # above the 0.7 quantile
+
+
+def test_dpi_of_a_parameter_that_never_moves_is_zero():
+    class Dead(nn.Module):
+        """A LeNet whose extra branch sees only zeros: its weight gets no gradient and never moves."""
+
+        mix_at = 8
+
+        def __init__(self):
+            super().__init__()
+            base = create_model("lenet", in_channels=1, num_classes=4)
+            self.features, self.fc = base.features, base.fc
+            self.dead = nn.Linear(3, 4, bias=False)
+
+        def forward(self, x):
+            return self.fc(self.features(x)) + self.dead(torch.zeros(len(x), 3))
+
+    x, y = _toy()
+    t = create_trainer("proser", lr=0.05, batch_size=16, importance="dpi", score_norm="max", weight_decay=0.0)
+    m = Dead()
+    before = m.dead.weight.detach().clone()
+    t.train(m, x, y, global_state=m.state_dict(), seed=0, broadcast={})
+    assert torch.equal(m.dead.weight, before)
+    assert float(t._scores["close"]["dead.weight"].abs().max()) == 0.0
+    assert float(t._scores["open"]["dead.weight"].abs().max()) == 0.0
+    assert float(t._scores["close"]["fc.weight"].abs().max()) > 0
+
+
+def test_proser_settings_are_checked():
+    with pytest.raises(ValueError, match="unknown importance 'dpl'"):
+        create_trainer("proser", importance="dpl")
+    with pytest.raises(ValueError, match="quantiles in"):
+        create_trainer("proser", delta_end=1.5)
+    with pytest.raises(ValueError, match="no setting 'lamda'"):
+        create_trainer("proser", lamda=1.0)
+
+
+# ---------------------------------------------------------------------------------------------- strategy
+def _data():
+    clients = [_toy(48, s) for s in range(3)]
+    return RoundData(
+        client_x=[c[0] for c in clients],
+        client_y=[c[1] for c in clients],
+        client_group=["a", "b", "c"],
+        eval_sets={"t": _toy(40, 9)},
+    )
+
+
+SPEC = ModelSpec(name="lenet", in_channels=1, num_classes=4, norm="batch")
+
+
+def test_fedpd_resumes_to_the_same_run_and_keeps_a_bounded_bn_bank(tmp_path):
+    data = _data()
+    cfg = RoundConfig(
+        rounds=3,
+        trainer="proser",
+        trainer_params={"lr": 0.05, "batch_size": 16, "importance": "dpi"},
+        strategy="fedpd",
+        strategy_params={"sba_window": 2},
+        seed=0,
+    )
+    full = run_rounds(data, SPEC, cfg)
+    with pytest.raises(RunInterrupted):
+        run_rounds(data, SPEC, cfg, checkpoint_dir=tmp_path, stop_after=2)
+    resumed = run_rounds(data, SPEC, cfg, checkpoint_dir=tmp_path, resume=True)
+    for k, v in full.final_state.items():
+        assert torch.equal(resumed.final_state[k], v), k
+    last = full.records[-1]
+    assert {"align_cost", "transport_entropy", "mask.close", "mask.open", "mask.share", "bn_drift"} <= set(last)
+    # the bank holds at most sba_window rounds: 3 clients x 2 rounds x (32 + 64) channels x 4 bytes + round ids
+    assert last["sba_bank_bytes"] == 3 * (2 * 96 * 4 + 2 * 8)
+
+
+def test_fedpd_plus_plus_trains_a_resnet_end_to_end():
+    """PROSER mixes inside the ResNet, and the server aligns its parts through the residual sums."""
+    data = _data()
+    cfg = RoundConfig(
+        rounds=2,
+        trainer="proser",
+        trainer_params={"lr": 0.05, "batch_size": 16, "importance": "dpi"},
+        strategy="fedpd",
+        strategy_params={"parts": "three", "align": "sinkhorn", "sba": True},
+        seed=0,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        res = run_rounds(data, ModelSpec(name="resnet20", in_channels=1, num_classes=4, norm="batch"), cfg)
+    last = res.records[-1]
+    assert np.isfinite([last["align_cost"], last["transport_entropy"], last["bn_drift"]]).all()
+    assert last["align_cost"] > 0 and 0.0 <= last["transport_entropy"] <= 1.0
+    # all 21 BatchNorm layers of the ResNet are in the bank: the stem's, two per block, the two shortcuts'
+    channels = 16 + 2 * 3 * (16 + 32 + 64) + 32 + 64
+    assert last["sba_bank_bytes"] == 3 * (2 * channels * 4 + 2 * 8)
+
+
+def test_fedpd_refuses_updates_without_masks_and_names_the_fix():
+    s = FedPD(parts="three")
+    s.bind_model(create_model("lenet", in_channels=1, num_classes=4))
+    state = create_model("lenet", in_channels=1, num_classes=4).state_dict()
+    s.setup(
+        state,
+        num_clients=1,
+        param_keys=[k for k in state if not k.endswith(("running_mean", "running_var", "num_batches_tracked"))],
+    )
+    with pytest.raises(ValueError, match="client 0 sent no masks.*importance dpi"):
+        s.aggregate(state, [(0, ClientUpdate(state=state, num_examples=1))], num_clients=1)
+    with pytest.raises(ValueError, match="unknown align 'exact'"):
+        FedPD(align="exact")
+    with pytest.raises(ValueError, match="0 < tol < 0.05.*0.5"):
+        FedPD(tol=0.5)
+
+
+def test_a_fedpd_run_is_reproducible():
+    data = _data()
+    cfg = RoundConfig(
+        rounds=2,
+        trainer="proser",
+        trainer_params={"lr": 0.05, "batch_size": 16, "importance": "dpi"},
+        strategy="fedpd",
+        seed=3,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a, b = run_rounds(data, SPEC, cfg), run_rounds(data, SPEC, cfg)
+    assert [r["avg_acc"] for r in a.records] == [r["avg_acc"] for r in b.records]
+    assert all(torch.equal(a.final_state[k], b.final_state[k]) for k in a.final_state)
+
+
+def test_a_round_whose_model_misses_a_class_scores_openmax_as_nan_and_goes_on():
+    from fedcore.openset.evaluate import openset_evaluate
+
+    spec = ModelSpec(name="lenet", in_channels=1, num_classes=3, norm="batch")
+    state = spec.build().state_dict()
+    state["fc.bias"] = torch.tensor([100.0, 0.0, 0.0])  # predicts class 0 for everything
+    x, y = _toy(30, classes=3)
+    xu, _ = _toy(10, seed=5)
+    with pytest.warns(RuntimeWarning, match="OpenMax cannot be fitted.*class 1"):
+        out = openset_evaluate(state, spec, {"d": (x, y)}, {"d": xu}, scores=["msp", "openmax"], fit=(x, y))
+    assert np.isnan(out["auroc.openmax"]) and np.isnan(out["oscr.openmax.d"])
+    assert 0 <= out["auroc.msp"] <= 1 and out["auroc"] == out["auroc.msp"]
+    assert out["acc.d"] == pytest.approx(float(np.mean(y == 0)))
+
+
+def test_unknown_scenarios_score_only_their_rows_and_the_full_set_equals_the_headline():
+    from fedcore.openset.evaluate import logits_of, openset_evaluate
+    from fedcore.openset.metrics import auroc, msp_score
+
+    spec = ModelSpec(name="lenet", in_channels=1, num_classes=3, norm="batch")
+    torch.manual_seed(0)
+    state = spec.build().state_dict()
+    x, y = _toy(30, classes=3)
+    xu, _ = _toy(12, seed=5)
+    half = np.arange(12) < 5
+    sets = {"all": {"d": np.ones(12, bool)}, "part": {"d": half}}
+    out = openset_evaluate(state, spec, {"d": (x, y)}, {"d": xu}, scores=["msp"], unknown_sets=sets)
+    assert out["auroc_all.msp.d"] == out["auroc.msp.d"] and out["auroc_all"] == out["auroc"]
+    model = spec.build()
+    model.load_state_dict(state)
+    expect = auroc(msp_score(logits_of(model, x)), msp_score(logits_of(model, xu[half])))
+    assert out["auroc_part.msp.d"] == pytest.approx(expect) and out["auroc_part"] == out["auroc_part.msp"]
+    assert out["auroc_part"] != out["auroc"]  # a different set of unknowns, a different score
+    plain = openset_evaluate(state, spec, {"d": (x, y)}, {"d": xu}, scores=["msp"])
+    assert not any(k.startswith("auroc_") for k in plain)

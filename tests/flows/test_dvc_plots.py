@@ -1,0 +1,254 @@
+"""dvc.yaml's plots: each one reads a table its stage writes, and ``dvc plots show`` renders every one.
+
+The fast tests check the tables' writer and that every file a plot names is a table the stage owning it
+writes for its configured cells (a renamed cell or table fails here, not silently as an empty plot). The
+slow one writes each named table in a throwaway repository through the stage code on tiny data (the
+arrival and round engines, then the functions the flows call on their results) and asks ``dvc plots show``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import numpy as np
+import pytest
+
+from flows import config as C
+from flows import plot_data
+from flows.config import ROOT
+from tests.dvc_repo import DVC_CONFIG, dvc, run
+from tests.helpers import for_variant, tiny_overrides
+
+Cell = Tuple  # ("arrivals", variant, method, aggregator, form, seed) | ("rounds", system, grid, method, seed)
+
+
+def declared_plots(root: Path) -> Dict[str, List[Tuple[str, List[str]]]]:
+    """``{plot id: [(file, [fields]), ...]}``: dvc.yaml's top-level plots as DVC resolves them (params
+    interpolated), files relative to ``root``."""
+    from dvc.dvcfile import load_file
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        defs = load_file(repo, str(root / "dvc.yaml")).plots
+    out = {}
+    for item in defs:
+        ((pid, props),) = item.items()
+        out[pid] = [(f, [fields] if isinstance(fields, str) else list(fields)) for f, fields in props["y"].items()]
+    return out
+
+
+def stage_outs(root: Path) -> Dict[str, List[str]]:
+    """``{stage: [output path, ...]}`` from dvc.yaml, paths relative to ``root``."""
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        return {s.name: [Path(o.fs_path).relative_to(root).as_posix() for o in s.outs] for s in repo.index.stages}
+
+
+def stage_tables(stage: str) -> Dict[str, Cell]:
+    """``{table path: cell}`` of every plot table ``stage`` writes with the committed config."""
+    from flows.tasks import cell_name, sweep_cells
+
+    name, _, key = stage.partition("@")
+    if name in ("adapt", "private"):
+        variant = key or "private"
+        cfg = C.compose([f"variant={variant}"])
+        out = {}
+        for m, a, f, s in sweep_cells(cfg):
+            acfg = C.arrival_config(cfg, method=m, aggregator=a, seed=s, form=f)
+            folder = f"{cfg.paths.results}/cells/{cell_name(acfg)}"
+            for table in (plot_data.ARRIVALS_CSV, plot_data.ACCURACY_CSV):
+                out[f"{folder}/{table}"] = ("arrivals", variant, m, a, f, s)
+        return out
+    if name in C.round_systems():
+        cfg = C.compose([])
+        g = C.grid(cfg, name, key)
+        folder = f"{cfg.paths.results}/{name}/{key}/cells"
+        return {
+            f"{folder}/{m}-s{s}/{plot_data.ROUNDS_CSV}": ("rounds", name, key, str(m), int(s))
+            for s in g.seeds
+            for m in g.methods
+        }
+    return {}
+
+
+def owner(path: str, outs: Dict[str, List[str]]) -> str:
+    """The one stage whose output holds ``path``."""
+    stages = [s for s, paths in outs.items() if any(path == o or path.startswith(o + "/") for o in paths)]
+    assert len(stages) == 1, f"{path} lies in the outputs of {stages or 'no stage'}: one stage must build it"
+    return stages[0]
+
+
+# ------------------------------------------------------------------------------------ fast
+
+
+def test_records_csv_has_one_header_and_blank_cells_for_missing_or_nan(tmp_path):
+    # Prepare: records that grow a field, hold a NaN, a bool, numpy scalars and a list
+    records = [
+        {"round": 0, "acc.task0": 0.5, "weight_drift": math.nan, "clients": [0, 1], "refused": True},
+        {
+            "round": np.int64(1),
+            "acc.task0": np.float32(0.25),
+            "acc.task1": 0.75,
+            "weight_drift": 0.1,
+            "clients": [1],
+            "refused": False,
+        },
+    ]
+
+    # Execute
+    path = plot_data.write_records_csv(records, tmp_path / "rounds.csv")
+
+    # Assert
+    rows = list(csv.DictReader(path.open()))
+    assert list(rows[0]) == ["round", "acc.task0", "weight_drift", "refused", "acc.task1"]
+    assert rows[0] == {"round": "0", "acc.task0": "0.5", "weight_drift": "", "refused": "1", "acc.task1": ""}
+    assert rows[1] == {"round": "1", "acc.task0": "0.25", "weight_drift": "0.1", "refused": "0", "acc.task1": "0.75"}
+
+
+def test_accuracy_csv_is_the_matrix_in_long_form_without_unseen_clients(tmp_path):
+    # Prepare: 3 arrivals over 2 clients; client 1 is not seen until arrival 1
+    acc = np.array([[0.5, np.nan], [0.6, 0.7], [0.55, 0.8]])
+
+    # Execute
+    path = plot_data.write_accuracy_csv(acc, ["fog", "snow"], tmp_path / "accuracy.csv")
+
+    # Assert: one row per finite entry, and the matrix back from the rows
+    rows = list(csv.DictReader(path.open()))
+    assert len(rows) == np.isfinite(acc).sum() == 5
+    back = np.full_like(acc, np.nan)
+    for r in rows:
+        back[int(r["arrival"]), int(r["client_id"])] = float(r["acc"])
+    np.testing.assert_allclose(back, acc)
+    assert {r["corruption"] for r in rows} == {"0:fog", "1:snow"}
+
+
+def test_every_plot_reads_a_table_that_the_stage_owning_it_writes():
+    # Prepare
+    plots = declared_plots(ROOT)
+    outs = stage_outs(ROOT)
+
+    # Execute / Assert: each file is inside one stage's outputs (cached, rebuilt) and is a table that stage
+    # writes for one of its configured cells
+    assert plots, "dvc.yaml declares no plots"
+    for pid, series in plots.items():
+        for path, fields in series:
+            stage = owner(path, outs)
+            tables = stage_tables(stage)
+            assert path in tables, (
+                f"plot {pid!r} reads {path}, which stage {stage} does not write; it writes {sorted(tables)[:6]} ..."
+            )
+            assert fields, pid
+
+
+# ------------------------------------------------------------------------------------ slow
+
+
+def _arrival_tables(folder: Path, cell: Cell, tmp: Path, partition: Path) -> None:
+    """One arrival cell on the tiny digits federation (plain driver, untrained source), its tables written by
+    the function :func:`flows.federation._log_experiment` calls."""
+    from fedcore.data import Partition
+    from fedcore.engine import run_arrivals
+
+    _, variant, m, a, f, s = cell
+    cfg = C.compose(for_variant(tiny_overrides(tmp) + [f"variant={variant}", "adapt.passes=1"]))
+    part = Partition.load(partition)
+    spec = C.model_spec(cfg)
+    acfg = C.arrival_config(cfg, method=m, aggregator=a, seed=s, form=f)
+    res = run_arrivals(part, spec, spec.build().state_dict(), acfg)
+    plot_data.write_arrival_tables(folder, res.records, res.acc_matrix, [t.corruption for t in part.targets])
+
+
+TINY_GRIDS = {
+    "fedpad": ["fedpad.grids.quick.max_per_domain=120", "fedpad.grids.quick.rounds=2"],
+    "fedpd": ["fedpd.grids.quick.max_per_domain=150", "fedpd.grids.quick.rounds=2"],
+    "ppfcil": [
+        "ppfcil.grids.quick.max_per_domain=300",
+        "ppfcil.grids.quick.tasks=2",
+        "ppfcil.grids.quick.rounds_per_task=2",
+        "ppfcil.grids.quick.clients=2",
+        "ppfcil.grids.quick.participation=1.0",
+    ],
+}
+
+
+def _round_tables(folder: Path, cell: Cell, tmp: Path) -> None:
+    """One round cell of a quick grid, shrunk, as the grid's Ray task runs it; written by the flow's
+    :func:`flows.rounds._cell_outputs`."""
+    from fedcore.engine import run_rounds
+    from flows.evaluations import round_inputs
+    from flows.rounds import _cell_outputs, _headline_score
+    from flows.steps import partition_domains as _partition_domains
+    from flows.tasks import load_domain_partition
+
+    _, system, grid, m, s = cell
+    cfg = C.compose([f"paths.domains={tmp}/domains", f"{system}.grid={grid}", *TINY_GRIDS[system]])
+    if not C.domains_dir(cfg, system, grid).is_dir():
+        _partition_domains(cfg, system)
+    rcfg = C.round_config(cfg, system, method=m, seed=s, grid_name=grid)
+    part = load_domain_partition(cfg, system, grid)
+    data, spec, evaluate = round_inputs(cfg, system, grid, part, rcfg, method=m)
+    res = run_rounds(data, spec, rcfg, evaluate=evaluate)
+    _cell_outputs(
+        res,
+        part,
+        folder,
+        title=f"{system} {grid}: {m}",
+        system=system,
+        score=_headline_score(cfg, system, m, rcfg.trainer),
+    )
+
+
+@pytest.mark.slow
+def test_plots_show_renders_every_declared_plot_from_tables_the_stage_code_writes(tmp_path):
+    # Prepare: a repository with the pipeline's plot definitions, and each table a plot names, written by
+    # the stage code on tiny data
+    from flows.federation import partition_dir
+    from flows.steps import partition as _partition
+    from flows.steps import prepare as _prepare
+
+    repo = tmp_path / "repo"
+    (repo / ".dvc").mkdir(parents=True)
+    shutil.copytree(ROOT / ".dvc" / "plots", repo / ".dvc" / "plots")
+    for name in ("dvc.yaml", "params.yaml"):
+        shutil.copy(ROOT / name, repo / name)
+    (repo / ".dvc" / "config").write_text(DVC_CONFIG)
+    run(repo, "git", "init", "-q")
+    plots = declared_plots(ROOT)
+    outs = stage_outs(ROOT)
+    tiny = tmp_path / "tiny"
+    cfg = C.compose(tiny_overrides(tiny))
+    _prepare(cfg)
+    _partition(cfg)
+    cells = {}
+    for series in plots.values():
+        for path, _ in series:
+            cells[path] = stage_tables(owner(path, outs))[path]
+    for path, cell in cells.items():
+        folder = repo / Path(path).parent
+        if (repo / path).is_file():
+            continue  # written with another table of its cell
+        if cell[0] == "arrivals":
+            _arrival_tables(folder, cell, tiny, partition_dir(cfg))
+        else:
+            _round_tables(folder, cell, tiny)
+
+    # Execute
+    shown = json.loads(dvc(repo, "plots", "show", "--json").stdout)
+
+    # Assert: every declared plot, each of its files and fields with a value in every row
+    assert not shown.get("errors"), shown["errors"]
+    data = shown.get("data", shown)
+    assert set(data) == set(plots)
+    for pid, series in plots.items():
+        values = [v for item in data[pid] for v in item["content"]["data"]["values"]]
+        for path, fields in series:
+            rows = [v for v in values if path.endswith(v.get("filename", path))]
+            assert rows, (pid, path)
+            for field in fields:
+                assert all(str(v.get(field, "")).strip() not in ("", "nan") for v in rows), (pid, path, field)

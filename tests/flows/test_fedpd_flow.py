@@ -1,0 +1,198 @@
+"""FedPD++ through the platform: config checks, the open-set grid flow (slow) and what it logs."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+from mlflow.tracking import MlflowClient
+
+from flows import config as C
+
+
+def overrides(tmp, *extra):
+    return [
+        f"paths.domains={tmp}/domains",
+        f"paths.results={tmp}/results",
+        f"paths.checkpoints={tmp}/ckpt",
+        f"flow.tracking_uri=sqlite:///{tmp}/mlruns.db",
+        "flow.progress=false",
+        "flow.retries=1",
+        "flow.retry_delay_seconds=0",
+        "fedpd.grid=quick",
+        "fedpd.grids.quick.max_per_domain=300",
+        "fedpd.grids.quick.rounds=2",
+        "fedpd.grids.quick.methods=[fedavg,fedpd++]",
+        *extra,
+    ]
+
+
+def test_the_fedpd_experiment_composes_and_every_grid_method_builds():
+    cfg = C.compose([])
+    C.validate(cfg)
+    rc = C.round_config(cfg, "fedpd", method="fedpd++", seed=0, grid_name="digits")
+    assert (rc.trainer, rc.strategy) == ("proser", "fedpd")
+    assert rc.trainer_params["importance"] == "dpi" and rc.strategy_params["parts"] == "three"
+    assert C.method_scores(cfg, "fedpd", "fedavg", "sgd") == ["msp", "openmax"]
+    assert C.is_openset("fedpd") and not C.is_openset("fedpad")
+
+
+def test_bad_fedpd_settings_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match=re.escape("unknown fedpd method 'fedpd+';")):
+        C.compose(["fedpd.grids.quick.methods=[fedpd+]"])
+    with pytest.raises(ValueError, match="do not fit the model"):
+        C.compose(["fedpd.methods.fedavg.scores=[proser]"])
+    with pytest.raises(ValueError, match="unknown align 'ot'"):
+        C.compose(["+fedpd.methods.fedpd.strategy_params.align=ot"])
+
+
+SCENARIOS = (
+    "+fedpd.grids.quick.unknown_sets={shared: {mnist: [6, 7, 8, 9], fonts: [6, 7, 8, 9], "
+    "sklearn: [6, 7, 8, 9]}, one: {mnist: [6], fonts: [7], sklearn: [8]}}"
+)
+
+
+def test_a_bad_unknown_scenario_is_refused_before_any_service_starts(tmp_path, monkeypatch):
+    from flows import runtime
+    from flows.rounds import grid
+    from flows.steps import partition_domains as _partition_domains
+
+    bad = SCENARIOS.replace("sklearn: [8]", "sklearn: [5]")
+    cfg = C.compose(overrides(tmp_path, bad))
+    _partition_domains(cfg, "fedpd")
+    monkeypatch.setattr(runtime, "shutdown_ray", lambda: pytest.fail("a service was started"))
+    with pytest.raises(
+        ValueError,
+        match=r"unknown scenario 'one', domain 'sklearn': class\(es\) \[5\] are not "
+        "unknown classes",
+    ):
+        grid(cfg, "fedpd")
+
+
+@pytest.mark.slow
+def test_open_set_grid_writes_auroc_tables_and_logs_alignment_per_round(tmp_path):
+    from flows.rounds import grid, results_dir
+    from flows.steps import partition_domains as _partition_domains
+
+    cfg = C.compose(overrides(tmp_path, SCENARIOS))
+    _partition_domains(cfg, "fedpd")
+    rows = grid(cfg, "fedpd")
+    assert [(r["method"], r["seed"]) for r in rows] == [("fedavg", 0), ("fedpd++", 0)]
+    out = results_dir(cfg, "fedpd", "quick")
+    summary = json.loads((out / "summary.json").read_text())
+    # one cell of a plain classifier gives two rows (MSP and OpenMax), a PROSER model one
+    assert set(summary) == {"fedavg+msp", "fedavg+openmax", "fedpd++"}
+    for row in summary.values():
+        assert 0 <= row["closed_acc"] <= 1 and 0 <= row["auroc"] <= 1 and 0 <= row["oscr"] <= row["closed_acc"]
+    assert summary["fedavg+msp"]["closed_acc"] == summary["fedavg+openmax"]["closed_acc"]
+    # heterogeneous unknowns: the scenario with every unknown class is the headline AUROC, another differs
+    for row in summary.values():
+        assert row["auroc_shared"] == pytest.approx(row["auroc"]) and row["auroc_one"] != row["auroc"]
+    assert "| method | shared (100 %) | one (0 %) | shared − one |" in (out / "table.md").read_text()
+    for f in ("table.md", "stats.md", "methods.png", "scores.json", "cells/fedpd++-s0/rounds.png"):
+        assert (out / f).is_file(), f
+    blocks = json.loads((out / "scores.json").read_text())["auroc_by_seed_domain"]
+    assert len(blocks["fedpd++"]) == 3  # 1 seed x 3 domains
+    assert np.isclose(np.mean(blocks["fedpd++"]), summary["fedpd++"]["auroc"])
+    records = json.loads((out / "cells/fedpd++-s0/rounds.json").read_text())
+    assert len(records) == 2
+    assert {
+        "mask.close",
+        "mask.open",
+        "mask.share",
+        "align_cost",
+        "transport_entropy",
+        "bn_drift",
+        "auroc.proser.mnist",
+    } <= set(records[-1])
+    client = MlflowClient(C.tracking_uri(cfg))
+    exp = client.get_experiment_by_name("fedcore-fedpd")
+    runs = client.search_runs([exp.experiment_id], "tags.stage = 'fedpd@quick'")
+    by_name = {r.info.run_name: r for r in runs}
+    assert {"fedavg-s0", "fedpd++-s0"} <= set(by_name)
+    run = by_name["fedpd++-s0"]
+    assert run.data.metrics["final_auroc"] == pytest.approx(summary["fedpd++"]["auroc"])
+    history = client.get_metric_history(run.info.run_id, "transport_entropy")
+    assert len(history) == 2  # one point per round
+    versions = client.search_model_versions("name='fedpd-quick'")
+    assert [(v.tags["method"], v.tags["champion_metric"]) for v in versions] == [("fedpd++", "final_auroc")]
+    assert versions[0].run_id == run.info.run_id
+
+
+def test_method_names_mlflow_refuses_in_keys_are_logged_under_safe_keys(tmp_path):
+    """``fedpd++`` is a config key; MLflow refuses '+' in param keys, so a run that logs the config must not fail."""
+    from mlflow.entities import Param
+
+    from flows import tracking
+
+    params = tracking.flatten({"fedpd": {"methods": {"fedpd++": {"trainer": "proser"}}}, "seeds": [0, 1]})
+    assert params == {"fedpd.methods.fedpd__.trainer": "proser", "seeds": "[0, 1]"}
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlruns.db")  # no global MLflow state touched
+    run = client.create_run(client.create_experiment("keys"))
+    client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in params.items()])  # refuses invalid keys
+    assert client.get_run(run.info.run_id).data.params == params
+
+
+def test_relabelled_scenarios_are_exact_weighted_means_of_per_class_aurocs():
+    from flows.reports import relabelled_aurocs
+
+    counts = {"a": {6: 10, 7: 30}, "b": {6: 20, 7: 20}}
+    per_class = {("a", 6): 0.9, ("a", 7): 0.5, ("b", 6): 0.8, ("b", 7): 0.6}
+    got = relabelled_aurocs(per_class, counts, {"a": [6, 7], "b": [7]})
+    a_both = (10 * 0.9 + 30 * 0.5) / 40  # every unknown row of a, weighted by its class's rows
+    assert got[0] == pytest.approx((a_both + 0.6) / 2)  # the identity first: the scenario as configured
+    assert got[1] == pytest.approx((a_both + 0.8) / 2)  # 6 <-> 7: b meets class 6 instead
+    flat = {k: 0.7 for k in per_class}  # classes alike: no relabelling can move the score
+    assert np.allclose(relabelled_aurocs(flat, counts, {"a": [6], "b": [7]}), 0.7)
+
+
+def test_the_report_adds_scenarios_relabellings_and_per_class_aurocs(tmp_path):
+    from flows.reports import write_openset_report
+
+    def summary(base):
+        s = {
+            "final_avg_acc": 0.8,
+            "final_worst_acc": 0.7,
+            "final_auroc.msp": base,
+            "final_oscr.msp": 0.6,
+            "agg_seconds_mean": 0.01,
+            "bytes_per_round": 1e6,
+        }
+        for d in ("a", "b"):
+            s[f"final_auroc.msp.{d}"] = base
+            s.update({f"final_auroc_class6.msp.{d}": base + 0.1, f"final_auroc_class7.msp.{d}": base - 0.1})
+        s.update({"final_auroc_all.msp": base, "final_auroc_one.msp": base + 0.05})
+        return s
+
+    rows = [{"method": "m", "seed": s, "summary": summary(0.7 + 0.01 * s), "seconds": 1.0} for s in (0, 1)]
+    sets = {"all": {"a": [6, 7], "b": [6, 7]}, "one": {"a": [6], "b": [7]}}
+    counts = {"a": {6: 5, 7: 5}, "b": {6: 5, 7: 5}}
+    write_openset_report(
+        rows,
+        domains=["a", "b"],
+        out=tmp_path,
+        title="t",
+        scores={"m": ["msp"]},
+        target=None,
+        unknown_sets=sets,
+        unknown_counts=counts,
+    )
+    text = (tmp_path / "table.md").read_text()
+    assert "| m | 0.705 ± 0.005 | 0.755 ± 0.005 | -0.050 |" in text  # as configured: all, then one, then the gap
+    assert "| m | 0.705 [0.705, 0.705] | 0.705 [0.705, 0.705] |" in text  # one domain meets 6, the other 7
+    assert "| m | 0.805 | 0.605 |" in text  # per class
+    assert json.loads((tmp_path / "summary.json").read_text())["m"]["auroc_one"] == pytest.approx(0.755)
+    del rows[1]["summary"]["final_auroc_class7.msp.a"], rows[1]["summary"]["final_auroc_class7.msp.b"]
+    with pytest.raises(ValueError, match=r"m seed 1 has no AUROC for unknown scenario\(s\) \['class7'\].*resume=false"):
+        write_openset_report(
+            rows,
+            domains=["a", "b"],
+            out=tmp_path,
+            title="t",
+            scores={"m": ["msp"]},
+            target=None,
+            unknown_sets=sets,
+            unknown_counts=counts,
+        )

@@ -1,0 +1,236 @@
+"""The round engine through Prefect + Ray + MLflow on a tiny FedPAD grid (slow), and its stage errors."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from fedcore.engine.checkpoint import CheckpointError
+from flows import config as C
+from tests.helpers import prefect_artifacts, prefect_flow_run, prefect_logs, prefect_task_runs, write_checkpoint
+
+
+def rounds_overrides(tmp, *extra):
+    return [
+        f"paths.domains={tmp}/domains",
+        f"paths.results={tmp}/results",
+        f"paths.checkpoints={tmp}/ckpt",
+        f"flow.tracking_uri=sqlite:///{tmp}/mlruns.db",
+        "flow.progress=false",
+        "flow.retries=2",
+        "flow.retry_delay_seconds=0",
+        "fedpad.grid=quick",
+        "fedpad.grids.quick.max_per_domain=120",
+        "fedpad.grids.quick.rounds=2",
+        "fedpad.grids.quick.methods=[fedavg,fedpad]",
+        "trainer=proto",
+        "strategy=fedpad",
+        *extra,
+    ]
+
+
+def strip(records):
+    return [
+        {k: ("nan" if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items() if k != "agg_seconds"}
+        for r in records
+    ]
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    from flows.steps import partition_domains as _partition_domains
+
+    tmp = tmp_path_factory.mktemp("rounds")
+    cfg = C.compose(rounds_overrides(tmp))
+    _partition_domains(cfg)
+    return {"tmp": tmp, "cfg": cfg}
+
+
+def test_missing_partition_names_the_stage_that_builds_it(tmp_path, capsys):
+    from flows.stages import main
+
+    assert main(["fedpad", f"paths.domains={tmp_path}/none", "fedpad.grid=digits"]) == 2
+    err = capsys.readouterr().err
+    assert "dvc repro partition_domains@digits" in err
+
+
+def test_unknown_grid_and_method_are_refused_with_the_valid_names():
+    with pytest.raises(ValueError, match="unknown fedpad grid 'digit'; valid names are:.*digits"):
+        C.grid(C.compose([]), "fedpad", "digit")
+    with pytest.raises(ValueError, match="unknown fedpad method 'fedpadd'; valid names are:.*fedpad"):
+        C.compose(["fedpad.grids.quick.methods=[fedpadd]"])
+    with pytest.raises(ValueError, match="no setting 'gama'"):
+        C.compose(["+fedpad.methods.fedpad.strategy_params.gama=1"])
+
+
+@pytest.mark.parametrize("flow", ["single", "grid"])
+def test_a_corrupt_round_checkpoint_fails_before_ray_or_prefect_start(quick, tmp_path, monkeypatch, flow):
+    # Prepare: the run's (a grid's first cell's) checkpoint corrupted; Ray or Prefect starting fails the test
+    from flows import rounds, runtime
+    from flows.tasks import round_cell_dir
+
+    cfg = C.compose(rounds_overrides(quick["tmp"], f"paths.checkpoints={tmp_path}"))
+    folder = (
+        tmp_path / "fedpad" / "quick" / "single-proto+fedpad-s0"
+        if flow == "single"
+        else round_cell_dir(cfg, "fedpad", "quick", "fedavg", 0)
+    )
+    write_checkpoint(folder, corrupt=True)
+    monkeypatch.setattr(runtime, "start_ray", lambda **kw: pytest.fail("Ray started"))
+    monkeypatch.setattr(runtime, "_prefect_api", lambda: pytest.fail("Prefect started"))
+
+    # Execute / Assert: refused by the pre-flight check, naming the folder to delete
+    with pytest.raises(CheckpointError, match=re.escape(f"Found before starting Ray and Prefect. Delete {folder} ")):
+        getattr(rounds, flow)(cfg, "fedpad")
+
+
+@pytest.mark.slow
+def test_round_flow_equals_the_plain_driver_and_logs_every_round(quick):
+    """The same run_rounds loop, driven by a Prefect task per client per round on Ray: identical metrics."""
+    from fedcore.engine import run_rounds
+    from flows.evaluations import round_data
+    from flows.rounds import single
+    from flows.tasks import load_domain_partition
+
+    cfg = quick["cfg"]
+    part = load_domain_partition(cfg, "fedpad")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # each client task runs on one Ray CPU; bit-identity needs the same thread count
+    try:
+        plain = run_rounds(
+            round_data(part),
+            C.grid_model_spec(cfg, "fedpad", num_classes=part.num_classes),
+            C.single_round_config(cfg, "fedpad"),
+        )
+    finally:
+        torch.set_num_threads(threads)
+    flowed = single(cfg, "fedpad")
+    assert strip(flowed.records) == strip(plain.records)
+    for k in plain.final_state:
+        assert torch.equal(flowed.final_state[k], plain.final_state[k]), k
+    client = MlflowClient(C.tracking_uri(cfg))
+    exp = client.get_experiment_by_name("fedcore-fedpad")
+    run = [r for r in client.search_runs([exp.experiment_id]) if r.info.run_name == "proto+fedpad-s0"][0]
+    assert run.data.tags["partition_manifest_sha256"] and run.data.tags["strategy"] == "fedpad"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "worst_acc")] == [0, 1]
+    assert len(client.get_metric_history(run.info.run_id, "alpha.c0")) == 2
+    children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
+    assert sorted(c.info.run_name for c in children) == ["round-000", "round-001"]
+    flow_run = prefect_flow_run(run)  # the same run in the Prefect UI
+    assert {k: flow_run.parameters[k] for k in ("system", "grid", "trainer", "strategy", "seed")} == {
+        "system": "fedpad",
+        "grid": "quick",
+        "trainer": "proto",
+        "strategy": "fedpad",
+        "seed": 0,
+    }
+    n = len(plain.records[0]["clients"])
+    assert sorted(prefect_task_runs(flow_run.id)) == [f"round-000-{n}-clients", f"round-001-{n}-clients"]
+    assert run.info.run_id in prefect_artifacts(flow_run.id)[0].data
+    quick["plain"] = plain
+
+
+@pytest.mark.slow
+def test_failed_and_killed_client_tasks_are_rerun_with_unchanged_results(quick):
+    """Round 1's client-0 task raises once (Prefect retries it); round 0's worker is killed by PID (Ray reruns it)."""
+    from flows.rounds import single
+
+    cfg = C.compose(
+        rounds_overrides(
+            quick["tmp"], "flow.inject_fault=1", "flow.inject_crash=0", f"paths.checkpoints={quick['tmp']}/ckpt2"
+        )
+    )
+    res = single(cfg, "fedpad")
+    assert list((quick["tmp"] / "ckpt2").rglob("fault-round1.marker")), "the injected fault never fired"
+    assert list((quick["tmp"] / "ckpt2").rglob("crash-round0.marker")), "the worker was never killed"
+    assert strip(res.records) == strip(quick["plain"].records)
+    # Prefect saw round 0's task complete once: the warning on it says Ray reran client 0's step
+    client = MlflowClient(C.tracking_uri(cfg))
+    exp = client.get_experiment_by_name("fedcore-fedpad")
+    [run] = client.search_runs(
+        [exp.experiment_id],
+        "attributes.run_name = 'proto+fedpad-s0'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
+    warned = [
+        (task[: len("round-000")], msg.split(" (")[0], msg.split(": ", 1)[1])
+        for task, level, msg in prefect_logs(prefect_flow_run(run).id)
+        if level == logging.WARNING and "re-run by Ray" in msg
+    ]
+    assert warned == [("round-000", "round 0 client 0", "client step re-run by Ray after its worker died: attempt 2")]
+
+
+@pytest.mark.slow
+def test_a_round_flow_stopped_after_a_round_resumes_from_its_checkpoint_with_unchanged_results(quick):
+    """flow.stop_after=1 ends the run once round 0 is checkpointed; resume=true runs round 1 alone, and the
+    records are the uninterrupted run's."""
+    from fedcore.engine import RunInterrupted
+    from flows.rounds import single
+
+    extra = (f"paths.checkpoints={quick['tmp']}/ckpt3",)
+    with pytest.raises(RunInterrupted):
+        single(C.compose(rounds_overrides(quick["tmp"], "flow.stop_after=1", *extra)), "fedpad")
+    cfg = C.compose(rounds_overrides(quick["tmp"], "flow.resume=true", *extra))
+    res = single(cfg, "fedpad")
+    assert strip(res.records) == strip(quick["plain"].records)
+    client = MlflowClient(C.tracking_uri(cfg))
+    [resumed, interrupted] = client.search_runs(
+        [client.get_experiment_by_name("fedcore-fedpad").experiment_id],
+        "attributes.run_name = 'proto+fedpad-s0'",
+        order_by=["attributes.start_time DESC"],
+        max_results=2,
+    )
+    n = len(quick["plain"].records[0]["clients"])
+    assert [list(prefect_task_runs(prefect_flow_run(r).id)) for r in (interrupted, resumed)] == [
+        [f"round-000-{n}-clients"],
+        [f"round-001-{n}-clients"],
+    ]
+    assert [m.step for m in client.get_metric_history(resumed.info.run_id, "worst_acc")] == [1]
+
+
+@pytest.mark.slow
+def test_grid_flow_writes_the_table_statistics_plots_and_one_run_per_cell(quick):
+    from flows.rounds import grid, results_dir
+
+    cfg = quick["cfg"]
+    rows = grid(cfg, "fedpad")
+    assert [(r["method"], r["seed"]) for r in rows] == [("fedavg", 0), ("fedpad", 0)]
+    out = results_dir(cfg, "fedpad", "quick")
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) == {"fedavg", "fedpad"}
+    assert 0 <= summary["fedpad"]["worst_acc"] <= summary["fedpad"]["avg_acc"] <= 1
+    for f in ("table.md", "stats.md", "methods.png", "cells/fedpad-s0/rounds.png", "cells/fedavg-s0/rounds.json"):
+        assert (out / f).is_file(), f
+    assert "| fedpad |" in (out / "table.md").read_text()
+    client = MlflowClient(C.tracking_uri(cfg))
+    exp = client.get_experiment_by_name("fedcore-fedpad")
+    cells = [
+        r
+        for r in client.search_runs(
+            [exp.experiment_id], "tags.stage = 'fedpad@quick'", order_by=["attributes.start_time DESC"]
+        )
+        if r.info.run_name in ("fedavg-s0", "fedpad-s0")
+    ][:2]
+    assert sorted(r.info.run_name for r in cells) == ["fedavg-s0", "fedpad-s0"]
+    flow_run = prefect_flow_run(cells[0])  # the grid in the Prefect UI: one task run and one MLflow link per cell
+    assert flow_run.parameters["methods"] == ["fedavg", "fedpad"] and flow_run.parameters["seeds"] == [0]
+    assert set(prefect_task_runs(flow_run.id)) == {"quick-fedavg-s0", "quick-fedpad-s0"}
+    links = " ".join(a.data for a in prefect_artifacts(flow_run.id))
+    assert all(r.info.run_id in links for r in cells)
+    # the grid's target method (fedpad, seed 0) is this grid's one registered model version, as fedpad-quick
+    versions = [
+        v for v in client.search_model_versions("name='fedpad-quick'") if v.run_id in {r.info.run_id for r in cells}
+    ]
+    assert [(v.tags["method"], v.tags["seed"]) for v in versions] == [("fedpad", "0")]
+    assert versions[0].tags["champion_metric"] == "final_worst_acc"
+    assert client.get_model_version_by_alias("fedpad-quick", "champion")  # the first version always takes it
+    from flows.tracking import load_registered
+
+    assert load_registered("fedpad-quick", "champion", tracking_uri=C.tracking_uri(cfg)) is not None
