@@ -83,12 +83,7 @@ def load(params_file: str | Path | None = None, overrides: List[str] | None = No
 def _plugin_block_overrides(overrides: List[str]) -> List[str]:
     """The overrides that set a key of a plug-in system's own block (``toy.grid=tiny``), after importing the
     plug-ins they and conf/config.yaml name: Hydra does not know those blocks, which are merged after it."""
-    import yaml
-
-    named = [o.split("=", 1)[1] for o in overrides if _override_key(o) == "plugins" and "=" in o]
-    root = yaml.safe_load((CONF_DIR / "config.yaml").read_text()) or {}
-    for value in [*named, str(root.get("plugins") or [])]:
-        systems.load_plugins(yaml.safe_load(value) or [])
+    systems.configured_plugins(overrides)
     blocks = {s.name for s in systems.all_systems() if s.config}
     return [o for o in overrides if "=" in o and _override_key(o).split(".", 1)[0] in blocks]
 

@@ -39,7 +39,9 @@ HEADER = """\
 
 
 def render() -> str:
-    """The file's text: the header, then every registered system's deployment, by name."""
+    """The file's text: the header, then every registered system's deployment (the plug-ins that
+    conf/config.yaml names included), by name."""
+    systems.configured_plugins()
     doc = {
         "name": "fedcore",
         "prefect-version": PREFECT_VERSION,

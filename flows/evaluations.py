@@ -237,8 +237,14 @@ def _report_domains(run: GridRun) -> str:
         domains=list(run.part.domains),
         out=run.out,
         title=run.title,
-        target=run.system if run.system in run.grid.methods else None,
+        target=_target(run),
     )
+
+
+def _target(run: GridRun) -> str | None:
+    """The method a grid is about: ``<system>.target``, else the method named as the system, if the grid ran it."""
+    target = str(run.cfg[run.system].get("target") or run.system)
+    return target if target in run.grid.methods else None
 
 
 def _report_openset(run: GridRun) -> str:
@@ -271,8 +277,8 @@ def _report_incremental(run: GridRun) -> str:
 
 
 def check_grid(cfg: DictConfig, system: str, grid_name: str, part) -> None:
-    """Grid-level checks before any service starts: ``inputs`` of the grid's first cell, so that a bad split
-    or unknown scenario fails once, here, and not in every cell."""
+    """Grid-level checks before any service starts, so that a bad open-set split or unknown scenario fails
+    once, here, and not in every cell. A scored evaluation is an open-set one (``known`` classes)."""
     g = C.grid(cfg, system, grid_name)
     if of(system).scored:
         view = grid_openset_view(g, part)

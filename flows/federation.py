@@ -11,7 +11,7 @@ import contextlib
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 
 import mlflow
 import numpy as np
@@ -101,6 +101,7 @@ def pretrain(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> Pa
             retry_delay_seconds=float(cfg.flow.retry_delay_seconds),
             num_gpus=gpus(cfg),
             threads=threads,
+            plugins=list(cfg.get("plugins") or []),
         )
 
         with mlflow.start_run(run_name=run_name):
@@ -338,6 +339,7 @@ class ArrivalPasses:
         faults: Mapping[str, Any] | None = None,
         max_restarts: int = 3,
         stop_after: int | None = None,
+        plugins: Sequence[str] = (),
     ) -> None:
         self.st, self.spec, self.acfg, self.checkpoint_dir = st, spec, acfg, checkpoint_dir
         self.threads, self.num_gpus, self.on_arrival, self.max_restarts = threads, num_gpus, on_arrival, max_restarts
@@ -349,6 +351,7 @@ class ArrivalPasses:
         for kind, (at, folder) in (faults or {}).items():
             self.faults.setdefault(int(at), {})[f"{kind}_marker"] = str(folder / f"{kind}-{at}.marker")
         self._stream = None
+        self.plugins = tuple(plugins)
 
     def blocks(self) -> List[Tuple[int, int, int]]:
         """``(pass, first, end)`` of each block still to run: a pass over the clients, cut at ``stop_after``."""
@@ -375,6 +378,7 @@ class ArrivalPasses:
                 stop_at=self.last,
                 threads=self.threads,
                 faults=self.faults,
+                plugins=self.plugins,
             )
 
     def run(self, end: int, logger) -> int:
@@ -456,6 +460,7 @@ def arrival(cfg: DictConfig) -> ArrivalsResult:
             on_arrival=None,
             faults=faults(cfg, ckpt),
             stop_after=cfg.flow.stop_after,
+            plugins=list(cfg.get("plugins") or []),
         )
         passes.start()
 

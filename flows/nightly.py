@@ -61,6 +61,7 @@ def nightly(system: str = "bpfedctta", overrides: Optional[List[str]] = None, pu
     from flows.federation import partition_dir, pretrain
     from flows.steps import adapt, partition, prepare
 
+    systems.configured_plugins(overrides or [])  # a plug-in system is known before it is looked up
     decl = systems.get(system)
     if decl.engine != "arrivals":
         raise ValueError(
@@ -96,6 +97,7 @@ def nightly_rounds(
     from flows.rounds import grid as run_grid
     from flows.steps import partition_domains
 
+    systems.configured_plugins(overrides or [])
     decl = systems.get(system)
     if decl.engine != "rounds":
         raise ValueError(

@@ -15,7 +15,7 @@ import json
 import re
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
 import mlflow
 from omegaconf import DictConfig
@@ -348,6 +348,7 @@ def single(cfg: DictConfig, system: str = "fedpad") -> RoundsResult:
             retry_delay_seconds=float(cfg.flow.retry_delay_seconds),
             num_gpus=gpus(cfg),
             fault=faults(cfg, ckpt),
+            plugins=list(cfg.get("plugins") or []),
         )
 
         def on_round(record, state):
@@ -413,6 +414,7 @@ def round_submit(
     num_gpus: float = 0.0,
     fault: Mapping[str, Tuple[int, Path]] | None = None,
     threads: int = 1,
+    plugins: Sequence[str] = (),
 ):
     """The round engine's ``submit_round`` inside a flow: one named Prefect task per round, its clients on Ray.
 
@@ -423,7 +425,7 @@ def round_submit(
     needed, the global state once per round; Ray tasks receive references, not arrays.
     ``fault={"fault"|"crash": (round, folder)}`` makes client 0's step fail once, or its worker die
     once, in that round (tests of retries). ``threads``: CPUs per client step (one by default: a
-    round's clients train side by side).
+    round's clients train side by side). ``plugins``: the run's plug-ins, imported by each worker.
     """
     task = train_round_task.with_options(retries=retries, retry_delay_seconds=retry_delay_seconds)
     arrays = runtime.PutOnce()  # (client, task, "x"|"y") -> that client's arrays of that task
@@ -441,6 +443,7 @@ def round_submit(
                     "x": arrays((*key, "x"), kw["x"]),
                     "y": arrays((*key, "y"), kw["y"]),
                     "global_state": states(id(kw["global_state"]), kw["global_state"]),
+                    "plugins": tuple(plugins),
                 }
             )
             names.append(f"round {r} client {i} ({data.client_group[i]})")

@@ -80,32 +80,43 @@ def stage_steps() -> Dict[str, Callable[[Any], Any]]:
     round-based system ``<partition_stage>``, ``<name>`` (its grid) and ``rounds_<name>`` (one run), plus what
     each system declares in ``extra_steps``."""
     out: Dict[str, Callable[[Any], Any]] = {name: _on_variant(fn) for name, fn in ARRIVAL_STEPS.items()}
+    owner = {name: "the arrival pipeline" for name in out}
+
+    def add(step: str, fn: Callable[[Any], Any], system: str) -> None:
+        if step in out:
+            raise ValueError(
+                f"system {system!r} declares step {step!r}, which {owner[step]} already has; "
+                "rename the system or the step"
+            )
+        out[step], owner[step] = fn, f"system {system!r}"
+
     for system in systems.all_systems():
         if system.engine == "rounds":
-            out[str(system.partition_stage)] = partial(steps.partition_domains, system=system.name)
-            out[system.name] = partial(steps.run_grid, system=system.name)
-            out[f"rounds_{system.name}"] = partial(steps.single_run, system=system.name)
+            add(str(system.partition_stage), partial(steps.partition_domains, system=system.name), system.name)
+            add(system.name, partial(steps.run_grid, system=system.name), system.name)
+            add(f"rounds_{system.name}", partial(steps.single_run, system=system.name), system.name)
         for step, (target, kwargs) in system.extra_steps.items():
-            out[step] = partial(_resolve(target), **kwargs)
+            add(step, partial(_resolve(target), **kwargs), system.name)
     return out
 
 
 def _load_named_plugins(argv) -> None:
-    """Import the plug-ins named by a ``plugins=[...]`` override, or by the ``--params`` file, before the
-    command line is parsed; a bad one is an error there, with its name."""
+    """Import the plug-ins that conf/config.yaml, a ``plugins=[...]`` override or the ``--params`` file name,
+    before the command line is parsed, so that their steps are valid choices; a bad one is an error, with its
+    name, and exit status 2 as every other error here."""
     import yaml
 
     args = list(argv)
-    named = [a.split("=", 1)[1] for a in args if a.lstrip("+").startswith("plugins=")]
-    if "--params" in args[:-1]:
-        path = args[args.index("--params") + 1]
-        if os.path.isfile(path):
-            named.append(str((yaml.safe_load(open(path)) or {}).get("plugins") or []))
-    for value in named:
-        try:
-            systems.load_plugins(yaml.safe_load(value) or [])
-        except ValueError as exc:
-            raise SystemExit(f"error: {exc}") from None
+    params = [a.split("=", 1)[1] for a in args if a.startswith("--params=")]
+    params += [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--params"]
+    try:
+        systems.configured_plugins([a for a in args if not a.startswith("-")])
+        for path in params:
+            if os.path.isfile(path):
+                systems.load_plugins((yaml.safe_load(open(path)) or {}).get("plugins") or [])
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _prefect_warnings_only(record: logging.LogRecord) -> bool:

@@ -57,6 +57,7 @@ def run_cell_task(
     ``written``: md5s of inputs the calling flow wrote itself (:func:`flows.integrity.record`).
     """
     cfg = OmegaConf.create(cfg_dict)
+    systems.load_plugins(cfg.get("plugins"))  # a plug-in's method or aggregator, in this worker too
     acfg = C.arrival_config(cfg, method=method, aggregator=aggregator, seed=seed, form=form)
     partition, spec, source = load_inputs(cfg, written=written)
     ckpt = ckpt_dir(cfg, cell_name(acfg))

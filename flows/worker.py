@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Sequence
 
 import torch
 
@@ -59,6 +59,7 @@ def arrival_pass(
     stop_at: int,
     threads: int = 1,
     faults: Mapping[int, Mapping[str, str]] | None = None,
+    plugins: Sequence[str] = (),
 ) -> Iterator[ServerState]:
     """What a Ray worker runs for a block of arrivals: the plain loop from ``start`` up to ``stop_at``.
 
@@ -66,8 +67,9 @@ def arrival_pass(
     back to the driver as soon as it exists, while the worker goes on with the next client; the
     driver checkpoints and logs it. Arrivals are sequential, so the worker uses ``threads`` CPUs.
     ``faults``: arrival -> injected-fault markers (:func:`_maybe_fail`; tests), fired as that
-    arrival's adaptation starts.
+    arrival's adaptation starts. ``plugins``: the run's plug-ins, imported here first.
     """
+    load_plugins(plugins)
     faults = faults or {}
 
     def submit(fn, **kw):
@@ -79,10 +81,24 @@ def arrival_pass(
             yield st
 
 
+def load_plugins(plugins: Sequence[str]) -> None:
+    """The run's plug-ins, in this worker too: a plug-in's trainer, model or method is found by name here."""
+    if plugins:
+        from flows import systems
+
+        systems.load_plugins(plugins)
+
+
 def train_step_or_fail(
-    *, fault_marker: str | None = None, crash_marker: str | None = None, threads: int = 1, **kw
+    *,
+    fault_marker: str | None = None,
+    crash_marker: str | None = None,
+    threads: int = 1,
+    plugins: Sequence[str] = (),
+    **kw,
 ) -> ClientUpdate:
     """What the Ray worker runs for a driver-side client task (the injected faults fire in the worker)."""
+    load_plugins(plugins)
     _maybe_fail(fault_marker, crash_marker)
     with torch_threads(threads):
         return train_step(**kw)

@@ -1,7 +1,8 @@
-"""Fixtures for every layer: the environment, a seeded generator, and the services' teardown.
+"""Fixtures for every layer: the environment, a seeded generator, the services' teardown, and a tiny digits
+federation built through the real stage code (Hydra config, the prepare and partition steps).
 
-``tests/fedcore`` builds its tiny federation from fedcore alone (its own conftest); ``tests/flows`` and
-``tests/e2e`` build it through the real stage code (``tests/flows/conftest.py``, shared below them).
+``tests/fedcore`` overrides ``tiny`` and ``tiny_gn`` with its own, built from fedcore alone
+(``tests/fedcore/conftest.py``), so that the library's tests import no orchestration.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+
+from tests.helpers import tiny_overrides
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("MLFLOW_ENABLE_TELEMETRY", "false")
@@ -32,3 +36,64 @@ def _stop_services():
 
     if "flows.runtime" in sys.modules:  # a library-only run (tests/fedcore) never started one
         sys.modules["flows.runtime"].stop_prefect_api()
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """Prepared digits, their partition and a FedAvg source model, made by the stage code (plain driver)."""
+    from dataclasses import asdict
+
+    from fedcore.data import Partition
+    from fedcore.engine import run_rounds, source_round_data
+    from flows import config as C
+    from flows import federation as F
+    from flows.steps import partition as _partition
+    from flows.steps import prepare as _prepare
+
+    tmp = tmp_path_factory.mktemp("tiny")
+    cfg = C.compose(tiny_overrides(tmp))
+    _prepare(cfg)
+    _partition(cfg)
+    part = Partition.load(F.partition_dir(cfg))
+    spec = C.model_spec(cfg)
+    torch.set_num_threads(2)
+    state = run_rounds(source_round_data(part), spec, C.pretrain_config(cfg)).final_state
+    path = F.source_model_path(cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"state": state, "spec": asdict(spec)}, path)
+    return {"cfg": cfg, "tmp": tmp, "partition": part, "spec": spec, "source": state}
+
+
+@pytest.fixture(scope="session")
+def tiny_gn(tiny):
+    """The same digits federation with a GroupNorm source model, for the private forms."""
+    from dataclasses import replace
+
+    from fedcore.engine import run_rounds, source_round_data
+    from flows import config as C
+
+    spec = replace(tiny["spec"], norm="group")
+    pcfg = C.pretrain_config(tiny["cfg"])
+    pcfg = replace(pcfg, trainer_params={**pcfg.trainer_params, "local_epochs": 3})
+    state = run_rounds(source_round_data(tiny["partition"]), spec, pcfg).final_state
+    return {**tiny, "spec": spec, "source": state}
+
+
+PLUGIN = "tests.flows.example_plugin"
+
+
+@pytest.fixture
+def plugin_sandbox(monkeypatch):
+    """Registries a test may add to (systems, evaluations, strategies), restored after it; the example plug-in
+    is imported afresh by whoever loads it."""
+    import sys
+
+    from fedcore.aggregate.base import STRATEGIES
+    from flows import evaluations, systems
+
+    monkeypatch.setattr(systems, "_SYSTEMS", dict(systems._SYSTEMS))
+    monkeypatch.setattr(evaluations, "EVALUATIONS", dict(evaluations.EVALUATIONS))
+    monkeypatch.setattr(STRATEGIES, "_items", dict(STRATEGIES._items))
+    monkeypatch.delitem(sys.modules, PLUGIN, raising=False)
+    yield PLUGIN
+    sys.modules.pop(PLUGIN, None)

@@ -7,6 +7,7 @@ only needs the hashes of the stage's code dependencies renewed. This does that, 
     python tools/relock.py              # every recorded stage whose code or params hashes moved
     python tools/relock.py fedpad@quick # only these stages
     python tools/relock.py --check      # list them, write nothing (exit 1 if any)
+    python tools/relock.py --params     # also re-record params whose values moved (a key renamed, say)
 
 A dependency that is another stage's output (or a folder holding one) is left as recorded. Use it
 only where outputs cannot change: a change that can must rebuild the stage (``dvc repro``).
@@ -27,6 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("stages", nargs="*", help="stage names (default: every recorded stage)")
     parser.add_argument("--check", action="store_true", help="list stale stages, write nothing")
+    parser.add_argument(
+        "--params",
+        action="store_true",
+        help="also re-record changed params (only where the change cannot change outputs)",
+    )
     args = parser.parse_args(argv)
 
     from dvc.dependency.param import ParamsDependency
@@ -39,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
             f"not recorded in dvc.lock: {', '.join(unknown)}; recorded stages are listed by `dvc stage list`"
         )
     wanted = set(args.stages) or recorded
-    renewed = []
+    renewed, moved_params = [], []
     with Repo(str(ROOT)) as repo:
         stages = list(repo.index.stages)
         outs = [Path(o.fs_path) for s in stages for o in s.outs]
@@ -53,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
                     if any(path == o or o in path.parents or path in o.parents for o in outs):
                         continue
                 if any(dep.status().values()) or dep.hash_info is None or not dep.hash_info:
+                    if isinstance(dep, ParamsDependency) and not args.params:
+                        moved_params.append(f"{stage.name}: {', '.join(dep.status())}")
+                        continue
                     stale = True
                     if not args.check:
                         dep.save()
@@ -60,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
                 renewed.append(stage.name)
                 if not args.check:
                     stage.dump(update_pipeline=False)
+    if moved_params and not args.check:
+        raise SystemExit(
+            "params moved, which can change outputs; rebuild (`dvc repro`), or pass --params if the "
+            "change cannot:\n  " + "\n  ".join(moved_params)
+        )
     verb = "stale" if args.check else "re-recorded"
     print(f"{len(renewed)} stage(s) {verb}" + (f": {' '.join(sorted(renewed))}" if renewed else ""))
     return 1 if args.check and renewed else 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from pathlib import Path
 from typing import Dict, List
 
 from flows.systems.base import ENGINES, System
@@ -30,7 +31,7 @@ def register(system: System, *, replace: bool = False) -> System:
 
 
 def unregister(name: str) -> None:
-    """Remove a system (tests that register their own)."""
+    """Remove a system: the registry holds a plug-in's system for the life of the process otherwise."""
     _SYSTEMS.pop(name, None)
 
 
@@ -55,6 +56,8 @@ def all_systems() -> List[System]:
 def load_plugins(modules) -> None:
     """Import each of ``modules`` (the config's ``plugins``): a plug-in registers its systems, strategies,
     trainers or evaluations when it is imported. Importing one twice does nothing more."""
+    if isinstance(modules, str):  # plugins=mypkg.mysystem, without brackets
+        modules = [modules]
     for name in modules or ():
         try:
             importlib.import_module(str(name))
@@ -63,6 +66,22 @@ def load_plugins(modules) -> None:
                 f"plugins: cannot import {name!r} ({exc}); list modules importable from the "
                 "repository root (e.g. plugins=[mypackage.mysystem])"
             ) from exc
+
+
+def configured_plugins(overrides=()) -> List[str]:
+    """The plug-ins a run names before its config is composed: ``plugins=[...]`` among ``overrides``, and
+    ``plugins`` in conf/config.yaml; each is imported (:func:`load_plugins`)."""
+    import yaml
+
+    found: List[str] = []
+    root = yaml.safe_load((Path(__file__).resolve().parents[2] / "conf" / "config.yaml").read_text()) or {}
+    values = [root.get("plugins") or []]
+    values += [yaml.safe_load(o.split("=", 1)[1]) for o in overrides if o.split("=", 1)[0].lstrip("+") == "plugins"]
+    for value in values:
+        value = [value] if isinstance(value, str) else list(value or [])
+        load_plugins(value)
+        found += [str(v) for v in value if str(v) not in found]
+    return found
 
 
 def _discover() -> None:
