@@ -4,8 +4,8 @@
 #               FedPAD and FedPD++ on three digit domains)
 #   make test   set up if needed, then lint (ruff, mypy) and run the whole test suite
 #   make test-fast   the library and flow tests (tests/fedcore, tests/flows) without the slow end-to-end runs
-# and, when there is time (about 20 min on 2 cores):
-#   make private  the private-TTA grid (6 methods x plain/clip/dp0/DP at 4 epsilons) and the canary audit
+# and, when there is time:
+#   make private  (about 20 min on 2 cores) the private-TTA grid (6 methods x plain/clip/dp0/DP at 4 epsilons) and the canary audit
 #   make stress   BPFedCTTA's stress protocol; make stress-private: DP-TTA's (lr x plain/clip/DP, 3 seeds);
 #                 make stress-cifar: BPFedCTTA's on CIFAR-10-C (needs ../shared/data/cifar10-jpeg.zip)
 # Sharing a run between clones or machines (docs/tracking.md):
@@ -97,15 +97,15 @@ push: setup
 pull: setup
 	$(BIN)/python -m flows.remote pull $(STAGES)
 
-# The browser check of the MLflow and Prefect UIs (tests/test_ui.py) needs Chromium, from the system's
+# The browser check of the MLflow and Prefect UIs (tests/e2e/test_ui.py) needs Chromium, from the system's
 # packages: installed here when we are root with apt-get; otherwise that one test is skipped, with the reason.
 browser:
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    echo "installing chromium (apt) for the browser check"; \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium \
-	      >/dev/null) || echo "could not install chromium: tests/test_ui.py will be skipped"; \
-	  else echo "no chromium, and not root: tests/test_ui.py will be skipped (apt-get install chromium)"; fi; }
+	      >/dev/null) || echo "could not install chromium: tests/e2e/test_ui.py will be skipped"; \
+	  else echo "no chromium, and not root: tests/e2e/test_ui.py will be skipped (apt-get install chromium)"; fi; }
 
 lint: setup
 	$(BIN)/ruff check .

@@ -10,7 +10,9 @@ A system declares its evaluation by name (:attr:`flows.systems.base.System.evalu
 
 An evaluation gives the round engine its inputs (``RoundData``, the ``ModelSpec`` and the
 ``evaluate`` function) and writes a cell's plot and the grid's report. A new kind is one more
-:class:`Evaluation` passed to :func:`register`. Report and plot code is imported only where it runs
+:class:`Evaluation` passed to :func:`register`; the config checks then treat its grids as they treat
+``domains`` grids (``rounds`` rounds, no tasks, no unknown classes): the class-incremental schedule and
+the open-set scores are checked for the two built-in kinds that have them (:func:`flows.config.validate_rounds`). Report and plot code is imported only where it runs
 (the driver), so a Ray worker that builds inputs loads no matplotlib.
 """
 

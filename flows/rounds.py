@@ -187,12 +187,13 @@ def grid(
         tracking.setup(C.tracking_uri(cfg), f"fedcore-{system}")
         target = _target_method(cfg, system, g)
         cfg_dict = C.to_dict(cfg)
-        futures = [
-            run_round_cell_task.with_options(retries=int(cfg.flow.retries), task_run_name=f"{name}-{m}-s{s}").submit(
-                cfg_dict=cfg_dict, system=system, grid_name=name, method=m, seed=s, written=written
-            )
-            for m, s in cells
-        ]
+        with runtime.task_resources(num_gpus=gpus(cfg)):  # a cell on a GPU run asks Ray for its share
+            futures = [
+                run_round_cell_task.with_options(
+                    retries=int(cfg.flow.retries), task_run_name=f"{name}-{m}-s{s}"
+                ).submit(cfg_dict=cfg_dict, system=system, grid_name=name, method=m, seed=s, written=written)
+                for m, s in cells
+            ]
         done = as_completed(futures)
         if cfg.flow.progress:
             from tqdm.auto import tqdm

@@ -13,9 +13,8 @@ import httpx
 import pytest
 
 from flows.config import ROOT
+from tests.flows.test_flows import _free_port
 from tests.helpers import tiny_overrides
-
-from .test_flows import _free_port
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
