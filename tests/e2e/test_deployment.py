@@ -62,10 +62,13 @@ def test_nightly_deployment_has_cron_and_runs_through_a_worker(prefect_server, t
     env = prefect_server
     prefect("work-pool", "create", "fedcore-process", "--type", "process", env=env)
     prefect("deploy", "--all", "--prefect-file", "infra/prefect.yaml", env=env)
+    from flows import systems
+
     inspect = prefect("deployment", "inspect", "nightly-federation/nightly-bpfedctta", env=env).stdout
-    assert "0 2 * * *" in inspect
-    rounds = prefect("deployment", "inspect", "nightly-rounds/nightly-fedpad", env=env).stdout
-    assert "30 2 * * *" in rounds and "fedpad" in rounds
+    assert systems.get("bpfedctta").cron in inspect
+    for name in systems.names("rounds"):  # every round-based system's deployment, with its own schedule
+        rounds = prefect("deployment", "inspect", f"nightly-rounds/nightly-{name}", env=env).stdout
+        assert systems.get(name).cron in rounds and name in rounds
 
     overrides = tiny_overrides(tmp_path) + [
         "pretrain.rounds=2",

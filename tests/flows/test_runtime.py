@@ -6,14 +6,15 @@ import os
 import pytest
 
 from flows import config as C
-from flows import federation as F
 from flows.runtime import ray_init_kwargs
 
 
 def test_gpus_are_requested_only_for_cuda():
-    assert F._gpus(C.compose(["device=cpu"])) == 0.0
-    assert F._gpus(C.compose(["device=cuda"])) == 1.0
-    assert F._gpus(C.compose(["device=cuda", "flow.gpus_per_task=0.5"])) == 0.5
+    from flows.placement import gpus
+
+    assert gpus(C.compose(["device=cpu"])) == 0.0
+    assert gpus(C.compose(["device=cuda"])) == 1.0
+    assert gpus(C.compose(["device=cuda", "flow.gpus_per_task=0.5"])) == 0.5
 
 
 def test_workers_get_the_driver_prefect_url(tmp_path):
