@@ -8,20 +8,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from fedcore.models.base import (
-    MODELS,
-    NORMS,
-    LeNet,
-    ResNet20,
-    SmallCNN,
-    check_feature_layer,
-    create_model,
-    embed_and_classify,
-    make_norm,
-    mix_split,
-    resnet18_32,
-)
+from fedcore.models.base import MODELS, check_feature_layer, create_model, embed_and_classify, mix_split
+from fedcore.models.cnn import LeNet, SmallCNN
 from fedcore.models.dual import DualNet
+from fedcore.models.norm import NORMS, make_norm
+from fedcore.models.resnet import ResNet20, resnet18_32
 
 
 def _dual(base: str):

@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from fedcore.models.cnn import LeNet, SmallCNN
-from fedcore.models.norm import NORMS, make_norm
 from fedcore.models.resnet import ResNet20, resnet18_32
 from fedcore.registry import Registry
 
@@ -62,17 +61,11 @@ def check_feature_layer(model: nn.Module) -> None:
 
 
 __all__ = [
-    "embed_and_classify",
-    "mix_split",
-    "check_feature_layer",
-    "create_model",
     "MODELS",
-    "NORMS",
-    "make_norm",
-    "SmallCNN",
-    "LeNet",
-    "ResNet20",
-    "resnet18_32",
+    "create_model",
+    "embed_and_classify",
+    "check_feature_layer",
+    "mix_split",
     "FeatureNet",
     "MixableNet",
 ]
