@@ -32,18 +32,8 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from flows import config as C
+from flows import schema
 
-CELL_KEYS = {
-    "lr": "sweep.method_params.lr",
-    "passes": "adapt.passes",
-    "stream": "adapt.stream",
-    "batch_size": "adapt.batch_size",
-    "beta": "sweep.aggregator_params.beta",
-    "normalizer": "sweep.aggregator_params.normalizer",
-    "methods": "sweep.methods",
-    "aggregators": "sweep.aggregators",
-    "privacy": "sweep.privacy",
-}
 METRICS = (
     ("final_avg_holdout_acc", "final hold-out"),
     ("avg_online_acc", "online"),
@@ -125,16 +115,16 @@ def cell_config(cfg: DictConfig, cell: str, name: str = "bpfedctta") -> DictConf
     if cell not in stress.cells:
         raise ValueError(f"unknown stress cell {cell!r}; valid names are: {', '.join(cell_names(cfg, name))}")
     settings = dict(stress.cells[cell])
-    unknown = sorted(set(settings) - set(CELL_KEYS))
+    unknown = sorted(set(settings) - set(schema.STRESS_CELL))
     if unknown:
-        raise ValueError(f"stress cell {cell!r} sets {unknown}; a cell may set: {', '.join(CELL_KEYS)}")
+        raise ValueError(f"stress cell {cell!r} sets {unknown}; a cell may set: {', '.join(schema.STRESS_CELL)}")
     out = C.with_variant(cfg, proto.variant)
     OmegaConf.set_struct(out, False)
     out.sweep.methods = list(stress.methods)
     out.sweep.aggregators = list(stress.aggregators)
     out.sweep.privacy = list(stress.get("privacy", ["plain"]))
     for key, value in settings.items():
-        OmegaConf.update(out, CELL_KEYS[key], value, force_add=True)
+        OmegaConf.update(out, schema.STRESS_CELL[key], value, force_add=True)
     out.sweep.seeds = [int(s) for s in stress.seeds]
     out.paths.results = str(Path(str(stress.results)) / cell)
     out.paths.checkpoints = str(Path(str(cfg.paths.checkpoints)) / Path(str(stress.results)).name / cell)

@@ -9,7 +9,9 @@ them branches on a system's name or guesses its kind from the shape of its confi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Literal, Tuple
+from typing import Any, Dict, FrozenSet, Literal, Tuple
+
+from flows.schema import ARRIVAL_BLOCK, GRID_KEYS, round_block
 
 Engine = Literal["arrivals", "rounds"]
 ENGINES: Tuple[str, ...] = ("arrivals", "rounds")
@@ -49,6 +51,13 @@ class System:
     config:
         A YAML file composed under ``<name>`` when conf/ has no block of that name (a plug-in's own grids
         and methods); the built-in systems' blocks are in ``conf/experiment/<name>.yaml``.
+    grid_keys:
+        Round-based systems: the settings its grids take (:data:`flows.schema.GRID_KEYS`, plus what its
+        evaluation reads: an open-set grid's known and unknown classes, an incremental grid's tasks).
+    settings:
+        Keys of its config block beyond its engine's own (:mod:`flows.schema`: a round-based block takes
+        ``grid``, ``stages``, ``target``, ``trainer``, ``methods`` and ``grids``; an arrival block ``variants``),
+        each with its schema: ``LEAF`` for a value. A key outside these is refused as a misspelling.
     extra_steps:
         Steps of ``python -m flows.stages`` beyond the standard ones: name -> (``"module:function"``,
         keyword arguments); the function is called with the composed config and those arguments (a
@@ -68,6 +77,8 @@ class System:
     partition_stage: str | None = None
     stages: Tuple[str, ...] = ()
     config: str | None = None
+    grid_keys: FrozenSet[str] = GRID_KEYS
+    settings: Dict[str, Any] = field(default_factory=dict)
     extra_steps: Dict[str, Tuple[str, Dict[str, Any]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -82,6 +93,11 @@ class System:
             )
         if self.engine == "arrivals" and not self.stages:
             raise ValueError(f"system {self.name!r} runs arrivals but lists no stages to rebuild and push")
+
+    def schema(self) -> Dict[str, Any]:
+        """Every key its config block takes (:mod:`flows.schema`)."""
+        own = round_block(self.grid_keys) if self.engine == "rounds" else ARRIVAL_BLOCK
+        return {**own, **self.settings}
 
     def nightly_stages(self, grid: str | None = None) -> list[str]:
         """The DVC stages a nightly run of ``grid`` (default: the quick one) writes, in order."""

@@ -1,5 +1,6 @@
 """BPFedCTTA: federated continual test-time adaptation (BPA prior, UGSA gate, sequential arrival)."""
 
+from flows.schema import STRESS
 from flows.systems.base import System
 
 SYSTEM = System(
@@ -14,6 +15,7 @@ SYSTEM = System(
     stages=("prepare@mnist", "partition@mnist", "pretrain@mnist", "adapt@mnist"),
     cron="0 2 * * *",
     description="prepare -> partition -> FedAvg pretraining -> (method x aggregator x seed) test-time sweep",
+    settings={"stress": STRESS, "stress_cifar": STRESS},
     extra_steps={
         "stress": ("flows.stages:stress", {"protocol": "bpfedctta"}),
         "stress_report": ("flows.stages:stress_report", {"protocol": "bpfedctta"}),

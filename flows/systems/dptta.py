@@ -1,5 +1,6 @@
 """DP-TTA: five test-time methods with per-sample clipping and noise, μ-GDP, per-client ledgers."""
 
+from flows.schema import AUDIT, STRESS
 from flows.systems.base import System
 
 SYSTEM = System(
@@ -14,6 +15,7 @@ SYSTEM = System(
     stages=("prepare@mnist", "partition@mnist", "pretrain@private", "private"),
     cron="30 2 * * *",
     description="GroupNorm pretraining -> every test-time method in every privacy form (plain, clip, DP)",
+    settings={"audit": AUDIT, "stress": STRESS},
     extra_steps={
         "stress_private": ("flows.stages:stress", {"protocol": "dptta"}),
         "stress_private_report": ("flows.stages:stress_report", {"protocol": "dptta"}),

@@ -1,5 +1,6 @@
 """FedPAD: prototype-weighted federated training under domain imbalance, judged by the worst domain."""
 
+from flows.schema import LEAF
 from flows.systems.base import System
 
 SYSTEM = System(
@@ -14,6 +15,7 @@ SYSTEM = System(
     partition_stage="partition_domains",
     cron="0 3 * * *",
     description="FedPAD and its baselines on a domain-silo grid (partition -> every method x seed cell)",
+    settings={"report": LEAF, "baselines": LEAF, "ablations": LEAF},  # the pooled report's grids and rows
     extra_steps={
         "rounds": ("flows.steps:single_run", {"system": "fedpad"}),
         "fedpad_report": ("flows.reports:fedpad_report", {}),

@@ -1,5 +1,6 @@
 """FedPD++: federated open-set recognition with importance masks and optimal-transport alignment."""
 
+from flows.schema import GRID_KEYS
 from flows.systems.base import System
 
 SYSTEM = System(
@@ -14,4 +15,5 @@ SYSTEM = System(
     partition_stage="partition_fedpd",
     cron="30 3 * * *",
     description="FedPD++, FedPD and FedAvg + PROSER/MSP on an open-set domain grid (AUROC, OSCR)",
+    grid_keys=GRID_KEYS | {"known", "unknown", "unknown_sets", "label_alpha"},  # its known and unknown classes
 )

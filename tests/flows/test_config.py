@@ -1,7 +1,7 @@
 """The real Hydra config, composed with tiny overrides; every group option instantiates."""
 
 import pytest
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from flows import config as C
 from flows.params import check_stage_keys, render
@@ -175,6 +175,51 @@ def test_invalid_values_are_rejected(override, match):
 def test_bad_settings_fail_at_composition_naming_the_key(overrides, match):
     with pytest.raises(ValueError, match=match):
         C.compose(overrides)
+
+
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        ("+fedpad.grids.quick.roundz=3", r"fedpad.grids.quick has no setting 'roundz'; its settings are: .*rounds"),
+        ("+ppfcil.grids.quick.taskz=3", r"ppfcil.grids.quick has no setting 'taskz'; its settings are: .*tasks"),
+        ("+fedpd.reportz=1", r"fedpd has no setting 'reportz'; its settings are: grid, grids, methods"),
+    ],
+)
+def test_a_misspelt_key_in_a_system_block_is_refused_before_any_work(override, match):
+    with pytest.raises(ValueError, match=match):
+        C.compose([override])
+
+
+def _blocks(node):
+    """Every mapping under ``node``, ``node`` included."""
+    yield node
+    for value in node.values():
+        if OmegaConf.is_dict(value):
+            yield from _blocks(value)
+
+
+def test_every_block_of_every_system_refuses_a_misspelt_key():
+    """A key added anywhere in a system's block (a grid, a method, its settings, a variant, a stress cell,
+    the audit, a grid's clients per domain) is refused by the checks that run before any stage starts."""
+    from flows import systems
+
+    cfg = C.compose([], lay_variant=False)
+    C.validate(cfg)
+    tried = 0
+    for system in systems.all_systems():
+        if system.name not in cfg:
+            continue
+        for block in list(_blocks(cfg[system.name])):
+            with open_dict(block):
+                block["zzmisspelt"] = 1
+            try:
+                with pytest.raises(ValueError, match="zzmisspelt"):
+                    C.validate(cfg)
+            finally:
+                with open_dict(block):
+                    del block["zzmisspelt"]
+            tried += 1
+    assert tried > 200  # every grid, method, variant, stress cell of the five systems
 
 
 def test_settings_of_the_right_kind_and_open_blocks_still_compose():
