@@ -89,7 +89,8 @@ class PushReport:
 class PullReport:
     remote: Remote
     restored: List[str] = field(default_factory=list)
-    refused: List[BadFile] = field(default_factory=list)
+    refused: List[BadFile] = field(default_factory=list)  # in the remote, but did not arrive intact
+    absent: List[Output] = field(default_factory=list)  # not in the remote: never pushed from any clone
 
 
 class PushError(RemoteError):
@@ -284,12 +285,12 @@ def _check(path: str, md5: str, cache: Path, remote: Remote, listing: str = "") 
     return [BadFile(path=path, md5=md5, reason=_why(remote, md5, listing))]
 
 
-def verify(outs: Sequence[Output], cache: Path, remote: Remote) -> Tuple[List[Output], List[BadFile]]:
+def verify(outs: Sequence[Output], cache: Path, remote: Remote) -> Tuple[List[Output], Dict[Output, List[BadFile]]]:
     """Hash every object of ``outs`` in the cache against dvc.lock; remove a corrupt one from the cache.
 
-    Returns the outputs whose files are all intact, and the files that are not.
+    Returns the outputs whose files are all intact, and for each other output the files that are not.
     """
-    intact, bad = [], []
+    intact, bad = [], {}
     for out in outs:
         wrong = []
         if out.md5.endswith(".dir"):
@@ -298,29 +299,51 @@ def verify(outs: Sequence[Output], cache: Path, remote: Remote) -> Tuple[List[Ou
             listing = out.md5 if out.md5.endswith(".dir") else ""
             for path, md5 in _files(out, cache):
                 wrong += _check(path, md5, cache, remote, listing)
-        bad += wrong
-        if not wrong:
+        if wrong:
+            bad[out] = wrong
+        else:
             intact.append(out)
     return intact, bad
 
 
+def never_pushed(root: Path, remote: Remote, outs: Sequence[Output]) -> List[Output]:
+    """Which of ``outs`` the remote does not hold at all (for a directory: not even its file listing), as
+    opposed to holding a copy that did not arrive intact."""
+    if not outs:
+        return []
+    if remote.is_folder:
+        return [o for o in outs if not _object(Path(remote.url), o.md5).is_file()]
+    # DVC's view of any other remote: "missing" is neither in the cache nor in the remote
+    proc = _dvc(root, "status", "--cloud", "--json", *[o.path for o in outs])
+    try:
+        status = json.loads(proc.stdout or "{}")
+    except json.JSONDecodeError:
+        return []  # say nothing we do not know: each is then reported as not arrived intact
+    return [o for o in outs if status.get(o.path) == "missing"]
+
+
 def pull(root: Path, stages: Optional[Sequence[str]] = None) -> PullReport:
     """Fetch the outputs of ``stages`` (default: all in dvc.lock), verify them, check out the intact ones.
+
+    An output the remote does not hold at all (no clone pushed it: ``make push`` says which outputs it did
+    not build) is reported in ``absent``, not as an error, unless its stage was named in ``stages``.
 
     Raises
     ------
     RemoteError
         if the remote cannot be found, or the checkout fails (it keeps files changed in the work tree).
     PullError
-        if any file is missing or corrupt; the intact outputs are checked out first, and the
-        error's ``report`` lists both.
+        if a file the remote holds did not arrive intact, or a stage named in ``stages`` is not in the
+        remote; the intact outputs are checked out first, and the error's ``report`` lists both.
     """
     root = Path(root)
     outs = outputs(root, stages)
     remote, cache = _setup(root)
     check_reachable(remote, for_push=False)
     fetched = _dvc(root, "fetch", *(stages or []))
-    intact, bad = verify(outs, cache, remote)
+    intact, failed = verify(outs, cache, remote)
+    absent = never_pushed(root, remote, list(failed))
+    bad = [b for out, files in failed.items() if out not in absent for b in files]
     if intact:
         done = _dvc(root, "checkout", *[o.path for o in intact])
         if done.returncode != 0:
@@ -329,21 +352,35 @@ def pull(root: Path, stages: Optional[Sequence[str]] = None) -> PullReport:
                 f"{_errors(done)}\nA file you changed in the work tree is kept: "
                 f"`dvc checkout --force <path>` replaces it."
             )
-    report = PullReport(remote=remote, restored=[o.path for o in intact], refused=bad)
-    if bad:
-        lines = "\n".join(f"  {b.path} (md5 {b.md5}): {b.reason}" for b in bad)
-        dvc_said = (
-            f"\nDVC's fetch said:\n{_errors(fetched)}\n{_plugin_hint(fetched)}{HOW_TO_SET}"
-            if fetched.returncode != 0
-            else ""
-        )
-        raise PullError(
-            f"Pulled from {remote.describe()}: {len(intact)} of {len(outs)} outputs restored. "
-            f"These files did not arrive intact, so their outputs were not checked out and the work "
-            f"tree keeps what it had there:\n{lines}{dvc_said}",
-            report,
-        )
+    report = PullReport(remote=remote, restored=[o.path for o in intact], refused=bad, absent=absent)
+    asked = [o for o in absent if stages]
+    if bad or asked:
+        parts = [f"Pulled from {remote.describe()}: {len(intact)} of {len(outs)} outputs restored."]
+        if bad:
+            lines = "\n".join(f"  {b.path} (md5 {b.md5}): {b.reason}" for b in bad)
+            parts.append(
+                "These files are in the remote but did not arrive intact, so their outputs were not checked "
+                f"out and the work tree keeps what it had there:\n{lines}"
+            )
+            if fetched.returncode != 0:
+                parts.append(f"DVC's fetch said:\n{_errors(fetched)}\n{_plugin_hint(fetched)}{HOW_TO_SET}")
+        if asked:
+            parts.append(describe_absent(asked))
+        raise PullError("\n".join(parts), report)
     return report
+
+
+def describe_absent(absent: Sequence[Output]) -> str:
+    """The outputs no clone has pushed, by stage, with the two ways to get them."""
+    by_stage: Dict[str, int] = {}
+    for o in absent:
+        by_stage[o.stage] = by_stage.get(o.stage, 0) + 1
+    names = " ".join(sorted(by_stage))
+    listed = ", ".join(f"{s} ({n})" for s, n in sorted(by_stage.items()))
+    return (
+        f"Not in the remote, because no clone has pushed them: {len(absent)} outputs of {len(by_stage)} "
+        f"stages: {listed}. Build them here with `dvc repro {names}`, or `make push` from a clone that built them."
+    )
 
 
 def push(root: Path, stages: Optional[Sequence[str]] = None) -> PushReport:
@@ -418,9 +455,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             report = pull(root, args.stages)
             print(
-                f"restored {len(report.restored)} outputs from {report.remote.describe()}; "
+                f"restored {len(report.restored)} outputs from {report.remote.describe()}, every one intact; "
                 "`dvc status` shows what still differs from dvc.lock"
             )
+            if report.absent:
+                print(describe_absent(report.absent))
     except (RemoteError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -185,6 +185,39 @@ def test_a_corrupt_file_in_the_remote_is_named_and_never_checked_out(pushed, tmp
     assert R.pull(b).refused == [] and (b / "data" / "raw" / "b.txt").read_text() == "beta"
 
 
+def test_a_partly_pushed_run_pulls_what_was_pushed_and_exits_zero(pushed, tmp_path, monkeypatch):
+    """A clone that built only some stages pushed only those: the rest is absent from the remote, which is
+    no error unless those stages were asked for by name; corruption stays an error (test above)."""
+    # Prepare: a remote that holds only stage summary's outputs, and a fresh clone that points at it
+    remote = tmp_path / "partial-remote"
+    monkeypatch.setenv(R.ENV, str(remote))
+    assert sorted(R.push(copy_of_a(pushed, tmp_path / "a"), ["summary"]).pushed) == [
+        "results/summary.json",
+        "results/table.md",
+    ]
+    b = tmp_path / "b"
+    git("clone", "-q", str(pushed["a"]), str(b), cwd=tmp_path)
+
+    def pull(*stages):
+        return sh(sys.executable, "-m", "flows.remote", "pull", *stages, "--root", str(b), cwd=ROOT, check=False)
+
+    # Execute
+    everything, asked = pull(), pull("data")
+
+    # Assert: exit 0, the pushed outputs restored, the absent one reported once, by stage, with both ways
+    assert everything.returncode == 0, everything.stderr
+    assert "restored 2 outputs" in everything.stdout and "every one intact" in everything.stdout
+    assert "Not in the remote, because no clone has pushed them: 1 outputs of 1 stages: data (1)" in everything.stdout
+    assert (
+        "`dvc repro data`" in everything.stdout and "did not arrive intact" not in everything.stdout + everything.stderr
+    )
+    assert (b / "results" / "table.md").read_text() == (pushed["a"] / "results" / "table.md").read_text()
+    assert not (b / "data" / "raw").exists()
+    # a stage asked for by name that the remote lacks is an error, and says so without calling it corrupt
+    assert asked.returncode == 1
+    assert "data (1)" in asked.stderr and "did not arrive intact" not in asked.stderr
+
+
 def test_the_remote_variable_is_kept_out_of_git(pushed, tmp_path, monkeypatch):
     # Prepare
     a = copy_of_a(pushed, tmp_path / "a")
