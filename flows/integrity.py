@@ -166,8 +166,9 @@ def _files(path: Path) -> List[Path]:
 
 def _fix(out: LockedOut) -> str:
     return (
-        f"restore it with `dvc checkout {out.path}` or rebuild it with `dvc repro {out.stage}` (if you rebuilt "
-        f"it yourself outside DVC, `dvc commit {out.stage}` records it)"
+        f"restore the recorded copy with `dvc checkout --force {out.path}` (it replaces what is there) or rebuild "
+        f"it with `dvc repro {out.stage}` (if you rebuilt it yourself outside DVC, `dvc commit {out.stage}` "
+        "records it)"
     )
 
 

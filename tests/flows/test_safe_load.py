@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 from dataclasses import asdict
@@ -91,7 +93,7 @@ def test_source_model_changed_after_dvc_wrote_it_is_refused_unread(tmp_path, mon
     with pytest.raises(
         integrity.IntegrityError,
         match=r"source.pt does not match the md5 dvc.lock records for "
-        r"stage 'pretrain'.*dvc checkout models.*dvc repro pretrain",
+        r"stage 'pretrain'.*dvc checkout --force models.*dvc repro pretrain",
     ):
         T.load_source(path, SPEC)
     with pytest.raises(integrity.IntegrityError, match="recorded when this flow wrote it"):
@@ -135,6 +137,37 @@ def test_partition_changed_after_dvc_wrote_it_is_refused(tmp_path, monkeypatch):
         r"stage 'partition'.*no listing.*dvc repro partition",
     ):
         T.load_partition(cfg)
+
+
+@pytest.mark.parametrize("fix", ["checkout", "repro"])
+def test_the_commands_a_damaged_output_error_names_work_as_written(tmp_path, fix):
+    """A partition truncated after DVC recorded it is refused; the restore and the rebuild the error names,
+    run exactly as written, give back the recorded bytes, and the check then passes."""
+    # Prepare: a DVC pipeline whose stage writes a partition, run once
+    import yaml
+
+    env = {**os.environ, "DVC_NO_ANALYTICS": "1"}
+    run = dict(cwd=tmp_path, env=env, capture_output=True, text=True)
+    subprocess.run([sys.executable, "-m", "dvc", "init", "--no-scm", "-q"], check=True, **run)
+    write = "import numpy as np, pathlib; p = pathlib.Path('data/partitions/digits'); p.mkdir(parents=True, exist_ok=True); np.savez(p / 'partition.npz', x=np.arange(1000))"
+    stage = {"cmd": f'"{sys.executable}" -c "{write}"', "outs": ["data/partitions"]}
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"partition_domains": stage}}))
+    subprocess.run([sys.executable, "-m", "dvc", "repro", "-q"], check=True, **run)
+    npz = tmp_path / "data" / "partitions" / "digits" / "partition.npz"
+    recorded = npz.read_bytes()
+    npz.write_bytes(recorded[: len(recorded) // 2])
+
+    # Execute: the command the error names, as written
+    with pytest.raises(integrity.IntegrityError) as err:
+        integrity.verify(npz, root=tmp_path)
+    commands = re.findall(r"`([^`]+)`", str(err.value))
+    command = next(c for c in commands if c.startswith(f"dvc {fix}"))
+    done = subprocess.run([sys.executable, "-m", *shlex.split(command)], **run)
+
+    # Assert
+    assert done.returncode == 0, f"`{command}` failed: {done.stdout}{done.stderr}"
+    assert npz.read_bytes() == recorded
+    assert integrity.verify(npz, root=tmp_path) == 1
 
 
 def test_checks_agree_with_dvc_itself(tmp_path):
