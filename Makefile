@@ -51,6 +51,7 @@ run: setup
 	@echo "FedPD++ quick grid (results/fedpd/quick/table.md):"; cat results/fedpd/quick/table.md; echo
 	@echo "PP-FCIL quick grid (results/ppfcil/quick/table.md):"; cat results/ppfcil/quick/table.md; echo
 	@echo "Browse the runs: $(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlruns.db --host 127.0.0.1 --port 5000"
+	@echo "  then open http://127.0.0.1:5000/#/experiments?workflowType=machine_learning"
 
 private: setup
 	@git rev-parse --git-dir >/dev/null 2>&1 || (git init -q && echo "initialised a git repo for DVC")

@@ -30,6 +30,8 @@ REGISTER_CHOICES = ("configured", "all", "none")
 CHAMPION_METRICS = ("final_avg_holdout_acc", "final_worst_holdout_acc", "final_avg_online_acc")  # higher is better
 LINEAGE_TAGS = (
     "git_commit",
+    "git_changes",
+    "dvc_lock_sha256",
     "data_sha256",
     "partition_manifest_sha256",
     "config_fingerprint",

@@ -60,7 +60,15 @@ def setup(uri: str, experiment: str) -> None:
             except MlflowException:  # another process created it first
                 pass
         write_ahead_log(uri)
-    mlflow.set_experiment(experiment)
+    exp = mlflow.set_experiment(experiment)
+    if exp.tags.get(EXPERIMENT_KIND) != MODEL_DEVELOPMENT:
+        # MLflow 3 opens an experiment without this tag on its GenAI overview (traces, of which we have
+        # none); with it, on the runs table
+        mlflow.MlflowClient().set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND, MODEL_DEVELOPMENT)
+
+
+EXPERIMENT_KIND = "mlflow.experimentKind"
+MODEL_DEVELOPMENT = "custom_model_development"
 
 
 def write_ahead_log(uri: str, *, timeout: float = 5.0) -> str:
@@ -143,18 +151,41 @@ def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
 
 
 def git_commit() -> str:
+    """The commit the work tree is based on, as ``git checkout`` takes it (``unknown`` outside git).
+
+    Never suffixed ``-dirty``: a run rebuilds and records stages (``dvc repro`` rewrites ``dvc.lock``), so
+    most runs happen in a changed tree, and a suffixed sha names nothing a user can check out. What
+    differs from the commit is in :func:`git_changes`, and the exact inputs in the ``dvc.*`` md5 tags.
+    """
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(
+        return out.stdout.strip() if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def git_changes(limit: int = 400) -> str:
+    """The tracked files that differ from :func:`git_commit` (comma-separated; at most ``limit`` characters,
+    then how many more), ``none`` for a clean tree, ``unknown`` outside git."""
+    try:
+        proc = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],
             cwd=ROOT,
             capture_output=True,
             text=True,
             timeout=10,
-        ).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else "unknown"
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+    if proc.returncode != 0:
+        return "unknown"
+    files = [line[3:] for line in proc.stdout.splitlines() if line.strip()]
+    listed, shown = "", 0
+    for f in files:
+        if len(listed) + len(f) + 2 > limit:
+            break
+        listed, shown = (f"{listed}, {f}" if listed else f), shown + 1
+    return (listed + (f" and {len(files) - shown} more" if shown < len(files) else "")) or "none"
 
 
 def dvc_lock_hashes(reads: Iterable[Path | None], *, root: Path | None = None) -> Dict[str, str]:
@@ -188,9 +219,13 @@ def dvc_lock_hashes(reads: Iterable[Path | None], *, root: Path | None = None) -
 def lineage_tags(
     *, seed: int, prepared: Path | None, partition_dir: Path, reads: Iterable[Path] = (), extra: Mapping[str, str] = ()
 ) -> Dict[str, str]:
-    """Where a run's inputs came from: the commit, the seed, the data's and partition's sha256s, and
-    the ``dvc.lock`` md5s of the stage outputs it reads (``prepared``, ``partition_dir`` and ``reads``)."""
-    tags = {"git_commit": git_commit(), "seed": str(seed)}
+    """Where a run's inputs came from: the commit and what differs from it, the seed, the data's and
+    partition's sha256s, the sha256 of ``dvc.lock`` as the run found it, and the ``dvc.lock`` md5s of the
+    stage outputs it reads (``prepared``, ``partition_dir`` and ``reads``)."""
+    tags = {"git_commit": git_commit(), "git_changes": git_changes(), "seed": str(seed)}
+    lock = ROOT / "dvc.lock"
+    if lock.is_file():
+        tags["dvc_lock_sha256"] = file_sha256(lock)
     if prepared is not None and prepared.is_file():
         tags["data_sha256"] = file_sha256(prepared)
     manifest = partition_dir / "manifest.json"

@@ -157,7 +157,7 @@ def link_runs(run: "mlflow.ActiveRun | None" = None) -> None:
     if page:
         where = f"[open the run in MLflow]({page})"
     else:  # a file or database store: no server to link to until one is started on it
-        page = f"http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+        page = mlflow_page("http://127.0.0.1:5000", run.info.experiment_id, run.info.run_id)
         where = (
             f"serve the store with `mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000`, then open {page}"
         )
@@ -192,7 +192,19 @@ def mlflow_run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str | 
     """The run's page on an MLflow tracking server; None for a file or database store (no server)."""
     if not tracking_uri.startswith(("http://", "https://")):
         return None
-    return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    return mlflow_page(tracking_uri, experiment_id, run_id)
+
+
+# MLflow 3's UI opens in its GenAI mode (traces, of which fedcore writes none) unless the address asks for
+# the model-training mode, which shows the runs; the experiment tag `mlflow.experimentKind` does the same
+# where the UI has no mode switch.
+TRAINING_MODE = "workflowType=machine_learning"
+
+
+def mlflow_page(server: str, experiment_id: str | None = None, run_id: str | None = None) -> str:
+    """The MLflow UI's page of an experiment (its runs table), of a run, or (neither) of the experiments list."""
+    path = "/#/experiments" + (f"/{experiment_id}" if experiment_id else "") + (f"/runs/{run_id}" if run_id else "")
+    return f"{server.rstrip('/')}{path}?{TRAINING_MODE}"
 
 
 def _artifact_key(text: str) -> str:

@@ -19,13 +19,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from flows import ui
 from tests.helpers import tiny_overrides
 
 from .test_deployment import BIN, _free_port, prefect_server  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 ARTIFACTS = Path(os.environ.get("FEDCORE_TEST_ARTIFACTS", ROOT / "test-artifacts")) / "ui"
 
@@ -170,12 +171,23 @@ def test_mlflow_and_prefect_pages_show_lineage_charts_and_named_task_runs(prefec
         )
         try:
             _wait_http(f"http://127.0.0.1:{port}/health")
-            page = f"http://127.0.0.1:{port}/#/experiments/{exp.experiment_id}/runs/{parent.info.run_id}"
+            # an experiment opens on its runs table (MLflow 3 would open a GenAI overview of traces)
+            assert exp.tags.get("mlflow.experimentKind") == "custom_model_development"
+            listing = browser.page(
+                ui.mlflow_page(f"http://127.0.0.1:{port}", exp.experiment_id),
+                "mlflow-experiment",
+                ["bpa+ugsa-s0"],
+                deadline_s=90,
+            )
+            assert "bpa+ugsa-s0" in listing, "the experiment does not open on its runs table"
+            page = ui.mlflow_page(f"http://127.0.0.1:{port}", exp.experiment_id, parent.info.run_id)
             overview = browser.page(page, "mlflow-run", ["partition_manifest_sha256"])
             for tag in ("git_commit", "data_sha256", "partition_manifest_sha256", "config_fingerprint"):
                 assert tag in overview, f"the run page shows no {tag} tag"
             assert parent.data.tags["data_sha256"] in overview
-            charts = browser.page(page + "/model-metrics", "mlflow-run-charts", ["online_acc", "drift_total"])
+            charts = browser.page(
+                page.replace("?", "/model-metrics?"), "mlflow-run-charts", ["online_acc", "drift_total"]
+            )
             for metric in ("online_acc", "drift_total"):
                 assert metric in charts, f"no per-arrival chart of {metric} on the run's metrics page"
         finally:
@@ -190,9 +202,9 @@ def test_mlflow_and_prefect_pages_show_lineage_charts_and_named_task_runs(prefec
             if f["state_type"] == "COMPLETED"
             and httpx.get(f"{api}/flows/{f['flow_id']}", timeout=30).json()["name"] == "sequential-arrival"
         )
-        ui = api.removesuffix("/api")
+        prefect_ui = api.removesuffix("/api")
         flow_run = browser.page(
-            f"{ui}/runs/flow-run/{arrival['id']}", "prefect-flow-run", ["pass-0-arrivals-000-", "arrival 0 ("]
+            f"{prefect_ui}/runs/flow-run/{arrival['id']}", "prefect-flow-run", ["pass-0-arrivals-000-", "arrival 0 ("]
         )
     finally:
         browser.close()

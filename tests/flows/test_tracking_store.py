@@ -297,3 +297,41 @@ def test_an_arrival_runs_lineage_in_the_real_lock_is_its_data_partition_and_sour
     assert {k.split(".")[1] for k in tags} == stages
     rounds = tracking.dvc_lock_hashes([C.domains_dir(cfg, "fedpad", "quick")])
     assert list(rounds) == ["dvc.partition_domains:quick.quick"]
+
+
+def test_lineage_names_a_commit_that_exists_and_lists_what_differs_from_it(tmp_path, monkeypatch):
+    """A run in a tree whose dvc.lock it rewrote names the commit it was based on (no ``-dirty`` suffix,
+    which no ``git checkout`` takes) and says what differs from it."""
+    # Prepare: a repository with dvc.lock committed, then rewritten as a rebuild would
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t.invalid", "GIT_COMMITTER_NAME": "t"}
+    for k, v in {**env, "GIT_COMMITTER_EMAIL": "t@t.invalid"}.items():
+        monkeypatch.setenv(k, v)
+    (repo / "dvc.lock").write_text("schema: '2.0'\n")
+    for args in (["init", "-q"], ["add", "dvc.lock"], ["commit", "-qm", "lock"]):
+        subprocess.run(["git", *args], cwd=repo, check=True)
+    monkeypatch.setattr(tracking, "ROOT", repo)
+    clean = tracking.lineage_tags(seed=0, prepared=None, partition_dir=repo / "none")
+    (repo / "dvc.lock").write_text("schema: '2.0'\nstages: {}\n")
+
+    # Execute
+    tags = tracking.lineage_tags(seed=0, prepared=None, partition_dir=repo / "none")
+
+    # Assert
+    assert clean["git_changes"] == "none" and tags["git_changes"] == "dvc.lock"
+    assert tags["git_commit"] == clean["git_commit"] and not tags["git_commit"].endswith("-dirty")
+    assert subprocess.run(["git", "cat-file", "-e", f"{tags['git_commit']}^{{commit}}"], cwd=repo).returncode == 0
+    assert tags["dvc_lock_sha256"] == tracking.sha256_file(repo / "dvc.lock") != clean["dvc_lock_sha256"]
+
+
+def test_experiments_and_the_links_we_write_open_on_the_runs_table(tmp_path):
+    """MLflow 3 opens an experiment on its GenAI overview unless told it is model development."""
+    from flows import ui
+
+    tracking.setup(f"sqlite:///{tmp_path}/mlruns.db", "kind-test")
+    exp = MlflowClient(f"sqlite:///{tmp_path}/mlruns.db").get_experiment_by_name("kind-test")
+    assert exp.tags[tracking.EXPERIMENT_KIND] == tracking.MODEL_DEVELOPMENT == "custom_model_development"
+    url = ui.mlflow_run_url("http://127.0.0.1:5000/", "7", "abc")
+    assert url == "http://127.0.0.1:5000/#/experiments/7/runs/abc?workflowType=machine_learning"
+    assert ui.mlflow_run_url(f"sqlite:///{tmp_path}/mlruns.db", "7", "abc") is None
