@@ -22,8 +22,10 @@ from typing import Any, Dict, Iterable, Mapping
 import mlflow
 from omegaconf import DictConfig
 
+from fedcore.engine.spec import WEIGHTS_FILE
 from fedcore.registry import check_choice
 from flows import config as C
+from flows import tracking
 
 CHAMPION = "champion"
 REGISTER_CHOICES = ("configured", "all", "none")
@@ -41,6 +43,8 @@ LINEAGE_TAGS = (
     "trainer",
     "strategy",
 )  # copied from the run when present
+# what makes two versions the same model: its weights' sha256 (tracking.log_model) and its config
+IDENTITY_TAGS = (tracking.MODEL_SHA256_TAG + WEIGHTS_FILE, "config_fingerprint")
 _log = logging.getLogger(__name__)
 
 
@@ -101,15 +105,24 @@ def register(
     client = client or mlflow.MlflowClient()
     run_tags = client.get_run(run_id).data.tags
     tags: Dict[str, str] = {
-        k: run_tags[k] for k in ("method", "aggregator", "privacy_form", "seed", *LINEAGE_TAGS) if k in run_tags
+        k: run_tags[k]
+        for k in ("method", "aggregator", "privacy_form", "seed", *LINEAGE_TAGS, *IDENTITY_TAGS)
+        if k in run_tags
     }
     tags.update({f"metric.{k}": repr(float(v)) for k, v in summary.items()})  # exact: the champion rule reads it
     tags["champion_metric"] = metric
-    version = mlflow.register_model(model_uri, name, tags=tags)
-    if description:
-        client.update_model_version(name, version.version, description=description)
+    same = identical_version(client, name, tags)
+    if same is not None:  # a rerun of the same config to the same weights: the version it already has
+        _log.info(
+            "%s version %s holds these weights from this config already: not registered again", name, same.version
+        )
+        version = same
+    else:
+        version = mlflow.register_model(model_uri, name, tags=tags)
+        if description:
+            client.update_model_version(name, version.version, description=description)
     moved = []
-    if _beats_champion(client, name, metric, float(summary[metric])):
+    if same is None and _beats_champion(client, name, metric, float(summary[metric])):
         client.set_registered_model_alias(name, CHAMPION, version.version)
         moved.append(CHAMPION)
     for alias in aliases:
@@ -124,6 +137,23 @@ def register(
         f"; aliases {', '.join(moved)}" if moved else "",
     )
     return version
+
+
+def identical_version(client: "mlflow.MlflowClient", name: str, tags: Mapping[str, str]):
+    """The version of ``name`` with the same weights (sha256) from the same config (fingerprint), or None.
+    Without both tags nothing counts as identical."""
+    if not all(tags.get(k) for k in IDENTITY_TAGS):
+        return None
+    from mlflow.exceptions import MlflowException
+
+    try:
+        versions = client.search_model_versions(f"name='{name}'")
+    except MlflowException:
+        return None
+    for v in versions:
+        if all(v.tags.get(k) == tags[k] for k in IDENTITY_TAGS):
+            return v
+    return None
 
 
 def _beats_champion(client: "mlflow.MlflowClient", name: str, metric: str, value: float) -> bool:

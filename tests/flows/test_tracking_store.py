@@ -26,7 +26,7 @@ def _state(seed: int):
     return SPEC.build().state_dict()
 
 
-def _log_and_register(project: Path, experiment: str, *, seed: int, acc: float, aliases=()):
+def _log_and_register(project: Path, experiment: str, *, seed: int, acc: float, aliases=(), fingerprint=None):
     """One run in ``project``'s store: a text artifact, the model, and (maybe) a registry version."""
     tracking.setup(f"sqlite:///{project}/mlruns.db", experiment)
     with mlflow.start_run(run_name=f"cell-s{seed}") as run:
@@ -38,6 +38,7 @@ def _log_and_register(project: Path, experiment: str, *, seed: int, acc: float, 
                 "seed": str(seed),
                 "git_commit": "abc123",
                 "data_sha256": "d" * 64,
+                **({"config_fingerprint": fingerprint} if fingerprint else {}),
             }
         )
         note = project / f"note-{seed}.txt"
@@ -190,6 +191,20 @@ def test_champion_moves_only_to_a_better_version_and_other_aliases_always_move(t
     assert first.tags["metric.final_avg_holdout_acc"] == "0.7" and first.tags["seed"] == "0"
     assert first.tags["git_commit"] == "abc123" and first.tags["data_sha256"] == "d" * 64
     assert first.description == "bpa+ugsa seed 0"
+
+
+def test_an_identical_rerun_adds_no_registry_version(tmp_path):
+    """Same weights from the same config: the version it already has (its aliases move there); other weights
+    or another config: a new version."""
+    first = _log_and_register(tmp_path, "dedup", seed=0, acc=0.7, fingerprint="cfg-a")[1]
+    again = _log_and_register(tmp_path, "dedup", seed=0, acc=0.7, fingerprint="cfg-a", aliases=["nightly"])[1]
+    other_weights = _log_and_register(tmp_path, "dedup", seed=1, acc=0.6, fingerprint="cfg-a")[1]
+    other_config = _log_and_register(tmp_path, "dedup", seed=0, acc=0.7, fingerprint="cfg-b")[1]
+    client = MlflowClient()
+    assert again.version == first.version
+    assert len({first.version, other_weights.version, other_config.version}) == 3
+    assert len(client.search_model_versions("name='bpfedctta-digits'")) == 3
+    assert client.get_model_version_by_alias("bpfedctta-digits", "nightly").version == first.version
 
 
 def test_a_champion_history_is_replayed_exactly():
