@@ -36,7 +36,7 @@ from fedcore.engine import (
 from fedcore.evaluate.plots import plot_arrivals, plot_privacy
 from fedcore.privacy.ledger import ledger_document
 from flows import config as C
-from flows import model_registry, plot_data, runtime, tracking, ui
+from flows import model_registry, plot_data, runtime, signals, tracking, ui
 from flows.placement import faults, gpus
 from flows.tasks import (  # noqa: F401 - the paths and loaders are part of this module's interface
     arrival_checkpoints,
@@ -258,11 +258,32 @@ def summary_metrics(summary: Mapping[str, float]) -> Dict[str, float]:
     return {k if k.startswith("final_") else f"final_{k}": float(v) for k, v in summary.items()}
 
 
-def _start_experiment_run(cfg: DictConfig, acfg, spec: ModelSpec, *, started_ms: int | None = None):
+RUN_ID_FILE = "mlflow_run_id"  # in an arrival run's checkpoint folder: the MLflow run a resume continues
+
+
+def _start_experiment_run(
+    cfg: DictConfig, acfg, spec: ModelSpec, *, started_ms: int | None = None, checkpoint_dir: Path | None = None
+):
     """The experiment's parent run, active. ``started_ms``: when the experiment began, for a run
-    created after it ended (a sweep cell); its end time is set by the caller."""
+    created after it ended (a sweep cell); its end time is set by the caller. ``checkpoint_dir``: an
+    arrival run's checkpoints, where its MLflow run id is kept, so that a resume continues that run
+    (its charts go on from the arrival it stopped at) instead of starting a second one."""
     form = "" if acfg.form == "plain" else f" {acfg.form}"
-    run = tracking.start_run(f"{acfg.method}+{acfg.aggregator}{form}-s{acfg.seed}", started_ms=started_ms)
+    earlier = _run_to_continue(checkpoint_dir) if cfg.flow.resume else None
+    if earlier is not None:
+        run = mlflow.start_run(run_id=earlier)
+        mlflow.set_tag("resumed", "true")
+    else:
+        run = tracking.start_run(f"{acfg.method}+{acfg.aggregator}{form}-s{acfg.seed}", started_ms=started_ms)
+    if checkpoint_dir is not None:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        (checkpoint_dir / RUN_ID_FILE).write_text(run.info.run_id)
+    with tracking.failing_run(run):
+        _describe_experiment_run(run, cfg, acfg, earlier)
+    return run
+
+
+def _describe_experiment_run(run, cfg: DictConfig, acfg, earlier: str | None) -> None:
     ui.link_runs(run)
     # this run's settings only: not the other systems' grids, nor the variants' definitions (the
     # variant chosen is already laid over the root config)
@@ -284,7 +305,11 @@ def _start_experiment_run(cfg: DictConfig, acfg, spec: ModelSpec, *, started_ms:
         params["privacy"]["sigma"] = pcfg.sigma(acfg.uses_per_arrival)
         params["privacy"]["noise_source"] = pcfg.noise_source  # written out even where the default chose it
         params["privacy"]["gate_noise_multiplier"] = pcfg.gate_noise_multiplier
-    mlflow.log_params(tracking.flatten(params))
+    flat = tracking.flatten(params)
+    if earlier is not None:  # the checkpoint's fingerprint held the settings; flow.resume and the like differ
+        logged = mlflow.MlflowClient().get_run(earlier).data.params
+        flat = {k: v for k, v in flat.items() if k not in logged}
+    mlflow.log_params(flat)
     mlflow.set_tags(
         {
             **tracking.lineage_tags(
@@ -306,7 +331,22 @@ def _start_experiment_run(cfg: DictConfig, acfg, spec: ModelSpec, *, started_ms:
     src = source_model_path(cfg)
     if src.is_file():
         mlflow.set_tag("source_model_sha256", tracking.file_sha256(src))
-    return run
+
+
+def _run_to_continue(checkpoint_dir: Path | None) -> str | None:
+    """The MLflow run an interrupted arrival run wrote to, if this store holds it unfinished."""
+    path = None if checkpoint_dir is None else checkpoint_dir / RUN_ID_FILE
+    if path is None or not path.is_file():
+        return None
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = mlflow.MlflowClient().get_run(path.read_text().strip())
+    except MlflowException:  # another store, or deleted: a new run
+        return None
+    if run.info.status == "FINISHED" or run.info.experiment_id != mlflow.tracking.fluent._get_experiment_id():
+        return None
+    return run.info.run_id
 
 
 class ArrivalPasses:
@@ -519,7 +559,7 @@ def arrival(cfg: DictConfig) -> ArrivalsResult:
 
             passes.on_arrival = on_arrival
             try:
-                with _start_experiment_run(cfg, acfg, spec):
+                with _start_experiment_run(cfg, acfg, spec, checkpoint_dir=ckpt):
                     # each arrival's numbers reach the run's charts as it comes back, beside the worker's next
                     log = tracking.BackgroundArrivalLog(runs_at_end=cfg.flow.get("arrival_runs", "at_end") == "at_end")
                     try:
@@ -527,6 +567,7 @@ def arrival(cfg: DictConfig) -> ArrivalsResult:
                             retries=int(cfg.flow.retries), retry_delay_seconds=float(cfg.flow.retry_delay_seconds)
                         )
                         for p, first, end in passes.blocks():
+                            signals.check()
                             task.with_options(task_run_name=f"pass-{p}-arrivals-{first:03d}-{end - 1:03d}").submit(
                                 passes=passes, end=end
                             ).result()
@@ -601,6 +642,7 @@ def sweep(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> List[
             done = tqdm(done, total=len(futures), desc=f"sweep on {cfg.data.name}", unit="cell")
         for i, fut in enumerate(done, 1):
             res = fut.result()
+            signals.check()  # a cell that came back after a stop signal is not logged
             acfg = acfgs[(res["method"], res["aggregator"], res["form"], res["seed"])]
             with _start_experiment_run(cfg, acfg, spec, started_ms=res["started_ms"]) as run:
                 _log_experiment(cfg, acfg, res["result"], spec=spec, partition=partition)

@@ -24,7 +24,7 @@ from prefect.futures import as_completed
 
 from fedcore.engine import Done, RoundConfig, RoundsResult, run_rounds
 from flows import config as C
-from flows import evaluations, plot_data, runtime, systems, tracking, ui
+from flows import evaluations, plot_data, runtime, signals, systems, tracking, ui
 from flows.evaluations import GridRun, round_inputs
 from flows.placement import faults, gpus
 from flows.reports import results_dir
@@ -39,6 +39,12 @@ def _start_cell_run(
     cfg: DictConfig, system: str, grid_name: str, method: str, rcfg: RoundConfig, part, *, started_ms: int | None = None
 ):
     run = tracking.start_run(f"{method}-s{rcfg.seed}", started_ms=started_ms)
+    with tracking.failing_run(run):
+        _describe_cell_run(run, cfg, system, grid_name, method, rcfg)
+    return run
+
+
+def _describe_cell_run(run, cfg: DictConfig, system: str, grid_name: str, method: str, rcfg: RoundConfig) -> None:
     ui.link_runs(run)
     g = C.to_dict(cfg)[system]["grids"][grid_name]
     mlflow.log_params(
@@ -74,7 +80,6 @@ def _start_cell_run(
             "stage": f"{system}@{grid_name}",
         }
     )
-    return run
 
 
 def _cell_outputs(
@@ -200,9 +205,25 @@ def grid(
 
             done = tqdm(done, total=len(futures), desc=f"{system} grid {name}", unit="cell")
         rows = []
+        logged = _logged_cells(system, name) if cfg.flow.resume else {}
         for i, fut in enumerate(done, 1):
             cell = fut.result()
+            signals.check()  # a cell that came back after a stop signal is not logged
             m, s, res = cell["method"], cell["seed"], cell["result"]
+            earlier = logged.get((f"{m}-s{s}", configs[(m, s)].fingerprint()))
+            if earlier is not None and all(earlier.get(k) == float(v) for k, v in res.summary.items()):
+                # resumed from a finished checkpoint: MLflow holds this cell's run already
+                _cell_outputs(
+                    res,
+                    part,
+                    results_dir(cfg, system, name) / "cells" / f"{m}-s{s}",
+                    title=f"{system} {name}: {m} (seed {s})",
+                    system=system,
+                    score=_headline_score(cfg, system, m, configs[(m, s)].trainer),
+                )
+                logger.info("[%d/%d] %s seed %d: finished and logged before; not logged again", i, len(cells), m, s)
+                rows.append(_row(m, s, res, {**cell, "seconds": earlier.get("run_seconds", cell["seconds"])}))
+                continue
             with _start_cell_run(cfg, system, name, m, configs[(m, s)], part, started_ms=cell["started_ms"]) as run:
                 tracking.log_rounds(res.records)
                 _log_tasks(res.records)
@@ -234,16 +255,7 @@ def grid(
                 opened,
                 cell["seconds"],
             )
-            rows.append(
-                {
-                    "method": m,
-                    "seed": s,
-                    "summary": sm,
-                    "seconds": cell["seconds"],
-                    "rounds": len(res.records),
-                    **_incremental_row(res.records),
-                }
-            )
+            rows.append(_row(m, s, res, cell))
         order = {c: i for i, c in enumerate(cells)}
         return sorted(rows, key=lambda r: order[(r["method"], r["seed"])])
 
@@ -264,6 +276,33 @@ def grid(
         )
     )
     return rows
+
+
+def _row(method: str, seed: int, res: RoundsResult, cell: Mapping[str, Any]) -> Dict[str, Any]:
+    """A finished cell as the grid's report reads it."""
+    return {
+        "method": method,
+        "seed": seed,
+        "summary": res.summary,
+        "seconds": cell["seconds"],
+        "rounds": len(res.records),
+        **_incremental_row(res.records),
+    }
+
+
+def _logged_cells(system: str, grid_name: str) -> Dict[Tuple[str, str], Dict[str, float]]:
+    """The grid's finished cell runs in the active tracking store: (run name, config fingerprint) -> metrics."""
+    exp = mlflow.get_experiment_by_name(f"fedcore-{system}")
+    if exp is None:
+        return {}
+    runs = mlflow.MlflowClient().search_runs(
+        [exp.experiment_id], f"tags.stage = '{system}@{grid_name}' and attributes.status = 'FINISHED'"
+    )
+    return {
+        (r.info.run_name, r.data.tags.get("config_fingerprint", "")): dict(r.data.metrics)
+        for r in runs
+        if r.info.run_name
+    }
 
 
 def _target_method(cfg: DictConfig, system: str, g) -> str:
@@ -433,6 +472,7 @@ def round_submit(
     states = runtime.PutOnce(keep=1)  # the round's global state
 
     def submit_round(fn, calls):
+        signals.check()  # no round starts after a stop signal
         r = int(calls[0]["round_index"])
         shipped, names, markers = [], [], {}
         for j, kw in enumerate(calls):

@@ -159,6 +159,12 @@ def is_temporary_api(url: str | None = None) -> bool:
     return _SERVER is not None and (url or os.environ.get("PREFECT_API_URL")) == _SERVER.api_url
 
 
+def temporary_server_gone() -> bool:
+    """Whether the temporary server started here has exited (a Ctrl-C to the process group stops it)."""
+    process = getattr(_SERVER, "server_process", None)
+    return process is not None and process.poll() is not None
+
+
 def stop_prefect_api() -> None:
     global _SERVER
     if _SERVER is not None:

@@ -31,7 +31,7 @@ from functools import partial
 from typing import Any, Callable, Dict
 
 from flows import config as C
-from flows import steps, systems
+from flows import signals, steps, systems
 
 
 def _on_variant(step):
@@ -150,14 +150,26 @@ def main(argv=None) -> int:
 
     from fedcore.engine.checkpoint import CheckpointError
 
+    signals.install()
     try:
         cfg = C.load(args.params, args.overrides)
         known[args.stage](cfg)
     except (ValueError, FileNotFoundError, CheckpointError, HydraException, OmegaConfBaseException) as exc:
+        if signals.STOP.is_set():  # the stop is the cause: an error it led to is not the one to report
+            return signals.exit_status()
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return 0
+    except BaseException:  # signals.Stopped, or Prefect's TerminationSignal, once a stop signal came
+        if not signals.STOP.is_set():
+            raise
+    if signals.STOP.is_set():
+        print(f"stopped by {signals.describe()}; resume with flow.resume=true", file=sys.stderr)
+    return signals.exit_status()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if signals.STOP.is_set():
+        signals.exit_now(code)
+    signals.finishing()
+    sys.exit(code)

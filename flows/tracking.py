@@ -115,6 +115,17 @@ def start_run(run_name: str, *, started_ms: int | None = None) -> "mlflow.Active
     return mlflow.start_run(run_id=run.info.run_id)
 
 
+@contextlib.contextmanager
+def failing_run(run: "mlflow.ActiveRun"):
+    """Describe a run just started (params, tags, links) before the caller's ``with`` takes it over: if
+    that fails, or a stop signal lands there, the run is ended as failed rather than left running."""
+    try:
+        yield run
+    except BaseException:
+        mlflow.end_run("FAILED")
+        raise
+
+
 def end_run_at(run_id: str, ended_ms: int) -> None:
     """Give a finished run the time its work ended (after ``with start_run(...)`` closed it)."""
     mlflow.MlflowClient().set_terminated(run_id, end_time=int(ended_ms))

@@ -347,3 +347,22 @@ def test_flow_on_a_multi_process_ray_cluster(tiny, tmp_path, monkeypatch):
         assert not ray_mod.is_initialized()
     finally:
         _stop_our_ray(temp_dir)
+
+
+def test_a_resumed_arrival_run_continues_its_mlflow_run_from_arrival_zero(tiny):
+    """Interrupted after 3 arrivals, then resumed: one MLflow run, whose charts hold every arrival once."""
+    from fedcore.engine import RunInterrupted
+
+    overrides = ("flow.experiment=resume-one-run", "paths.checkpoints=" + str(tiny["tmp"] / "ckpt-resume-one"))
+    with pytest.raises(RunInterrupted):
+        F.arrival(cfg_for(tiny, *overrides, "flow.stop_after=3"))
+    client, stopped = runs_of(cfg_for(tiny, *overrides), "bpa+ugsa-s0")
+    assert [r.info.status for r in stopped] == ["FAILED"]
+
+    res = F.arrival(cfg_for(tiny, *overrides, "flow.resume=true"))
+
+    _, runs = runs_of(cfg_for(tiny, *overrides), "bpa+ugsa-s0")
+    assert [r.info.run_id for r in runs] == [stopped[0].info.run_id]
+    assert runs[0].info.status == "FINISHED" and runs[0].data.tags["resumed"] == "true"
+    steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "online_acc")]
+    assert sorted(steps) == list(range(len(res.records)))

@@ -234,3 +234,23 @@ def test_grid_flow_writes_the_table_statistics_plots_and_one_run_per_cell(quick)
     from flows.tracking import load_registered
 
     assert load_registered("fedpad-quick", "champion", tracking_uri=C.tracking_uri(cfg)) is not None
+
+
+def test_a_resumed_grid_logs_no_cell_twice(quick):
+    """Every cell of the grid has finished: a rerun resumes each from its checkpoint and logs nothing again,
+    and its report is the same."""
+    from flows.rounds import grid, results_dir
+
+    cfg = C.compose(rounds_overrides(quick["tmp"], "flow.resume=true"))
+    client = MlflowClient(C.tracking_uri(cfg))
+    grid(cfg, "fedpad")
+    exp = client.get_experiment_by_name("fedcore-fedpad")
+
+    def cells():
+        return sorted(r.info.run_id for r in client.search_runs([exp.experiment_id], "tags.stage = 'fedpad@quick'"))
+
+    before, table = cells(), (results_dir(cfg, "fedpad", "quick") / "table.md").read_text()
+    rows = grid(cfg, "fedpad")
+    assert cells() == before and len(before) >= 2
+    assert [(r["method"], r["seed"]) for r in rows] == [("fedavg", 0), ("fedpad", 0)]
+    assert (results_dir(cfg, "fedpad", "quick") / "table.md").read_text() == table

@@ -1,0 +1,159 @@
+"""Stopping a run on SIGTERM or SIGINT: promptly, with a non-zero exit, and nothing started or logged after.
+
+systemd, Kubernetes, ``timeout`` and Prefect workers stop a job with SIGTERM; a user presses Ctrl-C
+(SIGINT to the whole process group, the temporary Prefect server and Ray's processes included).
+Three things made that unreliable:
+
+* During a flow run Prefect swaps in its own SIGTERM handler, which raises ``TerminationSignal`` in
+  whatever the main thread is running. If that is a weakref callback or a ``__del__``, Python prints
+  "Exception ignored in ..." and discards it, and the run goes on to the end with exit status 0.
+* After Ctrl-C the temporary Prefect server is gone, and every API call the unwinding flow makes waits
+  out its retries (70 s and more).
+* A cell or arrival that came back just after the signal was still logged.
+
+So the first signal sets :data:`STOP` and a deadline before anything is raised (Prefect's handler is
+wrapped to do the same). Flows call :func:`check` before they start or log a cell, round or arrival,
+which raises :class:`Stopped` there even when the first exception was lost; and if the process is
+still alive :data:`GRACE_S` seconds later, a watchdog thread ends it with ``os._exit``. A second signal
+ends it at once. The exit status is 128 + the signal's number (143 for SIGTERM, 130 for SIGINT).
+Checkpoints are written atomically (:mod:`fedcore.engine.checkpoint`), so any of these exits leaves the
+last completed arrival or round to resume from.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+GRACE_S = float(os.environ.get("FEDCORE_STOP_GRACE_S", "20"))  # unwinding: MLflow marks its run, Ray stops
+SETTLE_S = 3.0  # enough to close the MLflow runs and checkpoints of a run whose Prefect server is gone
+STOP = threading.Event()
+_received: dict = {}
+
+
+class Stopped(KeyboardInterrupt):
+    """The run was asked to stop by a signal. A KeyboardInterrupt, so ``except Exception`` does not catch
+    it and Prefect marks the flow run crashed, MLflow its run failed."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def exit_status() -> int:
+    """128 + the signal that stopped this run; 0 when none came."""
+    return 128 + int(_received["signum"]) if STOP.is_set() else 0
+
+
+def check() -> None:
+    """Raise :class:`Stopped` if a stop signal has come. Call it before starting or logging a unit of work."""
+    if STOP.is_set():
+        raise Stopped(int(_received["signum"]))
+
+
+def describe() -> str:
+    """The stop signal's name ("SIGTERM"), or "" when none came."""
+    return signal.Signals(int(_received["signum"])).name if STOP.is_set() else ""
+
+
+def received_at() -> float | None:
+    """When the stop signal came (``time.time()``), or None."""
+    return _received.get("at")
+
+
+def finishing() -> None:
+    """The run has ended and the process is exiting: a signal now ends it at once, with 128 + its number
+    (raised in an exit handler, the exception would be discarded and the exit status stay 0)."""
+    _received["finishing"] = True
+
+
+def exit_now(code: int) -> None:
+    """End the process with ``code`` after a stop, skipping exit handlers: Prefect's and Ray's would wait on
+    services the signal has already stopped (Ctrl-C reaches the temporary Prefect server too). The runs
+    are marked by then, and every write is committed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _note(signum: int) -> None:
+    """The first signal: the flag, the deadline and a line on stderr; a second: exit now."""
+    if _received.get("finishing"):
+        os._exit(128 + signum)
+    if STOP.is_set():
+        os.write(2, f"\n{signal.Signals(signum).name} again: exiting now\n".encode())
+        os._exit(128 + signum)
+    _received.update(signum=signum, at=time.time())
+    STOP.set()
+    name = signal.Signals(signum).name
+    os.write(
+        2,
+        (
+            f"\n{name}: stopping; no new cell, round or arrival starts or is logged. The run is marked "
+            f"failed and exits within {GRACE_S:.0f} s (send it again to exit at once); resume with "
+            "flow.resume=true\n"
+        ).encode(),
+    )
+    threading.Thread(target=_deadline, args=(signum,), name="fedcore-stop-deadline", daemon=True).start()
+
+
+def _deadline(signum: int) -> None:
+    """Exit at the deadline; or sooner, once the run has had :data:`SETTLE_S` to mark its runs, if the
+    temporary Prefect server it reports to is gone (Ctrl-C reaches it too): all that is left then is
+    Prefect's client retrying a dead server, which took 70 s and more."""
+    from flows import runtime
+
+    start = time.monotonic()
+    while time.monotonic() - start < GRACE_S:
+        time.sleep(0.25)
+        if time.monotonic() - start >= SETTLE_S and runtime.temporary_server_gone():
+            os.write(2, b"the temporary Prefect server has stopped: exiting\n")
+            exit_now(128 + signum)
+    os.write(2, f"still running {GRACE_S:.0f} s after {signal.Signals(signum).name}: exiting\n".encode())
+    if os.environ.get("FEDCORE_STOP_TRACE"):  # where it was stuck, for a report
+        import faulthandler
+
+        faulthandler.dump_traceback(all_threads=True)
+    sys.stderr.flush()
+    os._exit(128 + signum)
+
+
+def _handle(signum: int, frame: Any) -> None:
+    if _received.pop("redelivery", None) == signum:
+        # Prefect's flow engine, having unwound its TerminationSignal, restores this handler and sends
+        # the signal again: the same stop, not a second one
+        raise Stopped(signum)
+    _note(signum)
+    raise Stopped(signum)
+
+
+def install() -> None:
+    """Handle SIGTERM and SIGINT in this (the driver's main) thread, Prefect's flow-run handler included."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGTERM, _handle)
+    signal.signal(signal.SIGINT, _handle)
+    import prefect.utilities.engine as engine
+
+    prefect_handler = engine._prefect_sigterm_handler
+    if getattr(prefect_handler, "notes_stop", False):
+        return
+
+    def noted(signum: int, frame: Any) -> None:
+        _note(signum)
+        _received["redelivery"] = signum
+        prefect_handler(signum, frame)
+
+    noted.notes_stop = True  # type: ignore[attr-defined]
+    # capture_sigterm() installs and compares the module's handler by name at call time
+    engine._prefect_sigterm_handler = noted
+
+
+def reset() -> None:
+    """Forget a received signal (tests)."""
+    STOP.clear()
+    _received.clear()
