@@ -35,6 +35,7 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 	# from source: `import flows.federation` took 10.3 s without it, 5.3 s with it. Files for
 	# newer Pythons (*312*.py) do not compile and are skipped.
 	$(BIN)/python -m compileall -q -j 0 -x '312' $(VENV)/lib
+	$(BIN)/python -m flows.plot_page  # .dvc/plots/page.html: dvc plots show with Vega bundled, no CDN
 	@mkdir -p $(RAY_TMPDIR)
 	@touch $@
 

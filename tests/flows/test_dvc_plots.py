@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 
 from flows import config as C
-from flows import plot_data
+from flows import plot_data, plot_page
 from flows.config import ROOT
 from tests.dvc_repo import DVC_CONFIG, dvc, run
 from tests.helpers import for_variant, tiny_overrides
@@ -217,7 +218,8 @@ def test_plots_show_renders_every_declared_plot_from_tables_the_stage_code_write
     shutil.copytree(ROOT / ".dvc" / "plots", repo / ".dvc" / "plots")
     for name in ("dvc.yaml", "params.yaml"):
         shutil.copy(ROOT / name, repo / name)
-    (repo / ".dvc" / "config").write_text(DVC_CONFIG)
+    (repo / ".dvc" / "config").write_text(DVC_CONFIG + "[plots]\n    html_template = plots/page.html\n")
+    plot_page.write(repo)
     run(repo, "git", "init", "-q")
     plots = declared_plots(ROOT)
     outs = stage_outs(ROOT)
@@ -240,6 +242,8 @@ def test_plots_show_renders_every_declared_plot_from_tables_the_stage_code_write
 
     # Execute
     shown = json.loads(dvc(repo, "plots", "show", "--json").stdout)
+    dvc(repo, "plots", "show", "-o", "page")
+    html = (repo / "page" / "index.html").read_text()
 
     # Assert: every declared plot, each of its files and fields with a value in every row
     assert not shown.get("errors"), shown["errors"]
@@ -252,3 +256,10 @@ def test_plots_show_renders_every_declared_plot_from_tables_the_stage_code_write
             assert rows, (pid, path)
             for field in fields:
                 assert all(str(v.get(field, "")).strip() not in ("", "nan") for v in rows), (pid, path, field)
+    # the page carries Vega itself, so it renders offline: no script is fetched from anywhere
+    assert "window.vegaEmbed=" in html and "vegaEmbed('#" in html
+    assert not re.search(r"<script[^>]+src=", html), "the page loads a script from elsewhere"
+    # arrivals are read as text from the CSV: the matrix turns them into numbers, so 2 sorts before 10
+    matrix = data["accuracy matrix"][0]["content"]
+    assert {"calculate": "toNumber(datum.arrival)", "as": "arrival"} in matrix["transform"]
+    assert matrix["encoding"]["y"]["sort"] == "ascending"
