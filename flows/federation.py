@@ -272,13 +272,14 @@ def _start_experiment_run(
     earlier = _run_to_continue(checkpoint_dir) if cfg.flow.resume else None
     if earlier is not None:
         run = mlflow.start_run(run_id=earlier)
-        mlflow.set_tag("resumed", "true")
     else:
         run = tracking.start_run(f"{acfg.method}+{acfg.aggregator}{form}-s{acfg.seed}", started_ms=started_ms)
-    if checkpoint_dir is not None:
-        checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        (checkpoint_dir / RUN_ID_FILE).write_text(run.info.run_id)
     with tracking.failing_run(run):
+        if earlier is not None:
+            mlflow.set_tag("resumed", "true")
+        if checkpoint_dir is not None:
+            checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            (checkpoint_dir / RUN_ID_FILE).write_text(run.info.run_id)
         _describe_experiment_run(run, cfg, acfg, earlier)
     return run
 
@@ -344,7 +345,11 @@ def _run_to_continue(checkpoint_dir: Path | None) -> str | None:
         run = mlflow.MlflowClient().get_run(path.read_text().strip())
     except MlflowException:  # another store, or deleted: a new run
         return None
-    if run.info.status == "FINISHED" or run.info.experiment_id != mlflow.tracking.fluent._get_experiment_id():
+    if (
+        run.info.status == "FINISHED"
+        or run.info.lifecycle_stage != "active"  # deleted in the UI: start afresh
+        or run.info.experiment_id != mlflow.tracking.fluent._get_experiment_id()
+    ):
         return None
     return run.info.run_id
 
@@ -459,6 +464,7 @@ class ArrivalPasses:
     def _accept(self, st: ServerState) -> None:
         if st.done != self.st.done + 1 or st.fingerprint != self.st.fingerprint:
             raise RuntimeError(f"the worker sent the state after arrival {st.done - 1}, expected {self.st.done}")
+        signals.check()  # an arrival that comes back after a stop is neither checkpointed nor logged: resume redoes it
         save_state(self.checkpoint_dir, st.to_payload(), fingerprint=st.fingerprint)
         self.st = st
         self.on_arrival(st.records[-1], st, None)

@@ -1,18 +1,19 @@
 """The page ``dvc plots show`` writes, with Vega bundled in, so that it renders with no network.
 
 DVC's default page loads Vega, Vega-Lite and Vega-Embed from a CDN, so offline (a cluster node, a
-laptop on a plane, this project's CI) every plot is blank. ``.dvc/config`` points DVC at
-``.dvc/plots/page.html`` instead (``plots.html_template``), which this module writes from the
-Vega-Embed bundle of the ``vl-convert-python`` package (Vega-Lite 5 and 6 specs, as DVC's templates
-are). ``make setup`` runs it; so can you:
+laptop on a plane, this project's CI) every plot is blank. This module writes ``.dvc/plots/page.html``
+from the Vega-Embed bundle of the ``vl-convert-python`` package (Vega-Lite 5 and 6 specs, as DVC's
+templates are) and points DVC at it in ``.dvc/config.local`` (``plots.html_template``; both are
+ignored by git, so a clone without the page keeps DVC's own). ``make setup`` runs it; so can you:
 
-    python -m flows.plot_page          # writes .dvc/plots/page.html (about 0.9 MB); git ignores it
+    python -m flows.plot_page          # writes .dvc/plots/page.html (about 0.9 MB) and sets the template
 
 The page has no ``{scripts}`` placeholder, so DVC's CDN script tags are left out.
 """
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -50,11 +51,19 @@ def page() -> str:
     return TEMPLATE.replace("BUNDLE", bundle)
 
 
-def write(root: Path) -> Path:
-    """Write the page under ``root`` (a DVC repository); return its path."""
+def write(root: Path, *, configure: bool = True) -> Path:
+    """Write the page under ``root`` (a DVC repository) and, with ``configure``, point ``dvc plots show``
+    at it in ``.dvc/config.local``; return its path."""
     path = Path(root) / PAGE
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(page(), encoding="utf-8")
+    if configure:
+        subprocess.run(
+            [sys.executable, "-m", "dvc", "config", "--local", "plots.html_template", "plots/page.html"],
+            cwd=root,
+            check=True,
+            capture_output=True,
+        )
     return path
 
 

@@ -306,7 +306,7 @@ def verify(outs: Sequence[Output], cache: Path, remote: Remote) -> Tuple[List[Ou
     return intact, bad
 
 
-def never_pushed(root: Path, remote: Remote, outs: Sequence[Output]) -> List[Output]:
+def never_pushed(root: Path, remote: Remote, outs: Sequence[Output], cache: Path) -> List[Output]:
     """Which of ``outs`` the remote does not hold at all (for a directory: not even its file listing), as
     opposed to holding a copy that did not arrive intact."""
     if not outs:
@@ -319,7 +319,13 @@ def never_pushed(root: Path, remote: Remote, outs: Sequence[Output]) -> List[Out
         status = json.loads(proc.stdout or "{}")
     except json.JSONDecodeError:
         return []  # say nothing we do not know: each is then reported as not arrived intact
-    return [o for o in outs if status.get(o.path) == "missing"]
+    # a directory whose listing the remote lacks is left out of DVC's answer: absent if the cache lacks it too
+    return [
+        o
+        for o in outs
+        if status.get(o.path) == "missing"
+        or (o.path not in status and o.md5.endswith(".dir") and not _object(cache, o.md5).is_file())
+    ]
 
 
 def pull(root: Path, stages: Optional[Sequence[str]] = None) -> PullReport:
@@ -342,7 +348,7 @@ def pull(root: Path, stages: Optional[Sequence[str]] = None) -> PullReport:
     check_reachable(remote, for_push=False)
     fetched = _dvc(root, "fetch", *(stages or []))
     intact, failed = verify(outs, cache, remote)
-    absent = never_pushed(root, remote, list(failed))
+    absent = never_pushed(root, remote, list(failed), cache)
     bad = [b for out, files in failed.items() if out not in absent for b in files]
     if intact:
         done = _dvc(root, "checkout", *[o.path for o in intact])

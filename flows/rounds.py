@@ -210,7 +210,7 @@ def grid(
             cell = fut.result()
             signals.check()  # a cell that came back after a stop signal is not logged
             m, s, res = cell["method"], cell["seed"], cell["result"]
-            earlier = logged.get((f"{m}-s{s}", configs[(m, s)].fingerprint()))
+            earlier = logged.get((f"{m}-s{s}", configs[(m, s)].fingerprint())) if cell["already_finished"] else None
             if earlier is not None and all(earlier.get(k) == float(v) for k, v in res.summary.items()):
                 # resumed from a finished checkpoint: MLflow holds this cell's run already
                 _cell_outputs(
@@ -296,7 +296,9 @@ def _logged_cells(system: str, grid_name: str) -> Dict[Tuple[str, str], Dict[str
     if exp is None:
         return {}
     runs = mlflow.MlflowClient().search_runs(
-        [exp.experiment_id], f"tags.stage = '{system}@{grid_name}' and attributes.status = 'FINISHED'"
+        [exp.experiment_id],
+        f"tags.stage = '{system}@{grid_name}' and attributes.status = 'FINISHED'",
+        max_results=50000,
     )
     return {
         (r.info.run_name, r.data.tags.get("config_fingerprint", "")): dict(r.data.metrics)

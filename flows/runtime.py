@@ -165,6 +165,13 @@ def temporary_server_gone() -> bool:
     return process is not None and process.poll() is not None
 
 
+def stop_temporary_server_now() -> None:
+    """Send the temporary server SIGTERM without waiting for it (the process is about to exit)."""
+    process = getattr(_SERVER, "server_process", None)
+    if process is not None and process.poll() is None:
+        process.terminate()
+
+
 def stop_prefect_api() -> None:
     global _SERVER
     if _SERVER is not None:

@@ -1,7 +1,9 @@
 """Stopping a run on SIGTERM or SIGINT: promptly, with a non-zero exit, and nothing started or logged after.
 
-systemd, Kubernetes, ``timeout`` and Prefect workers stop a job with SIGTERM; a user presses Ctrl-C
-(SIGINT to the whole process group, the temporary Prefect server and Ray's processes included).
+systemd, Kubernetes and ``timeout`` stop a job with SIGTERM; a user presses Ctrl-C (SIGINT to the
+whole process group, the temporary Prefect server and Ray's processes included). This is installed by
+``python -m flows.stages`` (what ``dvc repro`` runs); a nightly deployment's run, started by a Prefect
+worker, is cancelled through Prefect and handled by Prefect.
 Three things made that unreliable:
 
 * During a flow run Prefect swaps in its own SIGTERM handler, which raises ``TerminationSignal`` in
@@ -30,6 +32,7 @@ import time
 from typing import Any
 
 GRACE_S = float(os.environ.get("FEDCORE_STOP_GRACE_S", "20"))  # unwinding: MLflow marks its run, Ray stops
+REDELIVERY_S = 2.0  # Prefect sends its SIGTERM again once it has unwound: within this, the same stop
 SETTLE_S = 3.0  # enough to close the MLflow runs and checkpoints of a run whose Prefect server is gone
 STOP = threading.Event()
 _received: dict = {}
@@ -74,7 +77,11 @@ def finishing() -> None:
 def exit_now(code: int) -> None:
     """End the process with ``code`` after a stop, skipping exit handlers: Prefect's and Ray's would wait on
     services the signal has already stopped (Ctrl-C reaches the temporary Prefect server too). The runs
-    are marked by then, and every write is committed."""
+    are marked by then, and every write is committed. The temporary Prefect server, which Prefect stops
+    in an exit handler, is sent SIGTERM here (a SIGTERM to the driver alone does not reach it)."""
+    from flows import runtime
+
+    runtime.stop_temporary_server_now()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -83,10 +90,10 @@ def exit_now(code: int) -> None:
 def _note(signum: int) -> None:
     """The first signal: the flag, the deadline and a line on stderr; a second: exit now."""
     if _received.get("finishing"):
-        os._exit(128 + signum)
+        exit_now(128 + signum)
     if STOP.is_set():
         os.write(2, f"\n{signal.Signals(signum).name} again: exiting now\n".encode())
-        os._exit(128 + signum)
+        exit_now(128 + signum)
     _received.update(signum=signum, at=time.time())
     STOP.set()
     name = signal.Signals(signum).name
@@ -110,7 +117,7 @@ def _deadline(signum: int) -> None:
     start = time.monotonic()
     while time.monotonic() - start < GRACE_S:
         time.sleep(0.25)
-        if time.monotonic() - start >= SETTLE_S and runtime.temporary_server_gone():
+        if time.monotonic() - start >= SETTLE_S and runtime.temporary_server_gone() and not _in_flow_body():
             os.write(2, b"the temporary Prefect server has stopped: exiting\n")
             exit_now(128 + signum)
     os.write(2, f"still running {GRACE_S:.0f} s after {signal.Signals(signum).name}: exiting\n".encode())
@@ -118,12 +125,26 @@ def _deadline(signum: int) -> None:
         import faulthandler
 
         faulthandler.dump_traceback(all_threads=True)
-    sys.stderr.flush()
-    os._exit(128 + signum)
+    exit_now(128 + signum)
+
+
+# The flows' own bodies (flows/federation.py, flows/rounds.py): while the main thread is in one, it is still
+# closing its MLflow runs and checkpoints; once it has left them, only Prefect's reporting remains.
+FLOW_BODIES = frozenset({"sequential_arrival", "sweep_flow", "grid_flow", "rounds_flow", "source_pretraining"})
+
+
+def _in_flow_body() -> bool:
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None:
+        if frame.f_code.co_name in FLOW_BODIES:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _handle(signum: int, frame: Any) -> None:
-    if _received.pop("redelivery", None) == signum:
+    sent = _received.pop("redelivery", None)
+    if sent is not None and sent[0] == signum and time.monotonic() - sent[1] < REDELIVERY_S:
         # Prefect's flow engine, having unwound its TerminationSignal, restores this handler and sends
         # the signal again: the same stop, not a second one
         raise Stopped(signum)
@@ -145,7 +166,7 @@ def install() -> None:
 
     def noted(signum: int, frame: Any) -> None:
         _note(signum)
-        _received["redelivery"] = signum
+        _received["redelivery"] = (signum, time.monotonic())
         prefect_handler(signum, frame)
 
     noted.notes_stop = True  # type: ignore[attr-defined]

@@ -156,6 +156,7 @@ def run_round_cell_task(
     part = load_domain_partition(cfg, system, grid_name, written=written)
     data, spec, evaluate = round_inputs(cfg, system, grid_name, part, rcfg, method=method)
     ckpt = round_cell_dir(cfg, system, grid_name, method, seed)
+    before = _stamps(ckpt)
     t0, started_ms = time.perf_counter(), int(time.time() * 1000)
     res = run_rounds(
         data,
@@ -174,8 +175,15 @@ def run_round_cell_task(
         "started_ms": started_ms,
         "ended_ms": int(time.time() * 1000),
         "spec": spec,
-        "example": to_tensor(data.client_x[0][:2]).numpy(),
-    }  # the registered model's signature
+        "example": to_tensor(data.client_x[0][:2]).numpy(),  # the registered model's signature
+        # resumed from a checkpoint that already held every round: no round ran, none was saved
+        "already_finished": bool(cfg.flow.resume) and bool(before) and _stamps(ckpt) == before,
+    }
+
+
+def _stamps(folder: Path) -> Dict[str, int]:
+    """The files of a checkpoint folder with their modification times (every saved round rewrites them)."""
+    return {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} if folder.is_dir() else {}
 
 
 # ------------------------------------------------------------------------------------ helpers

@@ -153,7 +153,7 @@ def test_invalid_values_are_rejected(override, match):
             ["variant=cifar10", "model=resnet18"],
             r"model=resnet18: variant 'cifar10' sets model.name=resnet20, which would",
         ),
-        # the cases a stranger's review found next
+        # misspelt block names, fractional counts, a single value for a list
         (["+adpt.passes=1"], r"the root config has no setting 'adpt'"),
         (["adapt.passes=2.5"], r"adapt.passes takes a whole number \(it is 3 in conf/\), not 2.5"),
         (["sweep.seeds=[0,1.5]"], r"sweep.seeds lists whole numbers"),

@@ -218,8 +218,8 @@ def test_plots_show_renders_every_declared_plot_from_tables_the_stage_code_write
     shutil.copytree(ROOT / ".dvc" / "plots", repo / ".dvc" / "plots")
     for name in ("dvc.yaml", "params.yaml"):
         shutil.copy(ROOT / name, repo / name)
-    (repo / ".dvc" / "config").write_text(DVC_CONFIG + "[plots]\n    html_template = plots/page.html\n")
-    plot_page.write(repo)
+    (repo / ".dvc" / "config").write_text(DVC_CONFIG)
+    plot_page.write(repo)  # and .dvc/config.local names it, as make setup does
     run(repo, "git", "init", "-q")
     plots = declared_plots(ROOT)
     outs = stage_outs(ROOT)
