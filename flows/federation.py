@@ -581,6 +581,7 @@ def arrival(cfg: DictConfig) -> ArrivalsResult:
                             raise RunInterrupted(f"stopped after arrival {passes.st.done} as asked; resume to continue")
                         res = arrivals_result(passes.st, schedule)
                         _log_experiment(cfg, acfg, res, spec=spec, partition=partition, arrivals=log)
+                        signals.check()  # a stop that landed while it was logged: the run is not finished
                     except BaseException:
                         # what it holds is written; the run's own error is the one to report
                         log.close(raise_errors=False)
@@ -653,6 +654,7 @@ def sweep(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> List[
             with _start_experiment_run(cfg, acfg, spec, started_ms=res["started_ms"]) as run:
                 _log_experiment(cfg, acfg, res["result"], spec=spec, partition=partition)
                 mlflow.log_metric("run_seconds", res["seconds"])
+                signals.check()  # a stop that landed while it was logged (where Python may drop it): not finished
             tracking.end_run_at(run.info.run_id, res["ended_ms"])
             s = res["result"].summary
             logger.info(

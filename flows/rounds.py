@@ -240,6 +240,7 @@ def grid(
                 )
                 tracking.log_files(paths, artifact_path="plots")
                 _register(cfg, system, name, cell, target=(target, g.seeds[0]))
+                signals.check()  # a stop that landed while it was logged (where Python may drop it): not finished
             tracking.end_run_at(run.info.run_id, cell["ended_ms"])
             sm = res.summary
             opened = f", AUROC {sm['final_auroc']:.3f}" if "final_auroc" in sm else ""

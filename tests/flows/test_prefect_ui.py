@@ -131,6 +131,9 @@ def test_run_links_point_at_each_ui(monkeypatch):
     assert ui.prefect_flow_run_url("abc") == "http://127.0.0.1:4200/runs/flow-run/abc"
     monkeypatch.setattr(runtime, "_SERVER", type("Temporary", (), {"api_url": "http://127.0.0.1:4200/api"})())
     assert ui.prefect_flow_run_url("abc") is None  # the temporary server serves no UI
-    assert ui.mlflow_run_url("http://127.0.0.1:5000/", "3", "r1") == "http://127.0.0.1:5000/#/experiments/3/runs/r1"
+    assert (
+        ui.mlflow_run_url("http://127.0.0.1:5000/", "3", "r1")
+        == "http://127.0.0.1:5000/#/experiments/3/runs/r1?workflowType=machine_learning"
+    )
     assert ui.mlflow_run_url("sqlite:///mlruns.db", "3", "r1") is None
     assert ui._artifact_key("mlflow-fedcore-fedpd++-s0 dp-eps5") == "mlflow-fedcore-fedpd-s0-dp-eps5"

@@ -347,6 +347,7 @@ def test_experiments_and_the_links_we_write_open_on_the_runs_table(tmp_path):
     tracking.setup(f"sqlite:///{tmp_path}/mlruns.db", "kind-test")
     exp = MlflowClient(f"sqlite:///{tmp_path}/mlruns.db").get_experiment_by_name("kind-test")
     assert exp.tags[tracking.EXPERIMENT_KIND] == tracking.MODEL_DEVELOPMENT == "custom_model_development"
-    url = ui.mlflow_run_url("http://127.0.0.1:5000/", "7", "abc")
-    assert url == "http://127.0.0.1:5000/#/experiments/7/runs/abc?workflowType=machine_learning"
-    assert ui.mlflow_run_url(f"sqlite:///{tmp_path}/mlruns.db", "7", "abc") is None
+    assert (
+        ui.mlflow_page("http://127.0.0.1:5000/", "7")
+        == "http://127.0.0.1:5000/#/experiments/7?workflowType=machine_learning"
+    )
