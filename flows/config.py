@@ -722,12 +722,7 @@ def validate_rounds(cfg: DictConfig, system: str) -> None:
             raise ValueError(
                 f"{system} grid {name!r}: unknown domain set {g.set!r}; valid names are: {', '.join(DOMAIN_SETS)}"
             )
-        unknown = sorted(set(map(str, counts)) - set(domains))
-        if unknown:
-            raise ValueError(
-                f"{system} grid {name!r}: clients_per_domain names {', '.join(unknown)}, not a domain of "
-                f"set {g.set!r}; its domains are: {', '.join(domains)}"
-            )
+        _check_domain_names(f"{system} grid {name!r}: clients_per_domain", counts, g.set, domains)
         if any(int(v) < 0 for v in counts.values()) or sum(int(v) for v in counts.values()) < 1:
             raise ValueError(
                 f"{system} grid {name!r}: clients_per_domain {counts} must be >= 0 with at least one client"
@@ -756,12 +751,15 @@ def _check_unknown_sets(where: str, sets: Any, set_name: str, domains: Tuple[str
                 f"{where}: unknown_sets.{scenario} is {per_domain!r}; it maps domains of set {set_name!r} "
                 f"({', '.join(domains)}) to lists of unknown classes"
             )
-        unknown = sorted(set(map(str, per_domain)) - set(domains))
-        if unknown:
-            raise ValueError(
-                f"{where}: unknown_sets.{scenario} names {', '.join(unknown)}, not a domain of set "
-                f"{set_name!r}; its domains are: {', '.join(domains)}"
-            )
+        _check_domain_names(f"{where}: unknown_sets.{scenario}", per_domain, set_name, domains)
+
+
+def _check_domain_names(what: str, names: Any, set_name: str, domains: Tuple[str, ...]) -> None:
+    unknown = sorted(set(map(str, names)) - set(domains))
+    if unknown:
+        raise ValueError(
+            f"{what} names {', '.join(unknown)}, not a domain of set {set_name!r}; its domains are: {', '.join(domains)}"
+        )
 
 
 def _check_schedule(where: str, g: DictConfig) -> None:

@@ -210,17 +210,17 @@ def grid(
             cell = fut.result()
             signals.check()  # a cell that came back after a stop signal is not logged
             m, s, res = cell["method"], cell["seed"], cell["result"]
+            paths = _cell_outputs(
+                res,
+                part,
+                results_dir(cfg, system, name) / "cells" / f"{m}-s{s}",
+                title=f"{system} {name}: {m} (seed {s})",
+                system=system,
+                score=_headline_score(cfg, system, m, configs[(m, s)].trainer),
+            )
             earlier = logged.get((f"{m}-s{s}", configs[(m, s)].fingerprint())) if cell["already_finished"] else None
             if earlier is not None and all(earlier.get(k) == float(v) for k, v in res.summary.items()):
                 # resumed from a finished checkpoint: MLflow holds this cell's run already
-                _cell_outputs(
-                    res,
-                    part,
-                    results_dir(cfg, system, name) / "cells" / f"{m}-s{s}",
-                    title=f"{system} {name}: {m} (seed {s})",
-                    system=system,
-                    score=_headline_score(cfg, system, m, configs[(m, s)].trainer),
-                )
                 logger.info("[%d/%d] %s seed %d: finished and logged before; not logged again", i, len(cells), m, s)
                 rows.append(_row(m, s, res, {**cell, "seconds": earlier.get("run_seconds", cell["seconds"])}))
                 continue
@@ -230,14 +230,6 @@ def grid(
                 _log_ledgers(res, configs[(m, s)])
                 mlflow.log_metrics(res.summary)
                 mlflow.log_metric("run_seconds", cell["seconds"])
-                paths = _cell_outputs(
-                    res,
-                    part,
-                    results_dir(cfg, system, name) / "cells" / f"{m}-s{s}",
-                    title=f"{system} {name}: {m} (seed {s})",
-                    system=system,
-                    score=_headline_score(cfg, system, m, configs[(m, s)].trainer),
-                )
                 tracking.log_files(paths, artifact_path="plots")
                 _register(cfg, system, name, cell, target=(target, g.seeds[0]))
                 signals.check()  # a stop that landed while it was logged (where Python may drop it): not finished
