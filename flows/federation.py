@@ -465,9 +465,10 @@ class ArrivalPasses:
         if st.done != self.st.done + 1 or st.fingerprint != self.st.fingerprint:
             raise RuntimeError(f"the worker sent the state after arrival {st.done - 1}, expected {self.st.done}")
         signals.check()  # an arrival that comes back after a stop is neither checkpointed nor logged: resume redoes it
-        save_state(self.checkpoint_dir, st.to_payload(), fingerprint=st.fingerprint)
-        self.st = st
-        self.on_arrival(st.records[-1], st, None)
+        with signals.deferred():  # checkpointed and handed to the log, or neither: a resume starts after it
+            save_state(self.checkpoint_dir, st.to_payload(), fingerprint=st.fingerprint)
+            self.st = st
+            self.on_arrival(st.records[-1], st, None)
 
 
 @task(name="arrival-pass", cache_policy=NO_CACHE)

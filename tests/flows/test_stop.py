@@ -64,3 +64,29 @@ def test_the_deadline_knows_when_the_main_thread_has_left_the_flow_body():
 
     assert grid_flow() is True
     assert signals._in_flow_body() is False
+
+
+def test_a_signal_inside_a_deferred_section_is_raised_when_the_section_ends(stopping, monkeypatch):
+    import prefect.utilities.engine as engine
+
+    called = []
+    monkeypatch.setattr(engine, "_prefect_sigterm_handler", lambda signum, frame: called.append(signum))
+    signals.install()
+    # ours, and Prefect's as during a flow run: either one, landing between the checkpoint and the log entry
+    for handler in (signals._handle, engine._prefect_sigterm_handler):
+        signals.reset()
+        done = []
+        with pytest.raises(signals.Stopped, match="SIGTERM"):
+            with signals.deferred():
+                handler(signal.SIGTERM, None)
+                done.append("checkpointed and logged")
+        assert done == ["checkpointed and logged"]  # both steps ran, then the stop was raised
+        assert signals.exit_status() == 143 and stopping == []
+    assert called == []  # Prefect's raise was held back too
+
+    with pytest.raises(ValueError):  # an error inside is the one raised; the section ends all the same
+        with signals.deferred():
+            raise ValueError("the checkpoint could not be written")
+    with pytest.raises(signals.Stopped):
+        signals._handle(signal.SIGINT, None)  # outside any section: raised where it lands (a second: exit)
+    assert stopping == [128 + signal.SIGINT]
