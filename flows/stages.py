@@ -34,19 +34,11 @@ from flows import config as C
 from flows import signals, steps, systems
 
 
-def _on_variant(step):
-    """A step of a variant's pipeline: its missing-input errors name that variant's stages."""
-    return lambda cfg: steps.pointing_at(cfg, lambda: step(cfg))
-
-
 def stress(cfg, protocol: str = "bpfedctta") -> None:
-    """A stress cell; a missing input names the stage of the protocol's variant that builds it."""
-    from flows.stress import protocol as proto
+    """A stress cell of ``protocol`` (``bpfedctta``, ``dptta``: the variant whose inputs it reads)."""
     from flows.stress import run_cell
 
-    print(
-        f"figure -> {steps.pointing_at(C.with_variant(cfg, proto(protocol).variant), lambda: run_cell(cfg, protocol))}"
-    )
+    print(f"figure -> {run_cell(cfg, protocol)}")
 
 
 def stress_report(cfg, protocol: str = "bpfedctta") -> None:
@@ -79,7 +71,7 @@ def stage_steps() -> Dict[str, Callable[[Any], Any]]:
     """Every step of the command line: the arrival pipeline's (the selected variant's), and for each registered
     round-based system ``<partition_stage>``, ``<name>`` (its grid) and ``rounds_<name>`` (one run), plus what
     each system declares in ``extra_steps``."""
-    out: Dict[str, Callable[[Any], Any]] = {name: _on_variant(fn) for name, fn in ARRIVAL_STEPS.items()}
+    out: Dict[str, Callable[[Any], Any]] = dict(ARRIVAL_STEPS)
     owner = {name: "the arrival pipeline" for name in out}
 
     def add(step: str, fn: Callable[[Any], Any], system: str) -> None:

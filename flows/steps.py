@@ -28,10 +28,11 @@ def prepare(cfg) -> None:
 def partition(cfg) -> None:
     from fedcore.data import build_partition, load_prepared
     from flows.federation import partition_dir, prepared_path
+    from flows.tasks import build_hint
 
     d = cfg.data
     t0 = time.perf_counter()
-    data = load_prepared(prepared_path(cfg))
+    data = load_prepared(prepared_path(cfg), build=build_hint(cfg, "prepare"))
     part = build_partition(
         data,
         dataset=d.name,
@@ -131,43 +132,6 @@ def audit(cfg) -> None:
         lines.append(f"| {r['form']} | {r['sigma']:.3f} | {acc} | {r['epsilon_lower']:.2f} | {r['auc']:.3f} |")
     (out / "audit.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-
-
-STEP_PATHS = {"prepare": "prepared", "partition": "partitions", "pretrain": "models"}  # the paths.<key> each writes
-
-
-def stage_writing(cfg, step: str) -> tuple:
-    """The DVC stage that builds this run's input of ``step`` (its ``paths.<key>``), and that stage's variant:
-    the selected variant's own ``<step>@<variant>``, else, for a variant without one that reads the root's
-    folder, the stage of a variant that does too (the private variant reads ``partition@mnist``'s)."""
-    import yaml
-
-    key, variant = STEP_PATHS[step], str(cfg.variant)
-    foreach = yaml.safe_load((C.ROOT / "dvc.yaml").read_text())["stages"].get(step, {}).get("foreach") or {}
-
-    def reads_root(name: str) -> bool:
-        return key not in cfg[C.variant_system(cfg, name)].variants[name].get("paths", {})
-
-    if variant not in foreach and reads_root(variant):
-        variant = next((str(v) for v in foreach if str(v) in C.variants(cfg) and reads_root(str(v))), variant)
-    return f"{step}@{variant}", variant
-
-
-def pointing_at(cfg, run):
-    """Run ``run()``; a missing-input error then names the stage that builds the input for this variant
-    (``dvc repro pretrain`` -> ``dvc repro pretrain@cifar10``)."""
-    try:
-        return run()
-    except (FileNotFoundError, ValueError) as exc:
-        msg = str(exc)
-        for step in STEP_PATHS:
-            stage, variant = stage_writing(cfg, step)
-            msg = msg.replace(f"dvc repro {step}`", f"dvc repro {stage}`").replace(
-                f"flows.stages {step}`", f"flows.stages {step} variant={variant}`"
-            )
-        if msg == str(exc):
-            raise
-        raise type(exc)(msg) from exc
 
 
 def partition_domains(cfg, system: str = "fedpad") -> None:

@@ -198,14 +198,13 @@ def load_domain_partition(
     name = str(cfg[system].grid if grid_name is None else grid_name)
     folder = C.domains_dir(cfg, system, name)
     integrity.verify(folder, written=written)
+    stage = systems.get(system).partition_stage
+    build = f"`dvc repro {stage}@{name}` (or `python -m flows.stages {stage} {system}.grid={name}`)"
     try:
-        return DomainPartition.load(folder)
+        return DomainPartition.load(folder, build=build)
     except FileNotFoundError:
-        stage = systems.get(system).partition_stage
         raise FileNotFoundError(
-            f"no {system} partition for grid {name!r} at {folder}. Build it with "
-            f"`dvc repro {stage}@{name}` (or `python -m flows.stages {stage} "
-            f"{system}.grid={name}`)."
+            f"no {system} partition for grid {name!r} at {folder}. Build it with {build}."
         ) from None
 
 
@@ -299,22 +298,44 @@ def check_checkpoints(folders: Mapping[Path, str], *, resume: bool) -> None:
             )
 
 
-def source_model_hint(cfg: DictConfig) -> str:
-    """The command that builds ``cfg``'s source model: the DVC stage whose variant writes that very file, or
-    the pretrain flow with this run's own settings when no stage does (``model.norm=group`` on the default
-    data is ``variant=private``'s model only if the paths agree too)."""
-    path = source_model_path(cfg)
-    for name in C.variants(cfg):
+# What each BPFedCTTA step writes, as a function of the composed config: a missing input's error names the
+# variant's stage that writes that very file (prepare -> partition -> pretrain).
+_WRITES: Dict[str, Callable[[DictConfig], Path]] = {
+    "prepare": lambda cfg: prepared_path(cfg),
+    "partition": lambda cfg: partition_dir(cfg),
+    "pretrain": lambda cfg: source_model_path(cfg),
+}
+_SETTINGS = {
+    "prepare": "data and paths",
+    "partition": "data, seed and paths",
+    "pretrain": "data, model, pretrain and paths",
+}
+
+
+def build_hint(cfg: DictConfig, step: str) -> str:
+    """The command that builds ``cfg``'s input of ``step`` (``prepare``, ``partition``, ``pretrain``): the DVC
+    stage whose variant writes that very file, or the step with this run's own settings when no stage does
+    (``model.norm=group`` on the default data is ``variant=private``'s model only if the paths agree too)."""
+    import yaml
+
+    path = _WRITES[step](cfg)
+    stages = yaml.safe_load((C.ROOT / "dvc.yaml").read_text())["stages"]
+    for name in stages.get(step, {}).get("foreach") or {}:  # the variants with a stage of their own for the step
         try:
-            if source_model_path(C.load(C.PARAMS, [f"variant={name}"])) == path:
-                return f"`dvc repro pretrain@{name}` (or `python -m flows.stages pretrain variant={name}`)"
+            if _WRITES[step](C.load(C.PARAMS, [f"variant={name}"])) == path:
+                return f"`dvc repro {step}@{name}` (or `python -m flows.stages {step} variant={name}`)"
         except (FileNotFoundError, ValueError):
             break  # no params.yaml, or one that no longer composes: say what always works
+    example = ", e.g. variant=private for the GroupNorm one" if step == "pretrain" else ""
     return (
-        "`python -m flows.stages pretrain` with this run's data, model, pretrain and paths settings; no DVC "
-        "stage writes this file (each variant's model: `dvc repro pretrain@<variant>`, e.g. variant=private "
-        "for the GroupNorm one)"
+        f"`python -m flows.stages {step}` with this run's {_SETTINGS[step]} settings; no DVC stage writes "
+        f"this file (each variant's: `dvc repro {step}@<variant>`{example})"
     )
+
+
+def source_model_hint(cfg: DictConfig) -> str:
+    """The command that builds ``cfg``'s source model (:func:`build_hint`)."""
+    return build_hint(cfg, "pretrain")
 
 
 def load_source(
@@ -322,7 +343,7 @@ def load_source(
     spec: ModelSpec,
     *,
     written: Mapping[str, str] | None = None,
-    build: Callable[[], str] = lambda: "`dvc repro pretrain` (or `python -m flows.stages pretrain`)",
+    build: Callable[[], str] = lambda: "`dvc repro pretrain@mnist` (or `python -m flows.stages pretrain`)",
 ) -> Dict[str, torch.Tensor]:
     """The source model's weights, checked against its writer's md5 first, then read as tensors only.
 
@@ -350,7 +371,7 @@ def load_source(
 def load_partition(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> Partition:
     """The partition, refused if it changed since DVC (or the flow in ``written``) wrote it."""
     integrity.verify(partition_dir(cfg), written=written)
-    return Partition.load(partition_dir(cfg))
+    return Partition.load(partition_dir(cfg), build=build_hint(cfg, "partition"))
 
 
 def load_inputs(cfg: DictConfig, *, written: Mapping[str, str] | None = None):

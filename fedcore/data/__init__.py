@@ -44,11 +44,12 @@ def save_prepared(data: ImageSet, path: str | Path) -> str:
     return sha256_arrays(data.x, data.y)
 
 
-def load_prepared(path: str | Path) -> ImageSet:
+def load_prepared(
+    path: str | Path, *, build: str = "`dvc repro prepare@mnist` (or `python -m flows.stages prepare`)"
+) -> ImageSet:
+    """The images :func:`save_prepared` wrote; ``build``: the command that writes them, for the error when missing."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(
-            f"prepared data {path} is missing. Build it with `dvc repro prepare` (or `python -m flows.stages prepare`)."
-        )
+        raise FileNotFoundError(f"prepared data {path} is missing. Build it with {build}.")
     with np.load(path) as z:
         return ImageSet(z["x"], z["y"], int(z["num_classes"]))

@@ -1031,11 +1031,14 @@ class DomainPartition:
         return write_arrays(folder, arrays, self.manifest())
 
     @classmethod
-    def load(cls, folder: str | Path) -> "DomainPartition":
-        """Read a partition written by :meth:`save`, checking every array against the manifest sha256."""
-        a, m = read_arrays(folder, what="domain partition", stage="partition_domains")
+    def load(
+        cls, folder: str | Path, *, build: str = "`dvc repro partition_domains@<grid>` for the grid it belongs to"
+    ) -> "DomainPartition":
+        """Read a partition written by :meth:`save`, checking every array against the manifest sha256.
+        ``build``: the command that writes it, for the error when it is missing or corrupt."""
+        a, m = read_arrays(folder, what="domain partition", build=build)
         npz = Path(folder) / "partition.npz"
-        fix = "the file is corrupt: rebuild it with `dvc repro partition_domains`"
+        fix = f"the file is corrupt: rebuild it with {build}"
 
         def checked(prefix: str, rec: Dict, who: str) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
             missing = [k for k in (f"{prefix}_x", f"{prefix}_y", f"{prefix}_idx") if k not in a]

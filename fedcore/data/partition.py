@@ -51,14 +51,18 @@ def write_arrays(folder: str | Path, arrays: Dict[str, np.ndarray], manifest: Di
     return folder
 
 
-def read_arrays(folder: str | Path, *, what: str, stage: str) -> tuple[Dict[str, np.ndarray], Dict]:
-    """``(arrays, manifest)`` written by :func:`write_arrays`; missing -> the stage that builds them."""
+# the default variant's commands (a flow names the stage of the variant it runs: flows.tasks.build_hint)
+BUILD_PARTITION = "`dvc repro partition@mnist` (or `python -m flows.stages partition`)"
+
+
+def read_arrays(folder: str | Path, *, what: str, build: str) -> tuple[Dict[str, np.ndarray], Dict]:
+    """``(arrays, manifest)`` written by :func:`write_arrays`; missing or unreadable -> ``build``, the command
+    that writes them."""
     folder = Path(folder)
     npz, man = folder / "partition.npz", folder / "manifest.json"
     if not npz.is_file() or not man.is_file():
         raise FileNotFoundError(
-            f"no {what} at {folder} (expected partition.npz and manifest.json). "
-            f"Build it with `dvc repro {stage}` (or `python -m flows.stages {stage}`)."
+            f"no {what} at {folder} (expected partition.npz and manifest.json). Build it with {build}."
         )
     try:
         with np.load(npz, allow_pickle=False) as z:
@@ -72,8 +76,7 @@ def read_arrays(folder: str | Path, *, what: str, stage: str) -> tuple[Dict[str,
     ) as exc:  # empty, truncated, garbled (a bad CRC), not JSON
         raise ValueError(
             f"the {what} at {folder} cannot be read ({type(exc).__name__}: {exc}): it is truncated or "
-            f"corrupt. Move it away and rebuild it with `dvc repro {stage}` (or "
-            f"`python -m flows.stages {stage}`)."
+            f"corrupt. Move it away and rebuild it with {build}."
         ) from exc
     return arrays, manifest
 
@@ -311,8 +314,10 @@ class Partition:
         return write_arrays(folder, arrays, self.manifest())
 
     @classmethod
-    def load(cls, folder: str | Path) -> "Partition":
-        a, m = read_arrays(folder, what="partition", stage="partition")
+    def load(cls, folder: str | Path, *, build: str = BUILD_PARTITION) -> "Partition":
+        """Read a partition written by :meth:`save`, checking each target client against the manifest sha256.
+        ``build``: the command that writes it, for the error when it is missing or corrupt."""
+        a, m = read_arrays(folder, what="partition", build=build)
         npz = Path(folder) / "partition.npz"
         src = range(len(m["source_clients"]))
         targets = [
@@ -333,7 +338,7 @@ class Partition:
             if t.sha256() != rec["sha256"]:
                 raise ValueError(
                     f"target client {t.client_id} in {npz} does not match its manifest sha256; "
-                    "the file is corrupt: rebuild it with `dvc repro partition`"
+                    f"the file is corrupt: rebuild it with {build}"
                 )
         return cls(
             dataset=m["dataset"],

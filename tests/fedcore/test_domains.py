@@ -686,18 +686,16 @@ def test_a_truncated_or_garbled_partition_names_the_file_and_the_rebuild(tmp_pat
     with pytest.raises(
         ValueError,
         match=rf"the domain partition at {folder} cannot be read .*truncated or corrupt\. "
-        r"Move it away and rebuild it with `dvc repro partition_domains`",
+        r"Move it away and rebuild it with `dvc repro partition_domains@quick`",
     ):
-        read_arrays(folder, what="domain partition", stage="partition_domains")
+        read_arrays(folder, what="domain partition", build="`dvc repro partition_domains@quick`")
 
 
 def test_missing_partition_says_how_to_build_it(tmp_path):
-    with pytest.raises(
-        FileNotFoundError,
-        match=r"Build it with `dvc repro partition_domains` "
-        r"\(or `python -m flows.stages partition_domains`\)",
-    ):
+    with pytest.raises(FileNotFoundError, match=r"Build it with `dvc repro partition_domains@<grid>` for the grid"):
         DomainPartition.load(tmp_path / "none")
+    with pytest.raises(FileNotFoundError, match=r"Build it with `dvc repro partition_domains@pacs`\.$"):
+        DomainPartition.load(tmp_path / "none", build="`dvc repro partition_domains@pacs`")
 
 
 @pytest.mark.parametrize(

@@ -92,12 +92,12 @@ def test_tampered_partition_is_refused(part, tmp_path):
     m = json.loads((tmp_path / "manifest.json").read_text())
     m["target_clients"][0]["sha256"] = "0" * 64
     (tmp_path / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(ValueError, match="dvc repro partition"):
+    with pytest.raises(ValueError, match=r"rebuild it with `dvc repro partition@mnist` \(or `python -m flows"):
         Partition.load(tmp_path)
 
 
 def test_missing_partition_names_the_stage(tmp_path):
-    with pytest.raises(FileNotFoundError, match="dvc repro partition"):
+    with pytest.raises(FileNotFoundError, match=r"Build it with `dvc repro partition@mnist` \(or `python -m flows"):
         Partition.load(tmp_path / "nope")
 
 

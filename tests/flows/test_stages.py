@@ -7,7 +7,6 @@ from flows import config as C
 from flows import federation as F
 from flows import tasks as T
 from flows.stages import main
-from tests.helpers import tiny_overrides
 
 
 def test_unknown_method_on_the_command_line(capsys):
@@ -40,8 +39,16 @@ def test_impossible_privacy_settings_on_the_command_line(overrides, message, cap
 
 
 def test_missing_prepared_data_names_the_stage(tmp_path, capsys):
-    assert main(["partition", *tiny_overrides(tmp_path)]) == 2
-    assert "dvc repro prepare@mnist`" in capsys.readouterr().err
+    # the default variant's file: its stage
+    assert main(["partition", f"paths.prepared={tmp_path}/prepared", f"paths.partitions={tmp_path}/p"]) == 2
+    err = capsys.readouterr().err
+    assert "`dvc repro prepare@mnist` (or `python -m flows.stages prepare variant=mnist`)" not in err
+    # (the default's paths are data/prepared; a file elsewhere is no stage's)
+    assert "`python -m flows.stages prepare` with this run's data and paths settings; no DVC stage" in err
+    assert T.build_hint(C.compose([]), "prepare") == (
+        "`dvc repro prepare@mnist` (or `python -m flows.stages prepare variant=mnist`)"
+    )
+    assert T.build_hint(C.compose(["variant=cifar10"]), "partition").startswith("`dvc repro partition@cifar10`")
 
 
 def test_missing_params_file_names_the_fix(tmp_path, capsys):

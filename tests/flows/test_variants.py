@@ -372,15 +372,25 @@ def test_the_private_stages_declare_outputs_under_the_private_variants_results(d
     ],
 )
 def test_a_missing_input_is_built_by_the_stage_that_writes_it(variant, step, stage):
-    from flows.steps import stage_writing as _stage_writing
+    from flows.tasks import build_hint
 
-    assert _stage_writing(C.compose([f"variant={variant}"]), step)[0] == stage
+    cfg = C.compose([f"variant={variant}"])
+    name = stage.split("@")[1]
+    assert build_hint(cfg, step) == f"`dvc repro {stage}` (or `python -m flows.stages {step} variant={name}`)"
 
 
 def test_the_private_variant_names_the_default_partition_stage_when_its_partitions_are_missing(tmp_path, capsys):
-    over = ["variant=private", f"paths.partitions={tmp_path}/q", f"dptta.variants.private.paths.models={tmp_path}/m"]
+    # its partitions are partition@mnist's: that stage writes them
+    over = ["variant=private", f"dptta.variants.private.paths.models={tmp_path}/m"]
+    from flows.tasks import build_hint
+
+    assert build_hint(C.compose(over), "partition").startswith("`dvc repro partition@mnist`")
+    # partitions moved elsewhere: no stage writes them, and the advice says so rather than name one that would not
+    over.append(f"paths.partitions={tmp_path}/q")
     assert main(["pretrain", *over]) == 2
-    assert "dvc repro partition@mnist` (or `python -m flows.stages partition variant=mnist`)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "`python -m flows.stages partition` with this run's data, seed and paths settings" in err
+    assert "partition@mnist`" not in err
 
 
 def test_a_form_names_its_clip_norm_and_a_run_names_it_back():
