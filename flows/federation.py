@@ -258,6 +258,12 @@ def summary_metrics(summary: Mapping[str, float]) -> Dict[str, float]:
     return {k if k.startswith("final_") else f"final_{k}": float(v) for k, v in summary.items()}
 
 
+def run_name(acfg) -> str:
+    """An arrival run's MLflow name: ``bpa+ugsa-s0``, ``tent+fedavg dp-eps8-s1``."""
+    form = "" if acfg.form == "plain" else f" {acfg.form}"
+    return f"{acfg.method}+{acfg.aggregator}{form}-s{acfg.seed}"
+
+
 RUN_ID_FILE = "mlflow_run_id"  # in an arrival run's checkpoint folder: the MLflow run a resume continues
 
 
@@ -268,12 +274,11 @@ def _start_experiment_run(
     created after it ended (a sweep cell); its end time is set by the caller. ``checkpoint_dir``: an
     arrival run's checkpoints, where its MLflow run id is kept, so that a resume continues that run
     (its charts go on from the arrival it stopped at) instead of starting a second one."""
-    form = "" if acfg.form == "plain" else f" {acfg.form}"
     earlier = _run_to_continue(checkpoint_dir) if cfg.flow.resume else None
     if earlier is not None:
         run = mlflow.start_run(run_id=earlier)
     else:
-        run = tracking.start_run(f"{acfg.method}+{acfg.aggregator}{form}-s{acfg.seed}", started_ms=started_ms)
+        run = tracking.start_run(run_name(acfg), started_ms=started_ms)
     with tracking.failing_run(run):
         if earlier is not None:
             mlflow.set_tag("resumed", "true")
@@ -643,6 +648,7 @@ def sweep(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> List[
                 for m, a, f, s in cells
             ]
         results = []
+        logged = tracking.finished_runs(str(cfg.flow.experiment), "adapt") if cfg.flow.resume else {}
         done = as_completed(futures)
         if cfg.flow.progress:
             from tqdm.auto import tqdm
@@ -652,11 +658,22 @@ def sweep(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> List[
             res = fut.result()
             signals.check()  # a cell that came back after a stop signal is not logged
             acfg = acfgs[(res["method"], res["aggregator"], res["form"], res["seed"])]
-            with _start_experiment_run(cfg, acfg, spec, started_ms=res["started_ms"]) as run:
-                _log_experiment(cfg, acfg, res["result"], spec=spec, partition=partition)
-                mlflow.log_metric("run_seconds", res["seconds"])
-                signals.check()  # a stop that landed while it was logged (where Python may drop it): not finished
-            tracking.end_run_at(run.info.run_id, res["ended_ms"])
+            earlier = (
+                tracking.logged_before(
+                    logged, run_name(acfg), acfg.fingerprint(), summary_metrics(res["result"].summary)
+                )
+                if res["already_finished"]
+                else None
+            )
+            if earlier is not None:  # resumed from a finished checkpoint: MLflow holds this cell's run already
+                res["seconds"] = earlier.get("run_seconds", res["seconds"])
+                logger.info("%s seed %d: finished and logged before; not logged again", acfg.method, acfg.seed)
+            else:
+                with _start_experiment_run(cfg, acfg, spec, started_ms=res["started_ms"]) as run:
+                    _log_experiment(cfg, acfg, res["result"], spec=spec, partition=partition)
+                    mlflow.log_metric("run_seconds", res["seconds"])
+                    signals.check()  # a stop that landed while it was logged (where Python may drop it): not finished
+                tracking.end_run_at(run.info.run_id, res["ended_ms"])
             s = res["result"].summary
             logger.info(
                 "[%d/%d] %s+%s %s seed %d: online %.3f, final hold-out %.3f, forgetting %+.3f (%.1fs)",

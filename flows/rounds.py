@@ -205,7 +205,7 @@ def grid(
 
             done = tqdm(done, total=len(futures), desc=f"{system} grid {name}", unit="cell")
         rows = []
-        logged = _logged_cells(system, name) if cfg.flow.resume else {}
+        logged = tracking.finished_runs(f"fedcore-{system}", f"{system}@{name}") if cfg.flow.resume else {}
         for i, fut in enumerate(done, 1):
             cell = fut.result()
             signals.check()  # a cell that came back after a stop signal is not logged
@@ -218,8 +218,12 @@ def grid(
                 system=system,
                 score=_headline_score(cfg, system, m, configs[(m, s)].trainer),
             )
-            earlier = logged.get((f"{m}-s{s}", configs[(m, s)].fingerprint())) if cell["already_finished"] else None
-            if earlier is not None and all(earlier.get(k) == float(v) for k, v in res.summary.items()):
+            earlier = (
+                tracking.logged_before(logged, f"{m}-s{s}", configs[(m, s)].fingerprint(), res.summary)
+                if cell["already_finished"]
+                else None
+            )
+            if earlier is not None:
                 # resumed from a finished checkpoint: MLflow holds this cell's run already
                 logger.info("[%d/%d] %s seed %d: finished and logged before; not logged again", i, len(cells), m, s)
                 rows.append(_row(m, s, res, {**cell, "seconds": earlier.get("run_seconds", cell["seconds"])}))
@@ -280,23 +284,6 @@ def _row(method: str, seed: int, res: RoundsResult, cell: Mapping[str, Any]) -> 
         "seconds": cell["seconds"],
         "rounds": len(res.records),
         **_incremental_row(res.records),
-    }
-
-
-def _logged_cells(system: str, grid_name: str) -> Dict[Tuple[str, str], Dict[str, float]]:
-    """The grid's finished cell runs in the active tracking store: (run name, config fingerprint) -> metrics."""
-    exp = mlflow.get_experiment_by_name(f"fedcore-{system}")
-    if exp is None:
-        return {}
-    runs = mlflow.MlflowClient().search_runs(
-        [exp.experiment_id],
-        f"tags.stage = '{system}@{grid_name}' and attributes.status = 'FINISHED'",
-        max_results=50000,
-    )
-    return {
-        (r.info.run_name, r.data.tags.get("config_fingerprint", "")): dict(r.data.metrics)
-        for r in runs
-        if r.info.run_name
     }
 
 

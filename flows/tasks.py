@@ -61,6 +61,7 @@ def run_cell_task(
     acfg = C.arrival_config(cfg, method=method, aggregator=aggregator, seed=seed, form=form)
     partition, spec, source = load_inputs(cfg, written=written)
     ckpt = ckpt_dir(cfg, cell_name(acfg))
+    before = _stamps(ckpt)
     t0, started_ms = time.perf_counter(), int(time.time() * 1000)
     res = run_arrivals(
         partition, spec, source, acfg, checkpoint_dir=ckpt, resume=bool(cfg.flow.resume), stop_after=cfg.flow.stop_after
@@ -74,6 +75,8 @@ def run_cell_task(
         "seconds": time.perf_counter() - t0,
         "started_ms": started_ms,
         "ended_ms": int(time.time() * 1000),
+        # resumed from a checkpoint that already held every arrival: none ran, none was saved
+        "already_finished": bool(cfg.flow.resume) and bool(before) and _stamps(ckpt) == before,
     }
 
 

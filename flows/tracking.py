@@ -336,6 +336,33 @@ def log_arrival_run(
     client.set_terminated(child.info.run_id, end_time=at_ms)
 
 
+def finished_runs(experiment: str, stage: str) -> Dict[Tuple[str, str], Dict[str, float]]:
+    """The finished runs of ``experiment`` tagged ``stage`` in the active tracking store: (run name, config
+    fingerprint) -> metrics. A resumed grid or sweep logs a cell whose checkpoint was already complete only if
+    no run of the same name, settings and numbers is here."""
+    exp = mlflow.get_experiment_by_name(experiment)
+    if exp is None:
+        return {}
+    runs = mlflow.MlflowClient().search_runs(
+        [exp.experiment_id], f"tags.stage = '{stage}' and attributes.status = 'FINISHED'", max_results=50000
+    )
+    return {
+        (r.info.run_name, r.data.tags.get("config_fingerprint", "")): dict(r.data.metrics)
+        for r in runs
+        if r.info.run_name
+    }
+
+
+def logged_before(
+    logged: Mapping[Tuple[str, str], Mapping[str, float]], name: str, fingerprint: str, metrics: Mapping[str, float]
+) -> Dict[str, float] | None:
+    """The metrics of the finished run ``(name, fingerprint)`` in ``logged`` if it holds ``metrics`` exactly."""
+    earlier = logged.get((name, fingerprint))
+    if earlier is None or any(earlier.get(k) != float(v) for k, v in metrics.items()):
+        return None
+    return dict(earlier)
+
+
 class BackgroundLog:
     """Logs records in order on one background thread, so the flow never waits on the tracking store.
 

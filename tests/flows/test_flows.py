@@ -366,3 +366,36 @@ def test_a_resumed_arrival_run_continues_its_mlflow_run_from_arrival_zero(tiny):
     assert runs[0].info.status == "FINISHED" and runs[0].data.tags["resumed"] == "true"
     steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "online_acc")]
     assert sorted(steps) == list(range(len(res.records)))
+
+
+def test_a_resumed_sweep_logs_no_finished_cell_twice(tiny):
+    """Every cell of the sweep finished: a resume logs none of them again; a cell whose run was deleted
+    from MLflow is logged again."""
+    overrides = (
+        "flow.experiment=resume-sweep",
+        "paths.checkpoints=" + str(tiny["tmp"] / "ckpt-resume-sweep"),
+        "sweep.methods=[bn,tent]",
+        "sweep.aggregators=[fedavg]",
+        "sweep.seeds=[0]",
+        "sweep.privacy=[plain]",
+        "adapt.passes=1",
+    )
+    first = F.sweep(cfg_for(tiny, *overrides))
+    client = MlflowClient(C.tracking_uri(cfg_for(tiny, *overrides)))
+    exp = client.get_experiment_by_name("resume-sweep")
+
+    def cells():
+        runs = client.search_runs([exp.experiment_id], "tags.stage = 'adapt'")  # active runs, not deleted ones
+        return sorted((r.info.run_name, r.info.run_id) for r in runs)
+
+    before = cells()
+    assert [name for name, _ in before] == ["bn+fedavg-s0", "tent+fedavg-s0"]
+    client.delete_run(before[1][1])
+
+    again = F.sweep(cfg_for(tiny, *overrides, "flow.resume=true"))
+
+    after = cells()
+    assert [name for name, _ in after] == ["bn+fedavg-s0", "tent+fedavg-s0"]  # one run each
+    assert after[0] == before[0]  # the same run, not a second one
+    assert after[1] != before[1]  # logged again: MLflow no longer held it
+    assert [(r["method"], r["summary"]) for r in again] == [(r["method"], r["summary"]) for r in first]
