@@ -19,6 +19,15 @@ from fedcore.evaluate.plots import plot_methods
 from fedcore.evaluate.stats import friedman_p, friedman_ranks, wilcoxon_against
 from flows import config as C
 
+# The summary.json keys a reader compares first, by the system's evaluation (``python -m flows.exp``'s
+# columns); the rest (per-domain scores, spreads, timings) are there for ``--all`` and ``dvc exp diff``.
+HEADLINE_KEYS = {
+    "domains": ("avg_acc", "worst_acc"),
+    "openset": ("closed_acc", "auroc", "oscr"),
+    "incremental": ("avg_inc_acc", "final_acc", "forgetting"),
+    "arrivals": ("avg_online_acc", "final_avg_holdout_acc", "final_worst_holdout_acc", "forgetting"),
+}
+
 
 def write_grid_report(
     rows: List[Dict[str, Any]], *, domains: List[str], out: Path, title: str, target: str | None

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.dvc_repo import commit, dvc, make_repo
+from tests.dvc_repo import commit, dvc, make_repo, run
 
 pytestmark = pytest.mark.slow
 
@@ -86,6 +87,10 @@ def _experiments(show: list) -> dict:
     return found
 
 
+def summary_of(exp: dict) -> float:
+    return exp["metrics"]["results/summary.json"]["headline"]["final_avg_holdout_acc"]
+
+
 def test_exp_run_twice_then_show_and_diff_put_the_headline_metrics_side_by_side(tmp_path):
     # Prepare
     repo = make_repo(tmp_path / "repo", **TINY)
@@ -122,6 +127,13 @@ def test_exp_run_twice_then_show_and_diff_put_the_headline_metrics_side_by_side(
     for v in head.values():
         assert all(isinstance(v[k], (int, float)) for k in ("old", "new")), v
     assert any(v["old"] != v["new"] for v in head.values()), head
+    # the readable view: the headline metrics and the changed setting of both experiments, few columns
+    view = run(repo, sys.executable, "-m", "flows.exp", "--csv").stdout.splitlines()
+    header = view[0].split(",")
+    assert len(header) < 30 and {"Experiment", "adapt.passes", "headline.final_avg_holdout_acc"} <= set(header)
+    rows = {r.split(",")[0]: dict(zip(header, r.split(","))) for r in view[1:]}
+    assert [rows[f"passes{p}"]["adapt.passes"] for p in (1, 2)] == ["1", "2"]
+    assert float(rows["passes2"]["headline.final_avg_holdout_acc"]) == summary_of(exps["passes2"])
     # plots diff: the arrival plots of the configured cell, one series per experiment
     data = plots.get("data", plots)
     for pid in ("online accuracy per arrival", "accuracy matrix", "weight drift"):
