@@ -22,7 +22,7 @@ export MLFLOW_ENABLE_TELEMETRY ?= false
 export DO_NOT_TRACK ?= 1
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup browser lint run private stress stress-private stress-cifar fedpad fedpd ppfcil push pull exp test test-fast params bench clean
+.PHONY: setup browser lint run private stress stress-private stress-cifar fedpad fedpd ppfcil push pull exp plots test test-fast params bench clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -47,6 +47,10 @@ params: setup
 # dvc exp show with the headline metrics and the settings a user changes; ARGS=--all for every column
 exp: setup
 	$(BIN)/python -m flows.exp $(ARGS)
+
+# dvc plots show, naming each plot without data here and the stage that writes its tables
+plots: setup
+	$(BIN)/python -m flows.plots $(ARGS)
 
 run: setup
 	@git rev-parse --git-dir >/dev/null 2>&1 || (git init -q && echo "initialised a git repo for DVC")

@@ -13,6 +13,8 @@ import json
 import math
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -22,7 +24,7 @@ import pytest
 from flows import config as C
 from flows import plot_data, plot_page
 from flows.config import ROOT
-from tests.dvc_repo import DVC_CONFIG, dvc, run
+from tests.dvc_repo import DVC_CONFIG, dvc, env, run
 from tests.helpers import for_variant, tiny_overrides
 
 Cell = Tuple  # ("arrivals", variant, method, aggregator, form, seed) | ("rounds", system, grid, method, seed)
@@ -263,3 +265,60 @@ def test_plots_show_renders_every_declared_plot_from_tables_the_stage_code_write
     matrix = data["accuracy matrix"][0]["content"]
     assert {"calculate": "toNumber(datum.arrival)", "as": "arrival"} in matrix["transform"]
     assert matrix["encoding"]["y"]["sort"] == "ascending"
+    # a table gone (its stage not run here): the plot that reads it is named, the others still drawn
+    gone = plots["weight drift"][0][0]
+    (repo / gone).unlink()
+    named = subprocess.run(
+        [sys.executable, "-m", "flows.plots", "-o", "page2"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        env={**env(), "PYTHONPATH": str(ROOT)},  # the code is not copied into this repository
+    )
+    assert named.returncode == 0 and f"- weight drift: no {gone};" in named.stderr, named.stderr[-2000:]
+    assert (repo / "page2" / "index.html").is_file()
+
+
+def test_a_plot_without_data_is_named_with_the_stage_that_writes_it(tmp_path, monkeypatch, capsys):
+    from flows import plots
+
+    # Prepare: DVC's errors for a workspace without the private grid's tables, and a lock that records them
+    (tmp_path / "dvc.lock").write_text(
+        json.dumps(
+            {
+                "schema": "2.0",
+                "stages": {
+                    "private": {"cmd": "true", "outs": [{"path": "results/private/cells", "md5": "0" * 32 + ".dir"}]}
+                },
+            }
+        )
+    )
+    errors = [
+        {"name": "privacy ledger, ε per arrival", "rev": "workspace", "source": f"results/private/cells/e{e}.csv"}
+        for e in (1, 5, 10)
+    ] + [{"name": "weight drift", "rev": "main", "source": "results/cells/x.csv"}]  # another revision's
+    calls = []
+
+    def dvc(args, root):
+        calls.append(list(args))
+        if args == ["--json"]:
+            return subprocess.CompletedProcess(args, 0, json.dumps({"errors": errors, "data": {}}), "")
+        return subprocess.CompletedProcess(
+            args, 0, "file:///page/index.html\n", f"DVC {plots.FAILED} for: 'workspace'.\n"
+        )
+
+    monkeypatch.setattr(plots, "_dvc", dvc)
+    monkeypatch.chdir(tmp_path)
+
+    # Execute
+    code = plots.main(["-o", "page"])
+
+    # Assert: DVC's own run and output, then the plot, its files and the stage that writes them
+    err = capsys.readouterr().err
+    assert code == 0 and calls == [["-o", "page"], ["--json"]]
+    assert "1 plot(s) have no data in this workspace" in err
+    assert (
+        "- privacy ledger, ε per arrival: no results/private/cells/e1.csv, results/private/cells/e5.csv and 1 "
+        "more; build it with `dvc repro private`, or fetch a pushed run with `make pull`"
+    ) in err
+    assert "weight drift" not in err
