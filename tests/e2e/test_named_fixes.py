@@ -118,3 +118,13 @@ def test_a_missing_params_file_names_the_make_target_that_writes_it(clone):
     finally:
         if not params.exists():
             params.write_bytes(kept)
+
+
+def test_a_report_before_its_grids_names_the_stage_that_writes_each_missing_table(clone):
+    root, _ = clone
+    named = fails_naming(clone, "python -m flows.stages fedpad_report", "scores.json is missing")
+    assert named == ["dvc repro fedpad@digits"]  # the first grid of fedpad.report; a full grid takes minutes
+    stage = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]["fedpad"]["do"]
+    assert "results/fedpad/${item}/scores.json" in stage["outs"]
+    listed = run(clone, "dvc stage list --name-only")  # (a dry run stops at the partition it would build first)
+    assert listed.returncode == 0 and "fedpad@digits" in listed.stdout.split(), listed.stderr[-2000:]
