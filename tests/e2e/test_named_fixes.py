@@ -35,6 +35,8 @@ def clone(tmp_path_factory):
             (root / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / rel, root / rel)
     (root / ".venv").symlink_to(Path(sys.executable).parents[1])
+    for name in ("pyproject.toml", "constraints.txt"):  # installed: `make` must not reinstall into the shared .venv
+        os.utime(root / name, (1, 1))
     env = {
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
