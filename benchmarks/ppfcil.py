@@ -31,8 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fedcore.engine import ModelSpec, RoundConfig, run_rounds  # noqa: E402
-from fedcore.engine.checkpoint import load_state  # noqa: E402
+from fedcore.engine import ModelSpec, RoundConfig, load_client_states, run_rounds  # noqa: E402
 from fedcore.engine.rounds import train_step  # noqa: E402
 from fedcore.engine.spec import init_state  # noqa: E402
 from fedcore.incremental.evaluate import incremental_evaluate  # noqa: E402
@@ -101,7 +100,7 @@ def main() -> None:
             on_round=lambda rec, st: states.setdefault(rec["round"], st),
         )
         run_s = time.perf_counter() - t0
-        clients = list(load_state(Path(tmp)).payload["client_states"].values())
+        clients = list(load_client_states(Path(tmp)).values())
     x, y = data.client_data(0, 3)  # task 1
     b = {
         "round": 3,

@@ -444,7 +444,8 @@ def round_submit(
     step cost 0.5-1.2 s per round of ten clients on 2 cores (README, Performance), a plain Ray task
     a few ms. The round task logs each client as it finishes. Data moves once: each client's arrays
     (of each task, for data that arrives in tasks) go to Ray's object store the first time they are
-    needed, the global state once per round; Ray tasks receive references, not arrays.
+    needed, the global state and the server's broadcast once per round; Ray tasks receive references,
+    not arrays.
     ``fault={"fault"|"crash": (round, folder)}`` makes client 0's step fail once, or its worker die
     once, in that round (tests of retries). ``threads``: CPUs per client step (one by default: a
     round's clients train side by side). ``plugins``: the run's plug-ins, imported by each worker.
@@ -452,6 +453,7 @@ def round_submit(
     task = train_round_task.with_options(retries=retries, retry_delay_seconds=retry_delay_seconds)
     arrays = runtime.PutOnce()  # (client, task, "x"|"y") -> that client's arrays of that task
     states = runtime.PutOnce(keep=1)  # the round's global state
+    broadcasts = runtime.PutOnce(keep=1)  # what the server sends every client of the round (SCAFFOLD's c)
 
     def submit_round(fn, calls):
         signals.check()  # no round starts after a stop signal
@@ -466,6 +468,7 @@ def round_submit(
                     "x": arrays((*key, "x"), kw["x"]),
                     "y": arrays((*key, "y"), kw["y"]),
                     "global_state": states(id(kw["global_state"]), kw["global_state"]),
+                    "broadcast": broadcasts(id(kw["broadcast"]), kw["broadcast"]),
                     "plugins": tuple(plugins),
                 }
             )

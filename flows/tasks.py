@@ -80,6 +80,9 @@ def run_cell_task(
     }
 
 
+CLIENT_LINES = 32  # rounds with up to this many clients log each client's end; larger ones, each tenth
+
+
 @task(name="train-round", cache_policy=NO_CACHE)
 def train_round_task(
     *,
@@ -122,17 +125,23 @@ def train_round_task(
     def rerun(j: int, attempt: int) -> None:  # Prefect sees one attempt that completed: say so here
         logger.warning("%s: " + RERUN_WARNING, names[j], attempt)
 
+    # a line per client for a round of a few; beyond, one per tenth of the round (a line per client at 1,000
+    # a round cost the driver its console formatting and locked the Prefect server's database with logs)
+    every = 1 if len(refs) <= CLIENT_LINES else -(-len(refs) // 10)
     try:
         for n, (j, upd) in enumerate(runtime.ray_as_completed(refs, on_rerun=rerun), 1):
             out[j] = upd
-            logger.info(
-                "%s done (%d/%d): %d examples, train loss %.4f",
-                names[j],
-                n,
-                len(refs),
-                upd.num_examples,
-                upd.metrics.get("train_loss", float("nan")),
-            )
+            if every == 1:
+                logger.info(
+                    "%s done (%d/%d): %d examples, train loss %.4f",
+                    names[j],
+                    n,
+                    len(refs),
+                    upd.num_examples,
+                    upd.metrics.get("train_loss", float("nan")),
+                )
+            elif n % every == 0 or n == len(refs):
+                logger.info("%d of %d clients done (last: %s)", n, len(refs), names[j])
     except Exception:
         runtime.ray_settle(refs)
         raise

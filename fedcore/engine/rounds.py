@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from fedcore.aggregate.strategies import STRATEGIES, Aggregated, Strategy, create_strategy
-from fedcore.engine.checkpoint import RunInterrupted, load_state, save_state
+from fedcore.engine.checkpoint import CheckpointError, RunInterrupted, load_state, save_state
 from fedcore.engine.spec import init_state
 from fedcore.engine.submit import Submit, SubmitRound, run_now
 from fedcore.evaluate import accuracy
@@ -227,6 +227,7 @@ def run_rounds(
     state = init_state(spec, cfg.seed) if init is None else {k: v.clone() for k, v in init.items()}
     strategy.setup(state, num_clients=data.num_clients, param_keys=param_keys)
     client_states: Dict[int, Dict[str, Any]] = {}
+    saved_at: Dict[int, int] = {}  # client -> the round whose file holds its state (CLIENTS_DIR)
     records: List[Dict[str, Any]] = []
     done = 0
     if folder is not None:
@@ -234,10 +235,11 @@ def run_rounds(
         if resume and found is not None:
             p = found.payload
             done, state, records = int(p["done"]), p["global_state"], list(p["records"])
-            client_states = {int(k): v for k, v in p["client_states"].items()}
+            client_states, saved_at = _load_clients(folder, p, fingerprint=fp)
             strategy.load_state_dict(p["strategy"])
     model_bytes = state_bytes(state)
     steps = range(done, cfg.rounds)
+    first = done  # the first round this call runs
     if progress:
         from tqdm.auto import tqdm
 
@@ -302,12 +304,15 @@ def run_rounds(
             agg.per_client.setdefault(i, {}).update(line)
         new_state = agg.state
         agg_seconds = time.perf_counter() - t0
+        changed = []
         for i, upd in updates:
             if upd.client_state:
                 client_states[i] = upd.client_state
+                changed.append(i)
         for i, upd in dropped:  # sent, so spent: a client whose update is not merged still keeps its privacy account
             if upd.client_state and "ledger" in upd.client_state:
                 client_states[i] = {**client_states.get(i, {}), "ledger": upd.client_state["ledger"]}
+                changed.append(i)
         record = _round_record(
             r,
             data,
@@ -326,16 +331,8 @@ def run_rounds(
         records.append(record)
         state, done = new_state, r + 1
         if folder is not None:
-            save_state(
-                folder,
-                {
-                    "done": done,
-                    "global_state": state,
-                    "strategy": strategy.state_dict(),
-                    "client_states": client_states,
-                    "records": records,
-                },
-                fingerprint=fp,
+            _save_round(
+                folder, r, state, strategy, client_states, saved_at, changed, records, fingerprint=fp, sweep=r == first
             )
         if on_round is not None:
             on_round(record, state)
@@ -347,6 +344,82 @@ def run_rounds(
         summary=summarise_rounds(records),
         ledgers={k: v["ledger"] for k, v in sorted(client_states.items()) if "ledger" in v},
     )
+
+
+CLIENTS_DIR = "clients"  # in a rounds checkpoint: c<client>-r<round>.pt, each client's state as of that round
+
+
+def _client_file(client: int, round_index: int) -> str:
+    return f"c{client}-r{round_index:05d}"
+
+
+def _save_round(
+    folder: Path,
+    r: int,
+    state: State,
+    strategy: Strategy,
+    client_states: Mapping[int, Dict[str, Any]],
+    saved_at: Dict[int, int],
+    changed: Sequence[int],
+    records: List[Dict[str, Any]],
+    *,
+    fingerprint: str,
+    sweep: bool = False,
+) -> None:
+    """Checkpoint round ``r``: the state of each client in ``changed`` in a file of its own, then the server's
+    state with the round each client's file is from. A round writes what its clients changed, not every
+    client known (SCAFFOLD's checkpoint grew by a model's size per client ever seen, rewritten every
+    round). A crash between the two leaves files no checkpoint names: a resume ignores them, and the
+    files they replace are removed only once the server's state names their successors. ``sweep``
+    (the first round a call saves): also remove every file the checkpoint does not name (another
+    run's, or a crashed round's)."""
+    clients = folder / CLIENTS_DIR
+    before = {i: saved_at[i] for i in changed if i in saved_at}
+    for i in dict.fromkeys(changed):
+        save_state(clients, {"state": client_states[i]}, fingerprint=fingerprint, name=_client_file(i, r))
+        saved_at[i] = r
+    payload = {
+        "done": r + 1,
+        "global_state": state,
+        "strategy": strategy.state_dict(),
+        "client_files": dict(saved_at),
+        "records": records,
+    }
+    save_state(folder, payload, fingerprint=fingerprint)
+    for i, old in before.items():
+        if old != r:
+            for suffix in (".pt", ".sha256"):
+                (clients / f"{_client_file(i, old)}{suffix}").unlink(missing_ok=True)
+    if sweep and clients.is_dir():
+        named = {_client_file(i, at) for i, at in saved_at.items()}
+        for f in clients.iterdir():
+            if f.name.split(".")[0] not in named:
+                f.unlink(missing_ok=True)
+
+
+def _load_clients(
+    folder: Path, payload: Mapping[str, Any], *, fingerprint: str | None
+) -> Tuple[Dict[int, Dict[str, Any]], Dict[int, int]]:
+    """The clients' states a checkpoint names, each checked against its sha256, and the round of each file."""
+    if "client_states" in payload:  # a checkpoint written before client files: the states themselves
+        return {int(k): v for k, v in payload["client_states"].items()}, {}
+    saved_at = {int(k): int(v) for k, v in payload["client_files"].items()}
+    states = {}
+    for i, r in saved_at.items():
+        found = load_state(folder / CLIENTS_DIR, fingerprint=fingerprint, name=_client_file(i, r))
+        if found is None:
+            raise CheckpointError(
+                f"the checkpoint in {folder} names client {i}'s state of round {r}, which is missing from "
+                f"{folder / CLIENTS_DIR}; restore the folder whole, or move it away to start fresh"
+            )
+        states[i] = found.payload["state"]
+    return states, saved_at
+
+
+def load_client_states(folder: str | Path) -> Dict[int, Dict[str, Any]]:
+    """Every client's saved state in a rounds checkpoint folder (empty when there is none)."""
+    found = load_state(folder)
+    return {} if found is None else _load_clients(Path(folder), found.payload, fingerprint=None)[0]
 
 
 def _round_record(

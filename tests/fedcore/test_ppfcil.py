@@ -266,12 +266,14 @@ def test_same_seed_same_metrics_and_resume_after_task_and_round_is_identical(dig
     resumed = run_rounds(data, spec, cfg, evaluate=ev, checkpoint_dir=tmp_path / "b", resume=True)
     assert _same(full.records, resumed.records)
     assert all(torch.equal(full.final_state[k], resumed.final_state[k]) for k in full.final_state)
+    from fedcore.engine import load_client_states
     from fedcore.engine.checkpoint import load_state
 
     a, b = load_state(tmp_path / "a").payload, load_state(tmp_path / "b").payload
-    assert a["client_states"].keys() == b["client_states"].keys()
-    for cid, st in a["client_states"].items():
-        other = b["client_states"][cid]
+    ca, cb = load_client_states(tmp_path / "a"), load_client_states(tmp_path / "b")
+    assert ca.keys() == cb.keys() and ca
+    for cid, st in ca.items():
+        other = cb[cid]
         assert _same(st["ledger"], other["ledger"])  # the privacy ledgers: cost, steps, σ, ε, exhausted
         ma, mb = ExemplarMemory.from_state_dict(st["memory"]), ExemplarMemory.from_state_dict(other["memory"])
         assert ma.classes == mb.classes and all(np.array_equal(u, v) for u, v in zip(ma.data(), mb.data()))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 from typing import Dict, List
 
 import numpy as np
@@ -11,7 +12,16 @@ import torch
 from torch import nn
 
 from fedcore.aggregate import weighted_average
-from fedcore.engine import CheckpointError, ModelSpec, RoundConfig, RoundData, RunInterrupted, init_state, run_rounds
+from fedcore.engine import (
+    CheckpointError,
+    ModelSpec,
+    RoundConfig,
+    RoundData,
+    RunInterrupted,
+    init_state,
+    run_rounds,
+    save_state,
+)
 from fedcore.tensors import batches, state_to_cpu, to_tensor
 
 SPEC = ModelSpec(name="cnn", in_channels=1, num_classes=10)
@@ -290,3 +300,107 @@ def test_prototype_methods_refuse_a_model_without_a_feature_layer(fed, monkeypat
     cfg = sgd_cfg(trainer="proto", strategy="fedpad")
     with pytest.raises(ValueError, match="exposes no feature layer.*use one of the models"):
         run_rounds(fed, ModelSpec(name="plain", in_channels=1, num_classes=10), cfg)
+
+
+def _many(k: int) -> RoundData:
+    """``k`` clients of 20 digits each (scikit-learn's 1,797, drawn with replacement past that)."""
+    from fedcore.data.sources import load_digits16
+
+    d = load_digits16()
+    idx = np.random.default_rng(1).integers(0, len(d.y), size=(k, 20))
+    return RoundData(
+        client_x=[d.x[i] for i in idx],
+        client_y=[d.y[i] for i in idx],
+        client_group=["a"] * k,
+        eval_sets={"test": (d.x[:100], d.y[:100])},
+    )
+
+
+def test_a_round_checkpoints_the_state_of_the_clients_it_trained_not_of_every_client_known(tmp_path):
+    # Prepare: SCAFFOLD (a control variate per client) with 2 of 40 clients a round
+    data = _many(40)
+    cfg = sgd_cfg(rounds=6, trainer="scaffold", trainer_params={"lr": 0.05}, strategy="scaffold", participation=0.05)
+    written, seen = [], set()
+    clients = tmp_path / "clients"
+
+    def on_round(rec, state):
+        files = sorted(clients.glob("*.pt"))
+        written.append({f.name for f in files if f.stat().st_mtime_ns >= on_round.since})
+        on_round.since = max(f.stat().st_mtime_ns for f in files) + 1
+        seen.update(int(c) for c in rec["clients"])
+        # one file per client seen, and the server's own file does not hold them
+        assert len(files) == len(seen)
+        assert (tmp_path / "server_state.pt").stat().st_size < files[0].stat().st_size * 3
+
+    on_round.since = 0
+
+    # Execute
+    full = run_rounds(data, SPEC, cfg, checkpoint_dir=tmp_path, on_round=on_round)
+
+    # Assert: each round wrote the files of its own two clients, and nothing else
+    assert [len(w) for w in written] == [2] * 6
+    assert all(name.endswith(f"-r{r:05d}.pt") for r, w in enumerate(written) for name in w)
+    from fedcore.engine import load_client_states
+
+    assert sorted(load_client_states(tmp_path)) == sorted(seen)
+    # a resume from round 3 gives the uninterrupted run, and clears the files of the rounds it redoes
+    with pytest.raises(RunInterrupted):
+        run_rounds(data, SPEC, cfg, checkpoint_dir=tmp_path / "b", stop_after=3)
+    resumed = run_rounds(data, SPEC, cfg, checkpoint_dir=tmp_path / "b", resume=True)
+    assert strip(resumed.records) == strip(full.records)
+    assert all(torch.equal(resumed.final_state[k], full.final_state[k]) for k in full.final_state)
+    assert sorted(f.name for f in (tmp_path / "b" / "clients").iterdir()) == sorted(f.name for f in clients.iterdir())
+
+
+def test_a_crash_between_the_client_files_and_the_server_state_resumes_from_the_last_round(tmp_path):
+    from fedcore.engine import load_client_states
+
+    data = _many(12)
+    cfg = sgd_cfg(rounds=4, trainer="scaffold", trainer_params={"lr": 0.05}, strategy="scaffold", participation=0.25)
+    full = run_rounds(data, SPEC, cfg)
+    with pytest.raises(RunInterrupted):
+        run_rounds(data, SPEC, cfg, checkpoint_dir=tmp_path, stop_after=2)
+    # round 2's client files landed, its server state did not: files no checkpoint names
+    clients = tmp_path / "clients"
+    for i in range(12):
+        save_state(clients, {"state": {"garbage": torch.ones(1)}}, fingerprint="x", name=f"c{i}-r00002")
+
+    resumed = run_rounds(data, SPEC, cfg, checkpoint_dir=tmp_path, resume=True)
+
+    assert strip(resumed.records) == strip(full.records)
+    assert all(torch.equal(resumed.final_state[k], full.final_state[k]) for k in full.final_state)
+    states = load_client_states(tmp_path)
+    assert all("garbage" not in s for s in states.values())
+    assert len(list(clients.glob("*.pt"))) == len(states)  # the strays are gone, rewritten or removed
+
+
+def test_a_checkpoint_missing_a_client_file_is_refused_with_the_fix(tmp_path):
+    data = _many(8)
+    cfg = sgd_cfg(rounds=3, trainer="scaffold", trainer_params={"lr": 0.05}, strategy="scaffold", participation=0.25)
+    with pytest.raises(RunInterrupted):
+        run_rounds(data, SPEC, cfg, checkpoint_dir=tmp_path, stop_after=1)
+    next((tmp_path / "clients").glob("*.pt")).unlink()
+    with pytest.raises(CheckpointError, match=r"names client \d+'s state of round 0, which is missing.*move it away"):
+        run_rounds(data, SPEC, cfg, checkpoint_dir=tmp_path, resume=True)
+
+
+def test_a_checkpoint_with_the_client_states_inside_still_resumes(tmp_path):
+    """The layout before client files: every client's state in the server's own file."""
+    from fedcore.engine import load_client_states
+    from fedcore.engine.checkpoint import load_state
+
+    data = _many(8)
+    cfg = sgd_cfg(rounds=3, trainer="scaffold", trainer_params={"lr": 0.05}, strategy="scaffold", participation=0.5)
+    full = run_rounds(data, SPEC, cfg)
+    with pytest.raises(RunInterrupted):
+        run_rounds(data, SPEC, cfg, checkpoint_dir=tmp_path, stop_after=1)
+    saved = load_state(tmp_path)
+    payload = {k: v for k, v in saved.payload.items() if k != "client_files"}
+    payload["client_states"] = load_client_states(tmp_path)
+    shutil.rmtree(tmp_path / "clients")
+    save_state(tmp_path, payload, fingerprint=saved.fingerprint)
+
+    resumed = run_rounds(data, SPEC, cfg, checkpoint_dir=tmp_path, resume=True)
+
+    assert strip(resumed.records) == strip(full.records)
+    assert all(torch.equal(resumed.final_state[k], full.final_state[k]) for k in full.final_state)
