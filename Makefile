@@ -134,6 +134,7 @@ bench: setup
 	$(BIN)/python benchmarks/rounds.py
 	$(BIN)/python benchmarks/fedpd_align.py
 	$(BIN)/python benchmarks/ppfcil.py
+	$(BIN)/python benchmarks/scale.py
 
 clean:
 	rm -rf data/prepared data/partitions data/domains models models_group results checkpoints mlruns mlruns.db mlruns.db-wal mlruns.db-shm
