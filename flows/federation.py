@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
@@ -359,6 +360,10 @@ def _run_to_continue(checkpoint_dir: Path | None) -> str | None:
     return run.info.run_id
 
 
+class _NotAccepted(RuntimeError):
+    """An arrival that came back after the flow stopped accepting them (:meth:`ArrivalPasses.stop_accepting`)."""
+
+
 class ArrivalPasses:
     """The driver's side of a sequential-arrival flow: the run's state, and the blocks of arrivals that advance it.
 
@@ -402,6 +407,7 @@ class ArrivalPasses:
             self.faults.setdefault(int(at), {})[f"{kind}_marker"] = str(folder / f"{kind}-{at}.marker")
         self._stream = None
         self.plugins = tuple(plugins)
+        self._accepting, self._closed = threading.Lock(), False
 
     def blocks(self) -> List[Tuple[int, int, int]]:
         """``(pass, first, end)`` of each block still to run: a pass over the clients, cut at ``stop_after``."""
@@ -441,6 +447,9 @@ class ArrivalPasses:
             try:
                 while self.st.done < end:
                     self._accept(ray.get(next(self._stream)))
+            except _NotAccepted:
+                self.close()
+                return self.st.done  # not an error to retry: the flow has already stopped
             except runtime.worker_deaths() as exc:
                 self.close()  # a stream whose object was lost may still hold its worker
                 attempt += 1
@@ -469,11 +478,21 @@ class ArrivalPasses:
     def _accept(self, st: ServerState) -> None:
         if st.done != self.st.done + 1 or st.fingerprint != self.st.fingerprint:
             raise RuntimeError(f"the worker sent the state after arrival {st.done - 1}, expected {self.st.done}")
-        signals.check()  # an arrival that comes back after a stop is neither checkpointed nor logged: resume redoes it
-        with signals.deferred():  # checkpointed and handed to the log, or neither: a resume starts after it
+        # Checkpointed and handed to the log, or neither: this runs on a task thread while the flow's main
+        # thread may be unwinding (a stop signal, an error); an arrival checkpointed after the log closed
+        # would be one a resume skips and the charts never get.
+        with self._accepting:
+            if self._closed:  # the flow is unwinding: this block ends here, and a resume redoes the arrival
+                raise _NotAccepted(f"arrival {st.done - 1} came back after the run stopped; resume redoes it")
+            signals.check()  # an arrival that comes back after a stop is neither checkpointed nor logged
             save_state(self.checkpoint_dir, st.to_payload(), fingerprint=st.fingerprint)
             self.st = st
             self.on_arrival(st.records[-1], st, None)
+
+    def stop_accepting(self) -> None:
+        """No arrival is checkpointed or logged after this returns; one being accepted now finishes first."""
+        with self._accepting:
+            self._closed = True
 
 
 @task(name="arrival-pass", cache_policy=NO_CACHE)
@@ -590,6 +609,7 @@ def arrival(cfg: DictConfig) -> ArrivalsResult:
                         signals.check()  # a stop that landed while it was logged: the run is not finished
                     except BaseException:
                         # what it holds is written; the run's own error is the one to report
+                        passes.stop_accepting()
                         log.close(raise_errors=False)
                         raise
             finally:

@@ -29,15 +29,13 @@ import signal
 import sys
 import threading
 import time
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 GRACE_S = float(os.environ.get("FEDCORE_STOP_GRACE_S", "20"))  # unwinding: MLflow marks its run, Ray stops
 REDELIVERY_S = 2.0  # Prefect sends its SIGTERM again once it has unwound: within this, the same stop
 SETTLE_S = 3.0  # enough to close the MLflow runs and checkpoints of a run whose Prefect server is gone
 STOP = threading.Event()
 _received: dict = {}
-_deferring = [0]  # how deep the main thread is in :func:`deferred` sections
 
 
 class Stopped(KeyboardInterrupt):
@@ -58,19 +56,6 @@ def check() -> None:
     """Raise :class:`Stopped` if a stop signal has come. Call it before starting or logging a unit of work."""
     if STOP.is_set():
         raise Stopped(int(_received["signum"]))
-
-
-@contextmanager
-def deferred() -> Iterator[None]:
-    """Steps that must happen together or not at all (an arrival's checkpoint and its entry on the run's
-    charts): a stop signal that lands inside is noted, and raised as :class:`Stopped` once they are done.
-    Raised between them, a resume would start after an arrival the charts never got."""
-    _deferring[0] += 1
-    try:
-        yield
-    finally:
-        _deferring[0] -= 1
-    check()
 
 
 def describe() -> str:
@@ -162,12 +147,9 @@ def _handle(signum: int, frame: Any) -> None:
     if sent is not None and sent[0] == signum and time.monotonic() - sent[1] < REDELIVERY_S:
         # Prefect's flow engine, having unwound its TerminationSignal, restores this handler and sends
         # the signal again: the same stop, not a second one
-        if _deferring[0]:
-            return
         raise Stopped(signum)
     _note(signum)
-    if not _deferring[0]:
-        raise Stopped(signum)
+    raise Stopped(signum)
 
 
 def install() -> None:
@@ -184,8 +166,6 @@ def install() -> None:
 
     def noted(signum: int, frame: Any) -> None:
         _note(signum)
-        if _deferring[0]:  # raised as Stopped when the section ends; Prefect marks a KeyboardInterrupt crashed
-            return
         _received["redelivery"] = (signum, time.monotonic())
         prefect_handler(signum, frame)
 
@@ -198,4 +178,3 @@ def reset() -> None:
     """Forget a received signal (tests)."""
     STOP.clear()
     _received.clear()
-    _deferring[0] = 0

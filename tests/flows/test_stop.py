@@ -66,27 +66,61 @@ def test_the_deadline_knows_when_the_main_thread_has_left_the_flow_body():
     assert signals._in_flow_body() is False
 
 
-def test_a_signal_inside_a_deferred_section_is_raised_when_the_section_ends(stopping, monkeypatch):
-    import prefect.utilities.engine as engine
+def test_an_arrival_accepted_while_the_run_stops_is_checkpointed_and_logged_or_neither(monkeypatch, tmp_path):
+    """Arrivals are accepted on a task thread while the flow's main thread may be unwinding: the flow stops
+    accepting before it closes the log, and waits for the arrival being checkpointed to reach the log."""
+    import threading
+    import time
+    from types import SimpleNamespace
 
-    called = []
-    monkeypatch.setattr(engine, "_prefect_sigterm_handler", lambda signum, frame: called.append(signum))
-    signals.install()
-    # ours, and Prefect's as during a flow run: either one, landing between the checkpoint and the log entry
-    for handler in (signals._handle, engine._prefect_sigterm_handler):
-        signals.reset()
-        done = []
-        with pytest.raises(signals.Stopped, match="SIGTERM"):
-            with signals.deferred():
-                handler(signal.SIGTERM, None)
-                done.append("checkpointed and logged")
-        assert done == ["checkpointed and logged"]  # both steps ran, then the stop was raised
-        assert signals.exit_status() == 143 and stopping == []
-    assert called == []  # Prefect's raise was held back too
+    from flows import federation as F
+    from flows import runtime
 
-    with pytest.raises(ValueError):  # an error inside is the one raised; the section ends all the same
-        with signals.deferred():
-            raise ValueError("the checkpoint could not be written")
-    with pytest.raises(signals.Stopped):
-        signals._handle(signal.SIGINT, None)  # outside any section: raised where it lands (a second: exit)
-    assert stopping == [128 + signal.SIGINT]
+    # Prepare: a run of 4 arrivals whose checkpoint write can be held, without Ray
+    signals.reset()
+    monkeypatch.setattr(runtime, "put", lambda value: value)
+    saving, release = threading.Event(), threading.Event()
+
+    def held_save(folder, payload, *, fingerprint):
+        saving.set()
+        assert release.wait(10)
+
+    monkeypatch.setattr(F, "save_state", held_save)
+    logged = []
+    passes = F.ArrivalPasses(
+        SimpleNamespace(done=0, fingerprint="f", records=[]),
+        partition=SimpleNamespace(targets=[0, 1]),
+        spec=None,
+        acfg=SimpleNamespace(schedule=lambda k: list(range(4))),
+        checkpoint_dir=tmp_path,
+        threads=1,
+        num_gpus=0,
+        on_arrival=lambda record, st, _: logged.append(record["arrival"]),
+    )
+
+    def state(done):
+        return SimpleNamespace(done=done, fingerprint="f", records=[{"arrival": done - 1}], to_payload=dict)
+
+    # Execute: arrival 0 is being checkpointed on a task thread when the main thread stops accepting
+    accepting = threading.Thread(target=passes._accept, args=(state(1),))
+    accepting.start()
+    assert saving.wait(10)
+    stopping = threading.Thread(target=passes.stop_accepting)
+    stopping.start()
+    time.sleep(0.2)
+    held = stopping.is_alive()
+    release.set()
+    accepting.join(10)
+    stopping.join(10)
+
+    # Assert: the stop waited for arrival 0 to reach the log; arrival 1, after it, is neither saved nor logged
+    assert held and logged == [0] and passes.st.done == 1
+    saving.clear()
+    with pytest.raises(F._NotAccepted, match="came back after the run stopped"):
+        passes._accept(state(2))
+    assert logged == [0] and not saving.is_set() and passes.st.done == 1
+    # the pass task that meets it ends without an error, so Prefect does not retry it
+    passes._stream = iter([state(2)])
+    monkeypatch.setattr(passes, "close", lambda: None)
+    monkeypatch.setattr("ray.get", lambda value: value)
+    assert passes.run(4, logger=None) == 1 and logged == [0]
