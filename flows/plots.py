@@ -40,6 +40,19 @@ def missing(errors: Sequence[Mapping[str, Any]]) -> Dict[str, List[str]]:
     return out
 
 
+def targets(args: Sequence[str]) -> List[str]:
+    """The plots or files named in ``dvc plots show``'s arguments (not the options or their values)."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a in ("-o", "--out", "--html-template", "--templates-dir"):
+            skip = True
+        elif not a.startswith("-"):
+            out.append(a)
+    return out
+
+
 def writer(path: str, root: Path | None = None) -> str | None:
     """The stage whose recorded output holds ``path`` (``dvc.lock``), or None."""
     for out in integrity.lock_outs(root):
@@ -69,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.stdout.write(shown.stdout)
     sys.stderr.write(shown.stderr)
     if FAILED in shown.stdout + shown.stderr:
-        listed = _dvc(["--json"], root)
+        listed = _dvc(["--json", *targets(args)], root)
         try:
             errors = json.loads(listed.stdout).get("errors") or []
         except ValueError:

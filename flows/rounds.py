@@ -23,6 +23,7 @@ from prefect import flow, get_run_logger
 from prefect.futures import as_completed
 
 from fedcore.engine import Done, RoundConfig, RoundsResult, run_rounds
+from fedcore.engine.rounds import CLIENTS_DIR
 from flows import config as C
 from flows import evaluations, plot_data, runtime, signals, systems, tracking, ui
 from flows.evaluations import GridRun, round_inputs
@@ -420,6 +421,8 @@ def single(cfg: DictConfig, system: str = "fedpad") -> RoundsResult:
             tracking.log_files(
                 paths + [ckpt / "server_state.pt", ckpt / "server_state.sha256"], artifact_path="outputs"
             )
+            if (ckpt / CLIENTS_DIR).is_dir():  # the clients' states the server's state names: the checkpoint whole
+                mlflow.log_artifacts(str(ckpt / CLIENTS_DIR), artifact_path=f"outputs/{CLIENTS_DIR}")
         return res
 
     try:
@@ -442,7 +445,7 @@ def round_submit(
 
     The unit of orchestration is the round, not the client: a Prefect task per sub-second client
     step cost 0.5-1.2 s per round of ten clients on 2 cores (README, Performance), a plain Ray task
-    a few ms. The round task logs each client as it finishes. Data moves once: each client's arrays
+    a few ms. The round task logs the round's progress as its clients finish. Data moves once: each client's arrays
     (of each task, for data that arrives in tasks) go to Ray's object store the first time they are
     needed, the global state and the server's broadcast once per round; Ray tasks receive references,
     not arrays.

@@ -32,7 +32,7 @@ def partition(cfg) -> None:
 
     d = cfg.data
     t0 = time.perf_counter()
-    data = load_prepared(prepared_path(cfg), build=build_hint(cfg, "prepare"))
+    data = load_prepared(prepared_path(cfg), build=lambda: build_hint(cfg, "prepare"))
     part = build_partition(
         data,
         dataset=d.name,

@@ -94,8 +94,8 @@ def train_round_task(
 ) -> List[ClientUpdate]:
     """One round's client steps: a Prefect task in the driver that runs each client's step as a Ray task.
 
-    The clients train in parallel on the Ray workers; each one's completion is logged (the Prefect
-    UI shows the round's progress client by client). A client whose worker dies is rerun by Ray,
+    The clients train in parallel on the Ray workers; each one's completion is logged in a round of up
+    to :data:`CLIENT_LINES` clients, each tenth of a larger round (the Prefect UI shows the round's progress). A client whose worker dies is rerun by Ray,
     and a warning on this task run says so;
     a client step that raises fails the round task once the round's other steps have finished (they
     are not cancelled: see ``runtime.ray_settle``), and a Prefect retry reruns the round (same seeds
@@ -331,7 +331,10 @@ def build_hint(cfg: DictConfig, step: str) -> str:
     import yaml
 
     path = _WRITES[step](cfg)
-    stages = yaml.safe_load((C.ROOT / "dvc.yaml").read_text())["stages"]
+    try:
+        stages = yaml.safe_load((C.ROOT / "dvc.yaml").read_text())["stages"]
+    except (OSError, KeyError, TypeError, yaml.YAMLError):  # no pipeline here (an installed deployment)
+        stages = {}
     for name in stages.get(step, {}).get("foreach") or {}:  # the variants with a stage of their own for the step
         try:
             if _WRITES[step](C.load(C.PARAMS, [f"variant={name}"])) == path:
@@ -383,7 +386,7 @@ def load_source(
 def load_partition(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> Partition:
     """The partition, refused if it changed since DVC (or the flow in ``written``) wrote it."""
     integrity.verify(partition_dir(cfg), written=written)
-    return Partition.load(partition_dir(cfg), build=build_hint(cfg, "partition"))
+    return Partition.load(partition_dir(cfg), build=lambda: build_hint(cfg, "partition"))
 
 
 def load_inputs(cfg: DictConfig, *, written: Mapping[str, str] | None = None):

@@ -358,7 +358,11 @@ def logged_before(
 ) -> Dict[str, float] | None:
     """The metrics of the finished run ``(name, fingerprint)`` in ``logged`` if it holds ``metrics`` exactly."""
     earlier = logged.get((name, fingerprint))
-    if earlier is None or any(earlier.get(k) != float(v) for k, v in metrics.items()):
+
+    def same(a: float | None, b: float) -> bool:
+        return a is not None and (a == b or (math.isnan(a) and math.isnan(b)))
+
+    if earlier is None or not all(same(earlier.get(k), float(v)) for k, v in metrics.items()):
         return None
     return dict(earlier)
 

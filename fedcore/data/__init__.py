@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedcore.data.partition import Partition, build_partition, sha256_arrays, sha256_file
+from fedcore.data.partition import Build, Partition, build_partition, build_text, sha256_arrays, sha256_file
 from fedcore.data.sources import LOADERS, ImageSet, load_dataset
 
 __all__ = [
@@ -45,11 +45,14 @@ def save_prepared(data: ImageSet, path: str | Path) -> str:
 
 
 def load_prepared(
-    path: str | Path, *, build: str = "`dvc repro prepare@mnist` (or `python -m flows.stages prepare`)"
+    path: str | Path,
+    *,
+    build: Build = "`dvc repro prepare@mnist` (or `python -m flows.stages prepare`)",
 ) -> ImageSet:
-    """The images :func:`save_prepared` wrote; ``build``: the command that writes them, for the error when missing."""
+    """The images :func:`save_prepared` wrote; ``build``: the command that writes them (or what works it out),
+    for the error when they are missing."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"prepared data {path} is missing. Build it with {build}.")
+        raise FileNotFoundError(f"prepared data {path} is missing. Build it with {build_text(build)}.")
     with np.load(path) as z:
         return ImageSet(z["x"], z["y"], int(z["num_classes"]))

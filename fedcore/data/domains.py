@@ -69,7 +69,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, cas
 
 import numpy as np
 
-from fedcore.data.partition import dirichlet_label_split, read_arrays, sha256_arrays, write_arrays
+from fedcore.data.partition import Build, build_text, dirichlet_label_split, read_arrays, sha256_arrays, write_arrays
 from fedcore.data.sources import CIFAR10_CLASSES, cifar_from_zip
 
 DIGIT_CLASSES: Tuple[str, ...] = tuple(str(k) for k in range(10))
@@ -1032,13 +1032,13 @@ class DomainPartition:
 
     @classmethod
     def load(
-        cls, folder: str | Path, *, build: str = "`dvc repro partition_domains@<grid>` for the grid it belongs to"
+        cls, folder: str | Path, *, build: Build = "`dvc repro partition_domains@<grid>` for the grid it belongs to"
     ) -> "DomainPartition":
         """Read a partition written by :meth:`save`, checking every array against the manifest sha256.
         ``build``: the command that writes it, for the error when it is missing or corrupt."""
         a, m = read_arrays(folder, what="domain partition", build=build)
         npz = Path(folder) / "partition.npz"
-        fix = f"the file is corrupt: rebuild it with {build}"
+        fix = f"the file is corrupt: rebuild it with {build_text(build)}"
 
         def checked(prefix: str, rec: Dict, who: str) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
             missing = [k for k in (f"{prefix}_x", f"{prefix}_y", f"{prefix}_idx") if k not in a]

@@ -11,7 +11,7 @@ import json
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Sequence, cast
+from typing import Any, Callable, Dict, List, Sequence, Union, cast
 
 import numpy as np
 
@@ -53,16 +53,21 @@ def write_arrays(folder: str | Path, arrays: Dict[str, np.ndarray], manifest: Di
 
 # the default variant's commands (a flow names the stage of the variant it runs: flows.tasks.build_hint)
 BUILD_PARTITION = "`dvc repro partition@mnist` (or `python -m flows.stages partition`)"
+Build = Union[str, Callable[[], str]]  # the command that writes a file, or what works it out when it is missing
 
 
-def read_arrays(folder: str | Path, *, what: str, build: str) -> tuple[Dict[str, np.ndarray], Dict]:
+def build_text(build: Build) -> str:
+    return build() if callable(build) else build
+
+
+def read_arrays(folder: str | Path, *, what: str, build: Build) -> tuple[Dict[str, np.ndarray], Dict]:
     """``(arrays, manifest)`` written by :func:`write_arrays`; missing or unreadable -> ``build``, the command
     that writes them."""
     folder = Path(folder)
     npz, man = folder / "partition.npz", folder / "manifest.json"
     if not npz.is_file() or not man.is_file():
         raise FileNotFoundError(
-            f"no {what} at {folder} (expected partition.npz and manifest.json). Build it with {build}."
+            f"no {what} at {folder} (expected partition.npz and manifest.json). Build it with {build_text(build)}."
         )
     try:
         with np.load(npz, allow_pickle=False) as z:
@@ -76,7 +81,7 @@ def read_arrays(folder: str | Path, *, what: str, build: str) -> tuple[Dict[str,
     ) as exc:  # empty, truncated, garbled (a bad CRC), not JSON
         raise ValueError(
             f"the {what} at {folder} cannot be read ({type(exc).__name__}: {exc}): it is truncated or "
-            f"corrupt. Move it away and rebuild it with {build}."
+            f"corrupt. Move it away and rebuild it with {build_text(build)}."
         ) from exc
     return arrays, manifest
 
@@ -314,7 +319,7 @@ class Partition:
         return write_arrays(folder, arrays, self.manifest())
 
     @classmethod
-    def load(cls, folder: str | Path, *, build: str = BUILD_PARTITION) -> "Partition":
+    def load(cls, folder: str | Path, *, build: Build = BUILD_PARTITION) -> "Partition":
         """Read a partition written by :meth:`save`, checking each target client against the manifest sha256.
         ``build``: the command that writes it, for the error when it is missing or corrupt."""
         a, m = read_arrays(folder, what="partition", build=build)
@@ -338,7 +343,7 @@ class Partition:
             if t.sha256() != rec["sha256"]:
                 raise ValueError(
                     f"target client {t.client_id} in {npz} does not match its manifest sha256; "
-                    f"the file is corrupt: rebuild it with {build}"
+                    f"the file is corrupt: rebuild it with {build_text(build)}"
                 )
         return cls(
             dataset=m["dataset"],

@@ -68,12 +68,12 @@ def load_state(folder: str | Path, *, fingerprint: str | None = None, name: str 
     if not digest_path.exists():
         raise CheckpointError(
             f"checkpoint {path} has no sha256 file ({digest_path.name}), so it cannot be checked; it has been left "
-            "untouched. Move it away to start fresh, or restore both files from the MLflow run's artifacts."
+            "untouched. Move it away to start fresh, or restore the folder from the MLflow run's artifacts."
         )
     if sha256_file(path) != digest_path.read_text().strip():
         raise CheckpointError(
             f"checkpoint {path} does not match its sha256 file (truncated or corrupt). It has been left untouched; "
-            "move it away to start fresh, or restore it from the MLflow run's artifacts."
+            "move it away to start fresh, or restore the folder from the MLflow run's artifacts."
         )
     try:
         raw = torch.load(path, map_location="cpu", weights_only=True)

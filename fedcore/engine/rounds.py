@@ -14,9 +14,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import secrets
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Protocol, Sequence, Tuple, cast
 
@@ -227,7 +229,7 @@ def run_rounds(
     state = init_state(spec, cfg.seed) if init is None else {k: v.clone() for k, v in init.items()}
     strategy.setup(state, num_clients=data.num_clients, param_keys=param_keys)
     client_states: Dict[int, Dict[str, Any]] = {}
-    saved_at: Dict[int, int] = {}  # client -> the round whose file holds its state (CLIENTS_DIR)
+    saved_at: Dict[int, str] = {}  # client -> the file that holds its state (CLIENTS_DIR)
     records: List[Dict[str, Any]] = []
     done = 0
     if folder is not None:
@@ -240,6 +242,8 @@ def run_rounds(
     model_bytes = state_bytes(state)
     steps = range(done, cfg.rounds)
     first = done  # the first round this call runs
+    unsaved = [i for i in client_states if i not in saved_at]  # read from a checkpoint that held them inside
+    token = secrets.token_hex(4)  # this call's files: never the name of a file an older checkpoint names
     if progress:
         from tqdm.auto import tqdm
 
@@ -331,8 +335,20 @@ def run_rounds(
         records.append(record)
         state, done = new_state, r + 1
         if folder is not None:
+            if r == first:
+                changed += unsaved
             _save_round(
-                folder, r, state, strategy, client_states, saved_at, changed, records, fingerprint=fp, sweep=r == first
+                folder,
+                r,
+                state,
+                strategy,
+                client_states,
+                saved_at,
+                changed,
+                records,
+                fingerprint=fp,
+                name=partial(_client_file, round_index=r, token=token),
+                sweep=r == first,
             )
         if on_round is not None:
             on_round(record, state)
@@ -346,11 +362,11 @@ def run_rounds(
     )
 
 
-CLIENTS_DIR = "clients"  # in a rounds checkpoint: c<client>-r<round>.pt, each client's state as of that round
+CLIENTS_DIR = "clients"  # in a rounds checkpoint: c<client>-r<round>-<run>.pt, each client's state as of that round
 
 
-def _client_file(client: int, round_index: int) -> str:
-    return f"c{client}-r{round_index:05d}"
+def _client_file(client: int, *, round_index: int, token: str) -> str:
+    return f"c{client}-r{round_index:05d}-{token}"
 
 
 def _save_round(
@@ -359,25 +375,25 @@ def _save_round(
     state: State,
     strategy: Strategy,
     client_states: Mapping[int, Dict[str, Any]],
-    saved_at: Dict[int, int],
+    saved_at: Dict[int, str],
     changed: Sequence[int],
     records: List[Dict[str, Any]],
     *,
     fingerprint: str,
+    name: Callable[[int], str],
     sweep: bool = False,
 ) -> None:
-    """Checkpoint round ``r``: the state of each client in ``changed`` in a file of its own, then the server's
-    state with the round each client's file is from. A round writes what its clients changed, not every
-    client known (SCAFFOLD's checkpoint grew by a model's size per client ever seen, rewritten every
-    round). A crash between the two leaves files no checkpoint names: a resume ignores them, and the
-    files they replace are removed only once the server's state names their successors. ``sweep``
-    (the first round a call saves): also remove every file the checkpoint does not name (another
-    run's, or a crashed round's)."""
+    """Checkpoint round ``r``: the state of each client in ``changed`` in a new file of its own (``name(i)``),
+    then the server's state, which names each client's file. A round writes what its clients changed, not
+    every client known (SCAFFOLD's checkpoint grew by a model's size per client ever seen, rewritten every
+    round). A new file never replaces one a checkpoint names, so a crash at any point leaves the last
+    checkpoint whole; the files it does not name (a crashed round's, another run's) are removed once the
+    server's state is written: those it replaced, and with ``sweep`` (a call's first save) every one."""
     clients = folder / CLIENTS_DIR
-    before = {i: saved_at[i] for i in changed if i in saved_at}
+    before = dict(saved_at)
     for i in dict.fromkeys(changed):
-        save_state(clients, {"state": client_states[i]}, fingerprint=fingerprint, name=_client_file(i, r))
-        saved_at[i] = r
+        save_state(clients, {"state": client_states[i]}, fingerprint=fingerprint, name=name(i))
+        saved_at[i] = name(i)
     payload = {
         "done": r + 1,
         "global_state": state,
@@ -386,31 +402,28 @@ def _save_round(
         "records": records,
     }
     save_state(folder, payload, fingerprint=fingerprint)
-    for i, old in before.items():
-        if old != r:
-            for suffix in (".pt", ".sha256"):
-                (clients / f"{_client_file(i, old)}{suffix}").unlink(missing_ok=True)
+    named = set(saved_at.values())
+    stale = [f"{old}{suffix}" for i, old in before.items() if old not in named for suffix in (".pt", ".sha256")]
     if sweep and clients.is_dir():
-        named = {_client_file(i, at) for i, at in saved_at.items()}
-        for f in clients.iterdir():
-            if f.name.split(".")[0] not in named:
-                f.unlink(missing_ok=True)
+        stale += [f.name for f in clients.iterdir() if f.name.split(".")[0] not in named]
+    for f in stale:
+        (clients / f).unlink(missing_ok=True)
 
 
 def _load_clients(
     folder: Path, payload: Mapping[str, Any], *, fingerprint: str | None
-) -> Tuple[Dict[int, Dict[str, Any]], Dict[int, int]]:
-    """The clients' states a checkpoint names, each checked against its sha256, and the round of each file."""
+) -> Tuple[Dict[int, Dict[str, Any]], Dict[int, str]]:
+    """The clients' states a checkpoint names, each checked against its sha256, and the file of each."""
     if "client_states" in payload:  # a checkpoint written before client files: the states themselves
         return {int(k): v for k, v in payload["client_states"].items()}, {}
-    saved_at = {int(k): int(v) for k, v in payload["client_files"].items()}
+    saved_at = {int(k): str(v) for k, v in payload["client_files"].items()}
     states = {}
-    for i, r in saved_at.items():
-        found = load_state(folder / CLIENTS_DIR, fingerprint=fingerprint, name=_client_file(i, r))
+    for i, name in saved_at.items():
+        found = load_state(folder / CLIENTS_DIR, fingerprint=fingerprint, name=name)
         if found is None:
             raise CheckpointError(
-                f"the checkpoint in {folder} names client {i}'s state of round {r}, which is missing from "
-                f"{folder / CLIENTS_DIR}; restore the folder whole, or move it away to start fresh"
+                f"the checkpoint in {folder} names {CLIENTS_DIR}/{name}.pt, client {i}'s state, which is missing; "
+                "restore the folder whole, or move it away to start fresh"
             )
         states[i] = found.payload["state"]
     return states, saved_at

@@ -339,7 +339,7 @@ def test_a_round_checkpoints_the_state_of_the_clients_it_trained_not_of_every_cl
 
     # Assert: each round wrote the files of its own two clients, and nothing else
     assert [len(w) for w in written] == [2] * 6
-    assert all(name.endswith(f"-r{r:05d}.pt") for r, w in enumerate(written) for name in w)
+    assert all(f"-r{r:05d}-" in name for r, w in enumerate(written) for name in w)
     from fedcore.engine import load_client_states
 
     assert sorted(load_client_states(tmp_path)) == sorted(seen)
@@ -349,7 +349,11 @@ def test_a_round_checkpoints_the_state_of_the_clients_it_trained_not_of_every_cl
     resumed = run_rounds(data, SPEC, cfg, checkpoint_dir=tmp_path / "b", resume=True)
     assert strip(resumed.records) == strip(full.records)
     assert all(torch.equal(resumed.final_state[k], full.final_state[k]) for k in full.final_state)
-    assert sorted(f.name for f in (tmp_path / "b" / "clients").iterdir()) == sorted(f.name for f in clients.iterdir())
+
+    def kept(folder):  # (client, round) of each file: the run's own token differs
+        return sorted(f.name.rsplit("-", 1)[0] for f in folder.glob("*.pt"))
+
+    assert kept(tmp_path / "b" / "clients") == kept(clients)
 
 
 def test_a_crash_between_the_client_files_and_the_server_state_resumes_from_the_last_round(tmp_path):
@@ -360,10 +364,12 @@ def test_a_crash_between_the_client_files_and_the_server_state_resumes_from_the_
     full = run_rounds(data, SPEC, cfg)
     with pytest.raises(RunInterrupted):
         run_rounds(data, SPEC, cfg, checkpoint_dir=tmp_path, stop_after=2)
-    # round 2's client files landed, its server state did not: files no checkpoint names
+    # round 2's client files landed, its server state did not: files no checkpoint names, one of them with a
+    # sha256 that no longer matches (a crash between the file's rename and its sha256)
     clients = tmp_path / "clients"
     for i in range(12):
-        save_state(clients, {"state": {"garbage": torch.ones(1)}}, fingerprint="x", name=f"c{i}-r00002")
+        save_state(clients, {"state": {"garbage": torch.ones(1)}}, fingerprint="x", name=f"c{i}-r00002-0000")
+    (clients / "c0-r00002-0000.sha256").write_text("0" * 64 + "\n")
 
     resumed = run_rounds(data, SPEC, cfg, checkpoint_dir=tmp_path, resume=True)
 
@@ -380,7 +386,9 @@ def test_a_checkpoint_missing_a_client_file_is_refused_with_the_fix(tmp_path):
     with pytest.raises(RunInterrupted):
         run_rounds(data, SPEC, cfg, checkpoint_dir=tmp_path, stop_after=1)
     next((tmp_path / "clients").glob("*.pt")).unlink()
-    with pytest.raises(CheckpointError, match=r"names client \d+'s state of round 0, which is missing.*move it away"):
+    with pytest.raises(
+        CheckpointError, match=r"names clients/c\d+-r00000-\w+\.pt, client \d+'s state, which is missing"
+    ):
         run_rounds(data, SPEC, cfg, checkpoint_dir=tmp_path, resume=True)
 
 
@@ -400,6 +408,10 @@ def test_a_checkpoint_with_the_client_states_inside_still_resumes(tmp_path):
     shutil.rmtree(tmp_path / "clients")
     save_state(tmp_path, payload, fingerprint=saved.fingerprint)
 
+    # resumed, stopped again, resumed again: the states read from inside are written out at the first round
+    with pytest.raises(RunInterrupted):
+        run_rounds(data, SPEC, cfg, checkpoint_dir=tmp_path, resume=True, stop_after=2)
+    assert set(payload["client_states"]) <= set(load_client_states(tmp_path))  # none of them lost
     resumed = run_rounds(data, SPEC, cfg, checkpoint_dir=tmp_path, resume=True)
 
     assert strip(resumed.records) == strip(full.records)

@@ -38,7 +38,7 @@ def test_impossible_privacy_settings_on_the_command_line(overrides, message, cap
     assert message in capsys.readouterr().err
 
 
-def test_missing_prepared_data_names_the_stage(tmp_path, capsys):
+def test_missing_prepared_data_names_the_command_that_writes_that_very_file(tmp_path, capsys):
     # the default variant's file: its stage
     assert main(["partition", f"paths.prepared={tmp_path}/prepared", f"paths.partitions={tmp_path}/p"]) == 2
     err = capsys.readouterr().err
