@@ -316,10 +316,17 @@ def _many(k: int) -> RoundData:
     )
 
 
+def scaffold_cfg(*, rounds: int, participation: float) -> RoundConfig:
+    """SCAFFOLD: a control variate per client, the state a rounds checkpoint keeps for each."""
+    return sgd_cfg(
+        rounds=rounds, trainer="scaffold", trainer_params={"lr": 0.05}, strategy="scaffold", participation=participation
+    )
+
+
 def test_a_round_checkpoints_the_state_of_the_clients_it_trained_not_of_every_client_known(tmp_path):
     # Prepare: SCAFFOLD (a control variate per client) with 2 of 40 clients a round
     data = _many(40)
-    cfg = sgd_cfg(rounds=6, trainer="scaffold", trainer_params={"lr": 0.05}, strategy="scaffold", participation=0.05)
+    cfg = scaffold_cfg(rounds=6, participation=0.05)
     written, seen = [], set()
     clients = tmp_path / "clients"
 
@@ -360,7 +367,7 @@ def test_a_crash_between_the_client_files_and_the_server_state_resumes_from_the_
     from fedcore.engine import load_client_states
 
     data = _many(12)
-    cfg = sgd_cfg(rounds=4, trainer="scaffold", trainer_params={"lr": 0.05}, strategy="scaffold", participation=0.25)
+    cfg = scaffold_cfg(rounds=4, participation=0.25)
     full = run_rounds(data, SPEC, cfg)
     with pytest.raises(RunInterrupted):
         run_rounds(data, SPEC, cfg, checkpoint_dir=tmp_path, stop_after=2)
@@ -382,7 +389,7 @@ def test_a_crash_between_the_client_files_and_the_server_state_resumes_from_the_
 
 def test_a_checkpoint_missing_a_client_file_is_refused_with_the_fix(tmp_path):
     data = _many(8)
-    cfg = sgd_cfg(rounds=3, trainer="scaffold", trainer_params={"lr": 0.05}, strategy="scaffold", participation=0.25)
+    cfg = scaffold_cfg(rounds=3, participation=0.25)
     with pytest.raises(RunInterrupted):
         run_rounds(data, SPEC, cfg, checkpoint_dir=tmp_path, stop_after=1)
     next((tmp_path / "clients").glob("*.pt")).unlink()
@@ -398,7 +405,7 @@ def test_a_checkpoint_with_the_client_states_inside_still_resumes(tmp_path):
     from fedcore.engine.checkpoint import load_state
 
     data = _many(8)
-    cfg = sgd_cfg(rounds=3, trainer="scaffold", trainer_params={"lr": 0.05}, strategy="scaffold", participation=0.5)
+    cfg = scaffold_cfg(rounds=3, participation=0.5)
     full = run_rounds(data, SPEC, cfg)
     with pytest.raises(RunInterrupted):
         run_rounds(data, SPEC, cfg, checkpoint_dir=tmp_path, stop_after=1)
