@@ -2,9 +2,10 @@
 
 A checkpoint is a folder holding ``<name>.pt`` and ``<name>.sha256``. The payload is a plain
 dict of tensors, numbers, strings, lists and dicts; a loop turns its own dataclasses into that
-and back. The file is written to a temporary name and renamed, so a crash leaves either the
-old checkpoint or the new one. A file that does not match its sha256 is never read and never
-overwritten.
+and back. The file and its sha256 are written to temporary names and renamed, file first, so a
+crash leaves either the old checkpoint or the new one; one that lands between the two renames
+leaves the new file and its digest in ``<name>.sha256.tmp``, and the next read or write finishes
+the rename. A file that does not match its sha256 is never read and never overwritten.
 """
 
 from __future__ import annotations
@@ -40,18 +41,26 @@ def _paths(folder: Path, name: str):
     return folder / f"{name}.pt", folder / f"{name}.sha256"
 
 
+def _finish_interrupted_save(path: Path, digest_path: Path) -> None:
+    """A save killed between its two renames left the new file in place and its digest pending: move it in."""
+    pending = digest_path.with_name(digest_path.name + ".tmp")
+    if pending.exists() and path.exists() and sha256_file(path) == pending.read_text().strip():
+        pending.replace(digest_path)
+
+
 def save_state(folder: str | Path, payload: Dict[str, Any], *, fingerprint: str, name: str = "server_state") -> Path:
     """Atomically write ``payload`` (plus its config ``fingerprint``) and its sha256; returns the path."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path, digest_path = _paths(folder, name)
+    _finish_interrupted_save(path, digest_path)
     if path.exists() and digest_path.exists() and sha256_file(path) != digest_path.read_text().strip():
         raise CheckpointError(f"refusing to overwrite {path}: it does not match its sha256 (corrupt); move it away")
-    tmp = folder / f"{name}.pt.tmp"
+    tmp, pending = folder / f"{name}.pt.tmp", folder / f"{name}.sha256.tmp"
     torch.save({"version": CHECKPOINT_VERSION, "fingerprint": fingerprint, "payload": payload}, tmp)
-    digest = sha256_file(tmp)
+    pending.write_text(sha256_file(tmp) + "\n")
     tmp.replace(path)
-    digest_path.write_text(digest + "\n")
+    pending.replace(digest_path)
     return path
 
 
@@ -65,6 +74,7 @@ def load_state(folder: str | Path, *, fingerprint: str | None = None, name: str 
     path, digest_path = _paths(folder, name)
     if not path.exists():
         return None
+    _finish_interrupted_save(path, digest_path)
     if not digest_path.exists():
         raise CheckpointError(
             f"checkpoint {path} has no sha256 file ({digest_path.name}), so it cannot be checked; it has been left "

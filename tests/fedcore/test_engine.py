@@ -83,6 +83,31 @@ def test_corrupt_checkpoint_is_reported_and_never_overwritten(tiny, tmp_path):
     assert ckpt.read_bytes() == damaged
 
 
+@pytest.mark.parametrize("killed_after", [0, 1])
+def test_a_save_killed_between_its_renames_leaves_a_checkpoint_that_reads_whole(tmp_path, monkeypatch, killed_after):
+    """A kill can land after the new file is renamed into place and before its digest is: the next
+    read (and the next save) must find the new checkpoint, not refuse it as corrupt. Killed before
+    the first rename, the old checkpoint stays."""
+    from fedcore.engine.checkpoint import load_state, save_state
+
+    save_state(tmp_path, {"done": 1}, fingerprint="f")
+    real, renames = Path.replace, []
+
+    def replace(self, target):
+        if len(renames) == killed_after:
+            raise KeyboardInterrupt  # the process dies here
+        renames.append(target)
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        save_state(tmp_path, {"done": 2}, fingerprint="f")
+    monkeypatch.setattr(Path, "replace", real)
+    assert load_state(tmp_path, fingerprint="f").payload == {"done": 1 + killed_after}
+    save_state(tmp_path, {"done": 3}, fingerprint="f")
+    assert load_state(tmp_path, fingerprint="f").payload == {"done": 3}
+
+
 def test_forgetting_golden():
     acc = np.array([[0.9, np.nan, np.nan], [0.8, 0.7, np.nan], [0.6, 0.75, 0.5]])
     assert forgetting(acc, [0, 1, 2]) == pytest.approx(((0.9 - 0.6) + (0.7 - 0.75)) / 2)
