@@ -22,14 +22,21 @@ from omegaconf import DictConfig
 from prefect import flow, get_run_logger
 from prefect.futures import as_completed
 
-from fedcore.engine import Done, RoundConfig, RoundsResult, run_rounds
+from fedcore.engine import RoundConfig, RoundsResult, run_rounds
 from fedcore.engine.rounds import CLIENTS_DIR
 from flows import config as C
 from flows import evaluations, plot_data, runtime, signals, systems, tracking, ui
 from flows.evaluations import GridRun, round_inputs
 from flows.placement import faults, gpus
 from flows.reports import results_dir
-from flows.tasks import check_checkpoints, load_domain_partition, round_cell_dir, run_round_cell_task, train_round_task
+from flows.tasks import (
+    RoundProgress,
+    check_checkpoints,
+    load_domain_partition,
+    round_cell_dir,
+    run_round_cell_task,
+    train_round_task,
+)
 
 
 def _runner(cfg: DictConfig):
@@ -458,7 +465,7 @@ def round_submit(
     states = runtime.PutOnce(keep=1)  # the round's global state
     broadcasts = runtime.PutOnce(keep=1)  # what the server sends every client of the round (SCAFFOLD's c)
 
-    def submit_round(fn, calls):
+    def submit_round(fn, calls, take):
         signals.check()  # no round starts after a stop signal
         r = int(calls[0]["round_index"])
         shipped, names, markers = [], [], {}
@@ -484,6 +491,14 @@ def round_submit(
             if found:
                 markers[j] = found
         named = task.with_options(task_run_name=f"round-{r:03d}-{len(calls)}-clients")
-        return [Done(u) for u in named(calls=shipped, names=names, num_gpus=num_gpus, markers=markers, threads=threads)]
+        named(
+            calls=shipped,
+            names=names,
+            take=take,
+            progress=RoundProgress(),
+            num_gpus=num_gpus,
+            markers=markers,
+            threads=threads,
+        )
 
     return submit_round

@@ -260,6 +260,26 @@ def ray_start(fn: Callable, /, *, num_cpus: float = 1, num_gpus: float = 0, **kw
     return _REMOTES[key].remote(**kwargs)
 
 
+def ray_start_kept(
+    fn: Callable, /, *, summary: Callable[[Any], Any], num_cpus: float = 1, num_gpus: float = 0, **kwargs
+) -> Tuple[Any, Any]:
+    """:func:`ray_start` for a large result that the caller fetches later, one at a time.
+
+    Returns two ObjectRefs: ``head`` resolves to ``(summary(value), attempt)`` (small: wait on it with
+    :func:`ray_as_completed`), ``value`` to the result itself, which stays in Ray's object store
+    (spilling to disk when full) until the caller takes it with ``ray.get``. Reruns as :func:`ray_start` does.
+    """
+    import ray
+
+    key = (fn, float(num_cpus), float(num_gpus), summary)
+    if key not in _REMOTES:
+        _REMOTES[key] = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=3, num_returns=2)(
+            _summarised(fn, summary)
+        )
+    head, value = _REMOTES[key].remote(**kwargs)
+    return head, value
+
+
 def ray_stream(fn: Callable, /, *, num_cpus: float = 1, num_gpus: float = 0, **kwargs) -> Any:
     """Start the generator ``fn(**kwargs)`` as a Ray generator task: iterating the returned generator
     gives one ObjectRef per value, as soon as the worker yields it.
@@ -290,6 +310,16 @@ def _counting_attempts(fn: Callable) -> Callable:
         return fn(**kwargs), ray_attempt()
 
     return counted
+
+
+def _summarised(fn: Callable, summary: Callable[[Any], Any]) -> Callable:
+    """``fn`` returning ``((summary(value), attempt), value)``: two objects, for ``num_returns=2``."""
+
+    def run(**kwargs):
+        value = fn(**kwargs)
+        return (summary(value), ray_attempt()), value
+
+    return run
 
 
 def ray_attempt() -> int:

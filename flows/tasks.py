@@ -8,7 +8,7 @@ plain Ray tasks run (a block of arrivals, a round's client step) is lighter stil
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Tuple
 
@@ -21,11 +21,11 @@ from fedcore.adapt import GRADIENT_METHODS
 from fedcore.data import Partition
 from fedcore.engine import ModelSpec, run_arrivals, run_rounds
 from fedcore.tensors import to_tensor
-from fedcore.train import ClientUpdate
+from fedcore.types import ClientUpdate
 from flows import config as C
 from flows import integrity, systems
 from flows.evaluations import round_inputs
-from flows.worker import train_step_or_fail
+from flows.worker import train_step_or_fail, update_summary
 
 # ------------------------------------------------------------------------------------ tasks
 
@@ -83,72 +83,101 @@ def run_cell_task(
 CLIENT_LINES = 32  # rounds with up to this many clients log each client's end; larger ones, each tenth
 
 
+@dataclass
+class RoundProgress:
+    """How far a round's results have been taken, kept across the round task's retries.
+
+    A result taken is final: a retry reruns only the clients not yet taken (same seeds and inputs,
+    so the same updates), and never hands the engine one it already folded in.
+    """
+
+    taken: int = 0
+    broken: BaseException | None = None  # the engine's own error while taking: not retried
+
+
 @task(name="train-round", cache_policy=NO_CACHE)
 def train_round_task(
     *,
     calls: List[Dict[str, Any]],
     names: List[str],
+    take: Callable[[int, ClientUpdate], None],
+    progress: RoundProgress | None = None,
     num_gpus: float = 0.0,
     markers: Mapping[int, Mapping[str, str]] | None = None,
     threads: int = 1,
-) -> List[ClientUpdate]:
+) -> None:
     """One round's client steps: a Prefect task in the driver that runs each client's step as a Ray task.
+
+    ``take(j, update)`` is called once per call, in call order, as soon as that client and every
+    one before it have finished, while the rest still train: the engine folds each update into the
+    round's aggregate, and a client that finished early waits in Ray's object store, not in the driver.
 
     The clients train in parallel on the Ray workers; each one's completion is logged in a round of up
     to :data:`CLIENT_LINES` clients, each tenth of a larger round (the Prefect UI shows the round's progress). A client whose worker dies is rerun by Ray,
     and a warning on this task run says so;
     a client step that raises fails the round task once the round's other steps have finished (they
-    are not cancelled: see ``runtime.ray_settle``), and a Prefect retry reruns the round (same seeds
-    and inputs, so the same updates). An interrupt cancels them.
+    are not cancelled: see ``runtime.ray_settle``), and a Prefect retry reruns the clients not yet
+    taken (``progress``). An interrupt cancels them.
     Array and state arguments may be Ray ObjectRefs (put once, resolved by Ray on the worker).
     ``markers``: injected faults by call index (tests). ``threads``: CPUs (and torch threads) per
     client step: 1, except for a run with a single client (the CIFAR variant's source pretraining).
     """
+    import ray
     from prefect import get_run_logger
 
     from flows import runtime
 
+    progress = progress if progress is not None else RoundProgress()
+    if progress.broken is not None:  # taking failed in an earlier attempt: rerunning the clients cannot help
+        raise progress.broken
     logger = get_run_logger()
-    refs = [
-        runtime.ray_start(
+    todo = range(progress.taken, len(calls))
+    started = {
+        j: runtime.ray_start_kept(
             train_step_or_fail,
+            summary=update_summary,
             num_cpus=threads,
             num_gpus=num_gpus,
             threads=threads,
             **dict((markers or {}).get(j, {})),
-            **kw,
+            **calls[j],
         )
-        for j, kw in enumerate(calls)
-    ]
-    out: List[ClientUpdate | None] = [None] * len(refs)
+        for j in todo
+    }
+    refs = [started[j][0] for j in todo]
+    ready: Dict[int, Any] = {}  # finished, not yet taken: the update's ObjectRef
 
-    def rerun(j: int, attempt: int) -> None:  # Prefect sees one attempt that completed: say so here
-        logger.warning("%s: " + RERUN_WARNING, names[j], attempt)
+    def rerun(n: int, attempt: int) -> None:  # Prefect sees one attempt that completed: say so here
+        logger.warning("%s: " + RERUN_WARNING, names[todo[n]], attempt)
 
     # a line per client for a round of a few; beyond, one per tenth of the round (a line per client at 1,000
     # a round cost the driver its console formatting and locked the Prefect server's database with logs)
-    every = 1 if len(refs) <= CLIENT_LINES else -(-len(refs) // 10)
+    every = 1 if len(calls) <= CLIENT_LINES else -(-len(calls) // 10)
     try:
-        for n, (j, upd) in enumerate(runtime.ray_as_completed(refs, on_rerun=rerun), 1):
-            out[j] = upd
+        for done, (n, (examples, loss)) in enumerate(
+            runtime.ray_as_completed(refs, on_rerun=rerun), progress.taken + 1
+        ):
+            j = todo[n]
             if every == 1:
-                logger.info(
-                    "%s done (%d/%d): %d examples, train loss %.4f",
-                    names[j],
-                    n,
-                    len(refs),
-                    upd.num_examples,
-                    upd.metrics.get("train_loss", float("nan")),
-                )
-            elif n % every == 0 or n == len(refs):
-                logger.info("%d of %d clients done (last: %s)", n, len(refs), names[j])
+                logger.info("%s done (%d/%d): %d examples, train loss %.4f", names[j], done, len(calls), examples, loss)
+            elif done % every == 0 or done == len(calls):
+                logger.info("%d of %d clients done (last: %s)", done, len(calls), names[j])
+            ready[j] = started.pop(j)[1]
+            while progress.taken in ready:
+                update = ray.get(ready.pop(progress.taken))
+                try:
+                    take(progress.taken, update)
+                except Exception as exc:
+                    progress.broken = exc
+                    raise
+                del update
+                progress.taken += 1
     except Exception:
         runtime.ray_settle(refs)
         raise
     except BaseException:  # an interrupt: stop now
         runtime.ray_cancel(refs)
         raise
-    return out
 
 
 @task(name="round-cell", cache_policy=NO_CACHE)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from typing import Iterator, Mapping, Sequence, Tuple
 
 import torch
 
@@ -87,6 +87,11 @@ def load_plugins(plugins: Sequence[str]) -> None:
         from flows import systems
 
         systems.load_plugins(plugins)
+
+
+def update_summary(update: ClientUpdate) -> Tuple[int, float]:
+    """What the driver logs of a finished client step before fetching its update: examples and train loss."""
+    return update.num_examples, float(update.metrics.get("train_loss", float("nan")))
 
 
 def train_step_or_fail(

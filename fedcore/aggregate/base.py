@@ -6,6 +6,9 @@ A strategy is a thin holder of settings and server state around the pure functio
 * ``setup(global_state, num_clients)``: fresh server state for a new run;
 * ``broadcast()``: what every selected client receives besides the weights;
 * ``aggregate(global_state, updates, num_clients)`` -> :class:`Aggregated`;
+* ``fold(global_state, sizes, num_clients)`` -> :class:`Fold`: the same aggregation fed one update
+  at a time, so a server whose rule is a weighted sum never holds a round's updates (the engine
+  always aggregates through it; the default keeps every update and calls ``aggregate``);
 * ``state_dict()`` / ``load_state_dict()``: everything it must remember, checkpointed each round.
 
 ``trainer`` names the local objective it is written for; the engine refuses other pairings.
@@ -52,6 +55,18 @@ class Strategy:
     def aggregate(self, global_state: State, updates: Updates, *, num_clients: int) -> Aggregated:
         return Aggregated(weighted_average([(u.state, u.num_examples) for _, u in updates]))
 
+    def fold(self, global_state: State, *, sizes: Sequence[int], num_clients: int) -> "Fold":
+        """The round's aggregation fed one update at a time, in the round's client order.
+
+        ``sizes``: the examples each selected client is given, in that order (what a weighted sum
+        needs before the first update arrives). This default keeps every update and calls
+        :meth:`aggregate` at the end: right for a server that needs the whole round at once
+        (alignment, client selection, prototypes). A server whose rule is a weighted sum overrides
+        it (see :class:`fedcore.aggregate.strategies.FedAvg`) and holds a constant number of
+        model-sized sums instead.
+        """
+        return Fold(self, global_state, num_clients=num_clients)
+
     def discarded(self, updates: Updates) -> Dict[int, Dict[str, float]]:
         """Updates of this round that the engine will not merge (weights with NaN or inf), before
         :meth:`aggregate`: their weights are unusable, but what their sending implies (a privacy budget
@@ -64,6 +79,31 @@ class Strategy:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         pass
+
+
+class Fold:
+    """One round's aggregation in progress: :meth:`add` each merged update, then :meth:`finish` once.
+
+    This one keeps the updates and hands them to ``strategy.aggregate``; streaming folds subclass it.
+    """
+
+    def __init__(self, strategy: Strategy, global_state: State, *, num_clients: int) -> None:
+        self.strategy, self.global_state, self.num_clients = strategy, global_state, num_clients
+        self.updates: List[Tuple[int, ClientUpdate]] = []
+
+    def add(self, client: int, update: ClientUpdate) -> None:
+        self.updates.append((client, update))
+
+    def finish(self) -> Aggregated:
+        return self.strategy.aggregate(self.global_state, self.updates, num_clients=self.num_clients)
+
+
+def aggregate_by_folding(strategy: Strategy, global_state: State, updates: Updates, *, num_clients: int) -> Aggregated:
+    """``strategy.aggregate`` for a strategy whose :meth:`Strategy.fold` is the rule: every update folded in order."""
+    fold = strategy.fold(global_state, sizes=[u.num_examples for _, u in updates], num_clients=num_clients)
+    for i, u in updates:
+        fold.add(i, u)
+    return fold.finish()
 
 
 STRATEGIES: Registry[Strategy] = Registry("strategy")

@@ -11,7 +11,7 @@ they are taken from the newest model rather than averaged.
 from __future__ import annotations
 
 import math
-from typing import List, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
@@ -35,17 +35,61 @@ def weighted_average(updates: Sequence[Tuple[State, float]]) -> State:
     total = float(sum(w for _, w in updates))
     if total <= 0 or any(w < 0 for _, w in updates):
         raise ValueError(f"weights must be >= 0 with a positive sum, got {[w for _, w in updates]}")
-    first = updates[0][0]
-    out: State = {}
-    for key, ref in first.items():
-        if _is_mergeable(ref):
-            acc = torch.zeros_like(ref, dtype=torch.float64)
-            for state, w in updates:
-                acc += state[key].to(torch.float64) * (w / total)
-            out[key] = acc.to(ref.dtype)
-        else:
-            out[key] = updates[-1][0][key].clone()
-    return out
+    acc = WeightedSum(total)
+    for state, w in updates:
+        acc.add(state, w)
+    return acc.result()
+
+
+class WeightedSum:
+    """:func:`weighted_average` taken one state at a time, for a server that must not hold a round's updates.
+
+    Each state adds ``s · (w / total)`` in float64, in the order added, so when the weights
+    added sum to ``total`` the result is the whole-list average bit for bit. When they sum to
+    something else (the server dropped an update it expected), the sum is rescaled once at the
+    end: the same average up to float64 rounding.
+    """
+
+    def __init__(self, total: float) -> None:
+        if not total > 0:
+            raise ValueError(f"the expected total weight must be > 0, got {total}")
+        self.total = float(total)
+        self.seen = 0.0  # the weights added so far
+        self.count = 0
+        self._keys: List[str] = []
+        self._acc: Dict[str, torch.Tensor] = {}
+        self._dtype: Dict[str, torch.dtype] = {}
+        self._newest: State = {}  # integer buffers: the newest state's
+
+    def add(self, state: State, weight: float) -> None:
+        if weight < 0:
+            raise ValueError(f"weights must be >= 0, got {weight}")
+        if not self._keys:
+            self._keys = list(state)
+        rate = weight / self.total
+        for key, t in state.items():
+            if _is_mergeable(t):
+                if key not in self._acc:
+                    self._acc[key] = torch.zeros_like(t, dtype=torch.float64)
+                    self._dtype[key] = t.dtype
+                self._acc[key] += t.to(torch.float64) * rate
+            else:
+                self._newest[key] = t
+        self.seen += weight
+        self.count += 1
+
+    def result(self) -> State:
+        if not self.count or self.seen <= 0:
+            raise ValueError(f"an average needs weights with a positive sum; {self.count} added, sum {self.seen}")
+        scale = self.total / self.seen
+        out: State = {}
+        for key in self._keys:
+            if key in self._acc:
+                acc = self._acc[key] if scale == 1.0 else self._acc[key] * scale
+                out[key] = acc.to(self._dtype[key])
+            else:
+                out[key] = self._newest[key].clone()
+        return out
 
 
 def interpolate(global_state: State, client_state: State, *, rate: float) -> State:

@@ -14,14 +14,24 @@ from typing import Any, Dict, Sequence
 import torch
 
 from fedcore.aggregate import prototypes as P
-from fedcore.aggregate.base import STRATEGIES, Aggregated, Strategy, Updates, create_strategy
-from fedcore.aggregate.functions import State, fedadam_step, weighted_average
+from fedcore.aggregate.base import (
+    STRATEGIES,
+    Aggregated,
+    Fold,
+    Strategy,
+    Updates,
+    aggregate_by_folding,
+    create_strategy,
+)
+from fedcore.aggregate.functions import State, WeightedSum, fedadam_step, weighted_average
+from fedcore.types import ClientUpdate
 
 __all__ = [
     "STRATEGIES",
     "Aggregated",
     "Strategy",
     "Updates",
+    "Fold",
     "create_strategy",
     "FedAvg",
     "Scaffold",
@@ -34,7 +44,34 @@ __all__ = [
 
 @STRATEGIES.register("fedavg")
 class FedAvg(Strategy):
-    """FedAvg; with the ``prox`` trainer this is FedProx (its server is FedAvg's)."""
+    """FedAvg; with the ``prox`` trainer this is FedProx (its server is FedAvg's).
+
+    Its average is folded in as updates arrive (:class:`fedcore.aggregate.functions.WeightedSum`),
+    as are SCAFFOLD's, FedDyn's and FedAdam's: the server holds a few model-sized sums, not the round.
+    """
+
+    def fold(self, global_state: State, *, sizes: Sequence[int], num_clients: int) -> Fold:
+        return _AverageFold(self, global_state, num_clients=num_clients, total=float(sum(sizes)))
+
+    def aggregate(self, global_state: State, updates: Updates, *, num_clients: int) -> Aggregated:
+        return aggregate_by_folding(self, global_state, updates, num_clients=num_clients)
+
+
+class _AverageFold(Fold):
+    """The example-weighted mean of the client models, one model at a time (``equal``: each client weighs 1)."""
+
+    def __init__(
+        self, strategy: Strategy, global_state: State, *, num_clients: int, total: float, equal: bool = False
+    ) -> None:
+        super().__init__(strategy, global_state, num_clients=num_clients)
+        self.mean = WeightedSum(total if total > 0 else 1.0)
+        self.equal = equal
+
+    def add(self, client: int, update: ClientUpdate) -> None:
+        self.mean.add(update.state, 1.0 if self.equal else update.num_examples)
+
+    def finish(self) -> Aggregated:
+        return Aggregated(self.mean.result())
 
 
 @STRATEGIES.register("scaffold")
@@ -61,20 +98,39 @@ class Scaffold(Strategy):
     def broadcast(self) -> Dict[str, Any]:
         return {"c": self.c}
 
+    def fold(self, global_state: State, *, sizes: Sequence[int], num_clients: int) -> Fold:
+        return _ScaffoldFold(self, global_state, num_clients=num_clients, total=float(len(sizes)), equal=True)
+
     def aggregate(self, global_state: State, updates: Updates, *, num_clients: int) -> Aggregated:
-        mean = weighted_average([(u.state, 1.0) for _, u in updates])
-        out = dict(mean)
-        for k in self.param_keys:
-            out[k] = global_state[k] + self.server_lr * (mean[k] - global_state[k])
-            dc = sum(u.payload["delta_c"][k] for _, u in updates) / len(updates)
-            self.c[k] = self.c[k] + (len(updates) / num_clients) * dc
-        return Aggregated(out, {"control_norm": float(sum(float((v**2).sum()) for v in self.c.values())) ** 0.5})
+        return aggregate_by_folding(self, global_state, updates, num_clients=num_clients)
 
     def state_dict(self) -> Dict[str, Any]:
         return {"c": self.c}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.c = dict(state["c"])
+
+
+class _ScaffoldFold(_AverageFold):
+    strategy: Scaffold
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.delta_c: Dict[str, Any] = {k: 0 for k in self.strategy.param_keys}  # Σ Δc_i, summed in client order
+
+    def add(self, client: int, update: ClientUpdate) -> None:
+        super().add(client, update)
+        for k in self.delta_c:
+            self.delta_c[k] = self.delta_c[k] + update.payload["delta_c"][k]
+
+    def finish(self) -> Aggregated:
+        s, g, n = self.strategy, self.global_state, self.mean.count
+        mean = self.mean.result()
+        out = dict(mean)
+        for k in s.param_keys:
+            out[k] = g[k] + s.server_lr * (mean[k] - g[k])
+            s.c[k] = s.c[k] + (n / self.num_clients) * (self.delta_c[k] / n)
+        return Aggregated(out, {"control_norm": float(sum(float((v**2).sum()) for v in s.c.values())) ** 0.5})
 
 
 @STRATEGIES.register("feddyn")
@@ -95,20 +151,38 @@ class FedDyn(Strategy):
         super().setup(global_state, num_clients=num_clients, param_keys=param_keys)
         self.h = {k: torch.zeros_like(global_state[k]) for k in self.param_keys}
 
+    def fold(self, global_state: State, *, sizes: Sequence[int], num_clients: int) -> Fold:
+        return _FedDynFold(self, global_state, num_clients=num_clients, total=float(len(sizes)), equal=True)
+
     def aggregate(self, global_state: State, updates: Updates, *, num_clients: int) -> Aggregated:
-        mean = weighted_average([(u.state, 1.0) for _, u in updates])
-        out = dict(mean)
-        for k in self.param_keys:
-            drift = sum(u.state[k] - global_state[k] for _, u in updates)
-            self.h[k] = self.h[k] - self.alpha / num_clients * drift
-            out[k] = mean[k] - self.h[k] / self.alpha
-        return Aggregated(out)
+        return aggregate_by_folding(self, global_state, updates, num_clients=num_clients)
 
     def state_dict(self) -> Dict[str, Any]:
         return {"h": self.h}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.h = dict(state["h"])
+
+
+class _FedDynFold(_AverageFold):
+    strategy: FedDyn
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.drift: Dict[str, Any] = {k: 0 for k in self.strategy.param_keys}  # Σ (θ_i − θ), in client order
+
+    def add(self, client: int, update: ClientUpdate) -> None:
+        super().add(client, update)
+        for k in self.drift:
+            self.drift[k] = self.drift[k] + (update.state[k] - self.global_state[k])
+
+    def finish(self) -> Aggregated:
+        s = self.strategy
+        out = dict(self.mean.result())
+        for k in s.param_keys:
+            s.h[k] = s.h[k] - s.alpha / self.num_clients * self.drift[k]
+            out[k] = out[k] - s.h[k] / s.alpha
+        return Aggregated(out)
 
 
 @STRATEGIES.register("fedadam")
@@ -134,26 +208,36 @@ class FedAdam(Strategy):
         self.m = {k: torch.zeros_like(global_state[k]) for k in self.param_keys}
         self.v = {k: torch.zeros_like(global_state[k]) for k in self.param_keys}
 
+    def fold(self, global_state: State, *, sizes: Sequence[int], num_clients: int) -> Fold:
+        return _FedAdamFold(self, global_state, num_clients=num_clients, total=float(sum(sizes)))
+
     def aggregate(self, global_state: State, updates: Updates, *, num_clients: int) -> Aggregated:
-        avg = weighted_average([(u.state, u.num_examples) for _, u in updates])
-        out, self.m, self.v = fedadam_step(
-            global_state,
-            avg,
-            m=self.m,
-            v=self.v,
-            keys=self.param_keys,
-            lr=self.lr,
-            beta1=self.beta1,
-            beta2=self.beta2,
-            tau=self.tau,
-        )
-        return Aggregated(out)
+        return aggregate_by_folding(self, global_state, updates, num_clients=num_clients)
 
     def state_dict(self) -> Dict[str, Any]:
         return {"m": self.m, "v": self.v}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.m, self.v = dict(state["m"]), dict(state["v"])
+
+
+class _FedAdamFold(_AverageFold):
+    strategy: FedAdam
+
+    def finish(self) -> Aggregated:
+        s = self.strategy
+        out, s.m, s.v = fedadam_step(
+            self.global_state,
+            self.mean.result(),
+            m=s.m,
+            v=s.v,
+            keys=s.param_keys,
+            lr=s.lr,
+            beta1=s.beta1,
+            beta2=s.beta2,
+            tau=s.tau,
+        )
+        return Aggregated(out)
 
 
 class PrototypeServer(Strategy):

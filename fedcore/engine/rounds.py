@@ -17,7 +17,7 @@ import math
 import secrets
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Protocol, Sequence, Tuple, cast
@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Mapping, Protocol, Sequence, Tuple
 import numpy as np
 import torch
 
-from fedcore.aggregate.strategies import STRATEGIES, Aggregated, Strategy, create_strategy
+from fedcore.aggregate.strategies import STRATEGIES, Aggregated, Fold, Strategy, create_strategy
 from fedcore.engine.checkpoint import CheckpointError, RunInterrupted, load_state, save_state
 from fedcore.engine.spec import init_state
 from fedcore.engine.submit import Submit, SubmitRound, run_now
@@ -198,9 +198,12 @@ def run_rounds(
     init:
         Starting weights; default: the network initialised under ``cfg.seed``.
     submit, submit_round:
-        How the client steps run: ``submit(train_step, **call)`` per client (default: at once, in
-        this process), or ``submit_round(train_step, calls)`` with the whole round's calls, which
-        returns one future per call in order (a flow that orchestrates a round as one unit).
+        How the client steps run: ``submit(train_step, **call)`` per client (default: in this
+        process, each client trained when the round takes its update), or
+        ``submit_round(train_step, calls, take)`` with the whole round's calls, which hands each
+        result to ``take`` in call order as it becomes ready (a flow that orchestrates a round as
+        one unit; see :data:`fedcore.engine.submit.SubmitRound`). Each update is folded into the
+        round's aggregate as it is taken (:meth:`fedcore.aggregate.base.Strategy.fold`).
     evaluate:
         ``state -> metrics`` after every round; default: accuracy on ``data.eval_sets``.
     checkpoint_dir, resume, stop_after:
@@ -262,9 +265,11 @@ def run_rounds(
         }
         if data.staged:
             broadcast.update(task=data.task_of(r), task_classes=data.task_classes, rounds_per_task=int(per_task))
-        calls = []
+        calls: List[Dict[str, Any]] = []
+        sizes: List[int] = []
         for i in selected:
             x, y = data.client_data(i, r)
+            sizes.append(len(y))
             calls.append(
                 dict(
                     global_state=state,
@@ -281,33 +286,27 @@ def run_rounds(
                     round_index=r,
                 )
             )
+        intake = _Intake(strategy.fold(state, sizes=sizes, num_clients=data.num_clients), r, selected, data)
         if submit_round is not None:
-            futures = list(zip(selected, submit_round(train_step, calls)))
+            submit_round(train_step, calls, intake)
+        elif submit is run_now:  # one client at a time: each update is folded in before the next is trained
+            for j, kw in enumerate(calls):
+                intake(j, submit(train_step, **kw).result())
         else:
-            futures = [(i, submit(train_step, **kw)) for i, kw in zip(selected, calls)]
-        updates: List[Tuple[int, ClientUpdate]] = []
-        dropped: List[Tuple[int, ClientUpdate]] = []
-        for i, fut in futures:
-            upd: ClientUpdate = fut.result()
-            if is_finite_update(upd):
-                updates.append((i, upd))
-            else:
-                dropped.append((i, upd))
-                warnings.warn(
-                    f"round {r}: client {i} ({data.client_group[i]}) sent weights with NaN or inf; "
-                    "its update is not merged (if this repeats, lower its learning rate, or the noise it "
-                    "adds)",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+            futures = [submit(train_step, **kw) for kw in calls]
+            for j, fut in enumerate(futures):
+                intake(j, fut.result())
+            del futures
+        del calls
+        updates, dropped, agg_seconds = intake.updates, intake.dropped, intake.agg_seconds
         refused = [i for i, _ in dropped]
         lines = strategy.discarded(dropped) if dropped else {}
         t0 = time.perf_counter()
-        agg = strategy.aggregate(state, updates, num_clients=data.num_clients) if updates else Aggregated(state)
+        agg = intake.fold.finish() if updates else Aggregated(state)
         for i, line in (lines or {}).items():  # what the server says of the dropped, in every round
             agg.per_client.setdefault(i, {}).update(line)
         new_state = agg.state
-        agg_seconds = time.perf_counter() - t0
+        agg_seconds += time.perf_counter() - t0
         changed = []
         for i, upd in updates:
             if upd.client_state:
@@ -327,7 +326,7 @@ def run_rounds(
             new_state,
             param_keys,
             bytes_down=len(selected) * (model_bytes + state_bytes(broadcast)),
-            bytes_up=sum(state_bytes(u.state) + state_bytes(u.payload) for _, u in updates),
+            bytes_up=intake.bytes_up,
         )
         if data.staged:
             record["task"] = data.task_of(r)
@@ -360,6 +359,38 @@ def run_rounds(
         summary=summarise_rounds(records),
         ledgers={k: v["ledger"] for k, v in sorted(client_states.items()) if "ledger" in v},
     )
+
+
+class _Intake:
+    """Takes a round's updates one at a time, in client order (the ``take`` of a ``submit_round``).
+
+    A finite update is folded into the round's aggregate and kept without its weights (what the
+    round's record needs); one with NaN or inf is set aside with a warning. So a weighted-sum server
+    never holds the round's models.
+    """
+
+    def __init__(self, fold: Fold, round_index: int, selected: Sequence[int], data: RoundData) -> None:
+        self.fold, self.round_index, self.selected, self.data = fold, round_index, list(selected), data
+        self.updates: List[Tuple[int, ClientUpdate]] = []
+        self.dropped: List[Tuple[int, ClientUpdate]] = []
+        self.agg_seconds, self.bytes_up = 0.0, 0
+
+    def __call__(self, j: int, upd: ClientUpdate) -> None:
+        i = self.selected[j]
+        if not is_finite_update(upd):
+            self.dropped.append((i, upd))
+            warnings.warn(
+                f"round {self.round_index}: client {i} ({self.data.client_group[i]}) sent weights with NaN or "
+                "inf; its update is not merged (if this repeats, lower its learning rate, or the noise it adds)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
+        t0 = time.perf_counter()
+        self.fold.add(i, upd)
+        self.agg_seconds += time.perf_counter() - t0
+        self.bytes_up += state_bytes(upd.state) + state_bytes(upd.payload)
+        self.updates.append((i, replace(upd, state={}, payload={})))
 
 
 CLIENTS_DIR = "clients"  # in a rounds checkpoint: c<client>-r<round>-<run>.pt, each client's state as of that round

@@ -25,5 +25,8 @@ def run_now(fn: Callable, **kwargs) -> Done:
 
 
 Submit = Callable[..., Any]
-# submit_round(fn, calls) -> one future per call: a driver that runs a whole round of client steps as one unit
-SubmitRound = Callable[[Callable, List[Dict[str, Any]]], List[Any]]
+# submit_round(fn, calls, take): a driver that runs a whole round of client steps as one unit. It calls
+# take(j, fn(**calls[j])) once per call, in call order, as soon as that result and every one before it
+# are ready (the engine folds each into the round's aggregate), and returns when all are taken. A result
+# taken is final: a retry reruns only the calls not yet taken.
+SubmitRound = Callable[[Callable, List[Dict[str, Any]], Callable[[int, Any], None]], None]

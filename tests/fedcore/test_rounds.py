@@ -196,12 +196,16 @@ def test_the_server_is_told_of_each_update_it_will_not_merge_before_it_aggregate
         "discarded",
         lambda self, ups: calls.append(("discarded", [i for i, _ in ups])) or {i: {"spent": 1.0} for i, _ in ups},
     )
-    real = FedAvg.aggregate
-    monkeypatch.setattr(
-        FedAvg,
-        "aggregate",
-        lambda self, g, ups, **kw: calls.append(("aggregate", [i for i, _ in ups])) or real(self, g, ups, **kw),
-    )
+    real = FedAvg.fold
+
+    def fold(self, g, **kw):  # the round's aggregation: updates folded in, then finished
+        f, added = real(self, g, **kw), []
+        add, finish = f.add, f.finish
+        f.add = lambda i, u: added.append(i) or add(i, u)
+        f.finish = lambda: calls.append(("aggregate", added)) or finish()
+        return f
+
+    monkeypatch.setattr(FedAvg, "fold", fold)
     with pytest.warns(RuntimeWarning, match="client 1"):
         res = run_rounds(fed, SPEC, sgd_cfg(rounds=2), submit=_Diverging())
     # what a NaN upload implies (a privacy budget spent) must reach the server, which never sees its weights

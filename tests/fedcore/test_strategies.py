@@ -189,3 +189,91 @@ def test_scaffold_option_two_recovers_a_constant_gradient_under_momentum(momentu
         opt.step()
     estimate = (torch.zeros(2) - p.detach()) / (effective_steps(steps, momentum) * lr)
     assert torch.allclose(estimate, g, atol=1e-5)
+
+
+def _random_round(n: int, seed: int = 0):
+    """A round of ``n`` updates of a two-layer state with an integer buffer, and SCAFFOLD's Δc."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"w": (7, 5), "b": (5,), "bn.running_mean": (5,)}
+    glob = {k: torch.randn(*s, generator=g) for k, s in shapes.items()}
+    glob["bn.num_batches_tracked"] = torch.tensor(3)
+    ups = []
+    for i in range(n):
+        st = {k: torch.randn(*s, generator=g) for k, s in shapes.items()}
+        st["bn.num_batches_tracked"] = torch.tensor(10 + i)
+        dc = {k: torch.randn(*shapes[k], generator=g) for k in ("w", "b")}
+        ups.append((3 * i, ClientUpdate(st, num_examples=5 + 3 * i, payload={"delta_c": dc})))
+    return glob, ups
+
+
+def _whole_round_reference(name, glob, ups, num_clients, server):
+    """Each server's rule over the whole round's list, as written before updates were folded in one at a time."""
+    from fedcore.aggregate.functions import weighted_average
+
+    keys = ["w", "b"]
+    if name in ("fedavg", "fedadam"):
+        avg = weighted_average([(u.state, u.num_examples) for _, u in ups])
+        if name == "fedavg":
+            return avg
+        out, _, _ = fedadam_step(
+            glob, avg, m=server["m"], v=server["v"], keys=keys, lr=0.01, beta1=0.9, beta2=0.99, tau=1e-3
+        )
+        return out
+    mean = weighted_average([(u.state, 1.0) for _, u in ups])
+    out = dict(mean)
+    for k in keys:
+        if name == "scaffold":
+            out[k] = glob[k] + 1.0 * (mean[k] - glob[k])
+        else:
+            drift = sum(u.state[k] - glob[k] for _, u in ups)
+            h = server["h"][k] - 0.01 / num_clients * drift
+            out[k] = mean[k] - h / 0.01
+    return out
+
+
+@pytest.mark.parametrize("name", ["fedavg", "scaffold", "feddyn", "fedadam"])
+def test_a_folded_round_equals_the_whole_round_rule_bit_for_bit(name):
+    """The weighted-sum servers take each update as it arrives and hold no list, yet give exactly the
+    weights (and server state) that the rule over the whole round gives; integer buffers come from the newest."""
+    glob, ups = _random_round(6)
+    s = create_strategy(name)
+    s.setup(glob, num_clients=20, param_keys=["w", "b"])
+    for _ in range(2):  # a second round also starts from non-zero server state
+        before = {k: dict(v) for k, v in s.state_dict().items()}
+        ref = _whole_round_reference(name, glob, ups, 20, before)
+        fold = s.fold(glob, sizes=[u.num_examples for _, u in ups], num_clients=20)
+        assert not hasattr(fold, "updates") or not fold.updates
+        for i, u in ups:
+            fold.add(i, u)
+        assert not getattr(fold, "updates", []), "a weighted-sum server must not keep the updates"
+        out = fold.finish().state
+        assert list(out) == list(ref)
+        for k in ref:
+            assert torch.equal(out[k], ref[k]), k
+        assert int(out["bn.num_batches_tracked"]) == 15
+        glob = out
+
+
+def test_a_folded_round_with_an_update_missing_rescales_to_the_same_average():
+    """A round whose server dropped an update it expected (NaN weights) still gets the average of the rest."""
+    from fedcore.aggregate.functions import weighted_average
+
+    glob, ups = _random_round(5, seed=1)
+    s = create_strategy("fedavg")
+    s.setup(glob, num_clients=20, param_keys=["w", "b"])
+    fold = s.fold(glob, sizes=[u.num_examples for _, u in ups], num_clients=20)
+    for i, u in ups[:-1]:
+        fold.add(i, u)
+    out = fold.finish().state
+    ref = weighted_average([(u.state, u.num_examples) for _, u in ups[:-1]])
+    for k in ("w", "b", "bn.running_mean"):
+        assert torch.allclose(out[k], ref[k], rtol=1e-6, atol=1e-7)
+
+
+def test_a_server_that_needs_the_whole_round_is_given_it_by_the_default_fold():
+    glob, ups = _random_round(4, seed=2)
+    s = create_strategy("fedproto")
+    fold = s.fold(glob, sizes=[u.num_examples for _, u in ups], num_clients=20)
+    for i, u in ups:
+        fold.add(i, u)
+    assert [i for i, _ in fold.updates] == [i for i, _ in ups]

@@ -238,7 +238,6 @@ def test_the_flow_submit_ships_each_clients_data_of_the_current_task_once(monkey
 
         def __call__(self, *, calls, **kw):
             submitted.extend(calls)
-            return [None] * len(calls)
 
     monkeypatch.setattr(R, "train_round_task", FakeTask())
     monkeypatch.setattr(R.runtime, "put", lambda obj: put.append(obj) or ("ref", len(put) - 1))
@@ -259,6 +258,7 @@ def test_the_flow_submit_ships_each_clients_data_of_the_current_task_once(monkey
         submit_round(
             None,
             [dict(client_id=0, round_index=r, x=xs, y=ys, global_state={"w": r}, broadcast={"task": data.task_of(r)})],
+            lambda j, u: None,
         )
     arrays = [p for p in put if isinstance(p, np.ndarray)]
     assert [a.tolist() for a in arrays if a.ndim == 1] == [[0, 0, 1, 1], [2, 2, 3, 3]]  # labels: once per task

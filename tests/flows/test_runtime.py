@@ -513,9 +513,9 @@ def test_a_failed_client_step_lets_the_rounds_other_steps_finish_and_an_interrup
 ):
     # Arrange: three client steps; the first finishes, then the next one's error arrives
     import logging
-    from types import SimpleNamespace
 
     import prefect
+    import ray
 
     from flows import runtime, tasks
 
@@ -523,24 +523,104 @@ def test_a_failed_client_step_lets_the_rounds_other_steps_finish_and_an_interrup
 
     def start(fn, **kw):
         refs.append(object())
-        return refs[-1]
+        return refs[-1], ("update", len(refs) - 1)
 
     def as_completed(rs, on_rerun=None):
-        yield 0, SimpleNamespace(num_examples=4, metrics={"train_loss": 0.1})
+        yield 0, (4, 0.1)
         raise error
 
-    monkeypatch.setattr(runtime, "ray_start", start)
+    monkeypatch.setattr(runtime, "ray_start_kept", start)
     monkeypatch.setattr(runtime, "ray_as_completed", as_completed)
     monkeypatch.setattr(runtime, "ray_settle", lambda rs: seen["settle"].append(list(rs)))
     monkeypatch.setattr(runtime, "ray_cancel", lambda rs: seen["cancel"].append(list(rs)))
+    monkeypatch.setattr(ray, "get", lambda ref: ref)
     monkeypatch.setattr(prefect, "get_run_logger", lambda: logging.getLogger("test"))
+    taken = []
 
     # Act
     with pytest.raises(type(error)):
-        tasks.train_round_task.fn(calls=[{}, {}, {}], names=["c0", "c1", "c2"])
+        tasks.train_round_task.fn(calls=[{}, {}, {}], names=["c0", "c1", "c2"], take=lambda j, u: taken.append(u))
 
     # Assert: ray.cancel racing a completing task can abort the driver inside Ray's core worker
     assert seen == ({"settle": [refs], "cancel": []} if settled else {"settle": [], "cancel": [refs]})
+    assert taken == [("update", 0)]  # the first finished before the error: the engine already has it
+
+
+def test_the_round_task_hands_over_results_in_client_order_once_each_across_a_retry(monkeypatch):
+    """Clients finish out of order; the engine must take them in order, while the rest still train. A retry
+    after a failed client reruns only the clients not yet taken, and never hands over one twice."""
+    import logging
+
+    import prefect
+    import ray
+
+    from flows import runtime, tasks
+
+    # Arrange: attempt 1 finishes clients 1, 0, 3 and then client 2 fails; attempt 2 reruns 2 and 3
+    started, attempt = [], {"n": 0}
+    finishing = {1: [1, 0, 3, "fail"], 2: [3, 2]}
+
+    def start(fn, **kw):
+        started.append((attempt["n"], kw["j"]))
+        return ("head", kw["j"]), ("update", attempt["n"], kw["j"])
+
+    def as_completed(rs, on_rerun=None):
+        order = [("head", j) for j in (c for c in finishing[attempt["n"]] if c != "fail")]
+        for head in order:
+            yield rs.index(head), (4, 0.1)
+        if "fail" in finishing[attempt["n"]]:
+            raise RuntimeError("client step failed")
+
+    monkeypatch.setattr(runtime, "ray_start_kept", start)
+    monkeypatch.setattr(runtime, "ray_as_completed", as_completed)
+    monkeypatch.setattr(runtime, "ray_settle", lambda rs: None)
+    monkeypatch.setattr(ray, "get", lambda ref: ref)
+    monkeypatch.setattr(prefect, "get_run_logger", lambda: logging.getLogger("test"))
+    taken, progress = [], tasks.RoundProgress()
+    calls = [{"j": j} for j in range(4)]
+
+    # Act: the task's first attempt, then Prefect's retry with the same arguments
+    attempt["n"] = 1
+    with pytest.raises(RuntimeError, match="client step failed"):
+        tasks.train_round_task.fn(
+            calls=calls, names=list("abcd"), take=lambda j, u: taken.append((j, u)), progress=progress
+        )
+    assert taken == [(0, ("update", 1, 0)), (1, ("update", 1, 1))]  # client 3 waits for client 2
+    attempt["n"] = 2
+    tasks.train_round_task.fn(
+        calls=calls, names=list("abcd"), take=lambda j, u: taken.append((j, u)), progress=progress
+    )
+
+    # Assert
+    assert [j for j, _ in taken] == [0, 1, 2, 3]
+    assert taken[2:] == [(2, ("update", 2, 2)), (3, ("update", 2, 3))]
+    assert started == [(1, 0), (1, 1), (1, 2), (1, 3), (2, 2), (2, 3)]  # the retry reran only 2 and 3
+
+
+def test_an_error_while_taking_a_result_is_not_retried(monkeypatch):
+    """The engine failing to fold an update in is not the clients' fault: a retry must not rerun them."""
+    import logging
+
+    import prefect
+    import ray
+
+    from flows import runtime, tasks
+
+    started = []
+    monkeypatch.setattr(runtime, "ray_start_kept", lambda fn, **kw: started.append(1) or (("h", len(started)), "u"))
+    monkeypatch.setattr(runtime, "ray_as_completed", lambda rs, on_rerun=None: iter([(0, (4, 0.1))]))
+    monkeypatch.setattr(runtime, "ray_settle", lambda rs: None)
+    monkeypatch.setattr(ray, "get", lambda ref: ref)
+    monkeypatch.setattr(prefect, "get_run_logger", lambda: logging.getLogger("test"))
+    progress = tasks.RoundProgress()
+
+    def take(j, u):
+        raise ValueError("weights of another shape")
+
+    for _ in range(2):
+        with pytest.raises(ValueError, match="another shape"):
+            tasks.train_round_task.fn(calls=[{}], names=["a"], take=take, progress=progress)
+    assert len(started) == 1
 
 
 def test_a_sync_flow_does_not_wait_for_its_heartbeat_thread(monkeypatch):
