@@ -37,6 +37,7 @@ from flows.tasks import (
     run_round_cell_task,
     train_round_task,
 )
+from flows.worker import pack
 
 
 def _runner(cfg: DictConfig):
@@ -477,8 +478,9 @@ def round_submit(
                     **kw,
                     "x": arrays((*key, "x"), kw["x"]),
                     "y": arrays((*key, "y"), kw["y"]),
-                    "global_state": states(id(kw["global_state"]), kw["global_state"]),
-                    "broadcast": broadcasts(id(kw["broadcast"]), kw["broadcast"]),
+                    "global_state": states(id(kw["global_state"]), kw["global_state"], pack=pack),
+                    "broadcast": broadcasts(id(kw["broadcast"]), kw["broadcast"], pack=pack),
+                    "client_state": pack(kw["client_state"]),
                     "plugins": tuple(plugins),
                 }
             )

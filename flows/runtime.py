@@ -411,17 +411,18 @@ class PutOnce:
     ``refs(key, value)`` puts ``value`` the first time ``key`` is seen and returns its ObjectRef.
     The value is kept alive with its ref, so an ``id()`` key stays unique. ``keep``: hold at most
     this many (the oldest is dropped), e.g. 1 for a global state that changes every round.
+    ``pack``: what is put instead of the value itself (``flows.worker.pack``: tensors as arrays).
     """
 
     def __init__(self, keep: int | None = None) -> None:
         self._refs: Dict[Any, Tuple[Any, Any]] = {}
         self._keep = keep
 
-    def __call__(self, key: Any, value: Any) -> Any:
+    def __call__(self, key: Any, value: Any, *, pack: Callable[[Any], Any] | None = None) -> Any:
         if key not in self._refs:
             if self._keep is not None and len(self._refs) >= self._keep:
                 del self._refs[next(iter(self._refs))]
-            self._refs[key] = (value, put(value))
+            self._refs[key] = (value, put(pack(value) if pack is not None else value))
         return self._refs[key][1]
 
 

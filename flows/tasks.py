@@ -25,7 +25,7 @@ from fedcore.types import ClientUpdate
 from flows import config as C
 from flows import integrity, systems
 from flows.evaluations import round_inputs
-from flows.worker import train_step_or_fail, update_summary
+from flows.worker import train_step_or_fail, unpack, update_summary
 
 # ------------------------------------------------------------------------------------ tasks
 
@@ -164,7 +164,7 @@ def train_round_task(
                 logger.info("%d of %d clients done (last: %s)", done, len(calls), names[j])
             ready[j] = started.pop(j)[1]
             while progress.taken in ready:
-                update = ray.get(ready.pop(progress.taken))
+                update = unpack(ray.get(ready.pop(progress.taken)))
                 try:
                     take(progress.taken, update)
                 except Exception as exc:

@@ -10,9 +10,11 @@ Ray worker on this 2-core machine before bytecode was compiled, about 3 s for th
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence, Tuple
+from typing import Any, Iterator, Mapping, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from fedcore.data import Partition
@@ -89,6 +91,56 @@ def load_plugins(plugins: Sequence[str]) -> None:
         systems.load_plugins(plugins)
 
 
+class Packed:
+    """A CPU tensor carried between processes as a numpy array.
+
+    Ray pickles a numpy array's memory as one out-of-band buffer; a torch tensor pickles its storage
+    as a small ``torch.save`` archive of its own, which made deserialising SCAFFOLD's updates (model,
+    control variate and its change) about half the driver's work in a round of 100 clients.
+    """
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+
+    def __reduce__(self):
+        return Packed, (self.array,)
+
+
+_NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8}
+_NUMPY_DTYPES |= {torch.uint8, torch.bool}
+
+
+def pack(obj: Any) -> Any:
+    """``obj`` with every tensor in its dicts, lists, tuples and :class:`ClientUpdate` as a :class:`Packed` array.
+
+    Other values (numpy arrays among them) pass untouched; a tensor numpy cannot hold stays a tensor.
+    """
+    if isinstance(obj, torch.Tensor):
+        return Packed(obj.detach().cpu().numpy()) if obj.dtype in _NUMPY_DTYPES else obj
+    if isinstance(obj, dict):
+        return {k: pack(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(pack(v) for v in obj)
+    if isinstance(obj, ClientUpdate):
+        return replace(obj, state=pack(obj.state), client_state=pack(obj.client_state), payload=pack(obj.payload))
+    return obj
+
+
+def unpack(obj: Any) -> Any:
+    """:func:`pack` undone: each array a tensor of its own memory (the same bits), never a view of Ray's store."""
+    if isinstance(obj, Packed):
+        return torch.from_numpy(np.array(obj.array, copy=True))
+    if isinstance(obj, dict):
+        return {k: unpack(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(unpack(v) for v in obj)
+    if isinstance(obj, ClientUpdate):
+        return replace(obj, state=unpack(obj.state), client_state=unpack(obj.client_state), payload=unpack(obj.payload))
+    return obj
+
+
 def update_summary(update: ClientUpdate) -> Tuple[int, float]:
     """What the driver logs of a finished client step before fetching its update: examples and train loss."""
     return update.num_examples, float(update.metrics.get("train_loss", float("nan")))
@@ -102,8 +154,14 @@ def train_step_or_fail(
     plugins: Sequence[str] = (),
     **kw,
 ) -> ClientUpdate:
-    """What the Ray worker runs for a driver-side client task (the injected faults fire in the worker)."""
+    """What the Ray worker runs for a driver-side client task (the injected faults fire in the worker).
+
+    The states arrive and the update leaves :func:`pack`-ed; the driver unpacks it.
+    """
     load_plugins(plugins)
     _maybe_fail(fault_marker, crash_marker)
+    for key in ("global_state", "broadcast", "client_state"):
+        if key in kw:
+            kw[key] = unpack(kw[key])
     with torch_threads(threads):
-        return train_step(**kw)
+        return pack(train_step(**kw))

@@ -675,3 +675,43 @@ def test_the_pinned_prefect_still_sends_heartbeats_under_the_patch(monkeypatch):
 
     assert probe() == 7
     assert len(emitted) >= 1
+
+
+def test_tensors_travel_to_and_from_workers_as_arrays_with_the_same_bits():
+    """Client states cross processes as numpy arrays (Ray's zero-copy path, not torch's pickling); what
+    arrives is the same tensors bit for bit, in memory of their own, and everything else is untouched."""
+    import pickle
+
+    import numpy as np
+    import torch
+
+    from fedcore.types import ClientUpdate
+    from flows.worker import Packed, pack, unpack
+
+    g = torch.Generator().manual_seed(0)
+    update = ClientUpdate(
+        state={
+            "w": torch.randn(3, 4, generator=g),
+            "bn.num_batches_tracked": torch.tensor(7),
+            "half": torch.ones(2).bfloat16(),
+        },
+        num_examples=40,
+        metrics={"train_loss": 0.25},
+        client_state={"c_i": {"w": torch.randn(3, 4, generator=g)[:, ::2]}},  # a non-contiguous view too
+        payload={"delta_c": [torch.zeros(2)], "counts": (torch.arange(3),)},
+    )
+    x = np.arange(6.0)
+    packed = pack({"update": update, "x": x})
+    assert isinstance(packed["update"].state["w"], Packed) and packed["x"] is x
+    assert isinstance(packed["update"].state["half"], torch.Tensor)  # numpy has no bfloat16: left a tensor
+    back = unpack(pickle.loads(pickle.dumps(packed, protocol=5)))["update"]
+    for a, b in [
+        (update.state["w"], back.state["w"]),
+        (update.state["bn.num_batches_tracked"], back.state["bn.num_batches_tracked"]),
+        (update.client_state["c_i"]["w"], back.client_state["c_i"]["w"]),
+        (update.payload["delta_c"][0], back.payload["delta_c"][0]),
+        (update.payload["counts"][0], back.payload["counts"][0]),
+    ]:
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert back.num_examples == 40 and back.metrics == {"train_loss": 0.25}
+    assert isinstance(back.payload["counts"], tuple) and back.state["w"].numpy().flags.writeable
