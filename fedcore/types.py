@@ -90,6 +90,12 @@ class RoundData:
         keep = cast(List[np.ndarray], self.client_task)[client] == self.task_of(round_index)
         return self.client_x[client][keep], self.client_y[client][keep]
 
+    def client_size(self, client: int, round_index: int) -> int:
+        """How many examples :meth:`client_data` gives, without slicing them out."""
+        if not self.staged:
+            return len(self.client_y[client])
+        return int((cast(List[np.ndarray], self.client_task)[client] == self.task_of(round_index)).sum())
+
 
 @dataclass
 class ClientUpdate:

@@ -468,10 +468,10 @@ def round_submit(
 
     def submit_round(fn, calls, take):
         signals.check()  # no round starts after a stop signal
-        r = int(calls[0]["round_index"])
         shipped, names, markers = [], [], {}
-        for j, kw in enumerate(calls):
-            i = int(kw["client_id"])
+        for j in range(len(calls)):
+            kw = calls[j]  # built now: a client's saved state is read from its file here, and goes to Ray's store
+            i, r = int(kw["client_id"]), int(kw["round_index"])
             key = (i, int(kw["broadcast"].get("task", 0)))  # data in tasks: the engine passes this task's slice
             shipped.append(
                 {
@@ -480,7 +480,7 @@ def round_submit(
                     "y": arrays((*key, "y"), kw["y"]),
                     "global_state": states(id(kw["global_state"]), kw["global_state"], pack=pack),
                     "broadcast": broadcasts(id(kw["broadcast"]), kw["broadcast"], pack=pack),
-                    "client_state": pack(kw["client_state"]),
+                    "client_state": runtime.put(pack(kw["client_state"])) if kw.get("client_state") else {},
                     "plugins": tuple(plugins),
                 }
             )

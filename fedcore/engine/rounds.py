@@ -17,8 +17,8 @@ import math
 import secrets
 import time
 import warnings
+from collections.abc import Sequence as SequenceABC
 from dataclasses import asdict, dataclass, field, replace
-from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Protocol, Sequence, Tuple, cast
 
@@ -231,8 +231,8 @@ def run_rounds(
     fp = cfg.fingerprint()
     state = init_state(spec, cfg.seed) if init is None else {k: v.clone() for k, v in init.items()}
     strategy.setup(state, num_clients=data.num_clients, param_keys=param_keys)
-    client_states: Dict[int, Dict[str, Any]] = {}
-    saved_at: Dict[int, str] = {}  # client -> the file that holds its state (CLIENTS_DIR)
+    token = secrets.token_hex(4)  # this call's files: never the name of a file an older checkpoint names
+    clients = _ClientStates(folder, fingerprint=fp, token=token)
     records: List[Dict[str, Any]] = []
     done = 0
     if folder is not None:
@@ -240,13 +240,11 @@ def run_rounds(
         if resume and found is not None:
             p = found.payload
             done, state, records = int(p["done"]), p["global_state"], list(p["records"])
-            client_states, saved_at = _load_clients(folder, p, fingerprint=fp)
+            clients.resume_from(p)
             strategy.load_state_dict(p["strategy"])
     model_bytes = state_bytes(state)
     steps = range(done, cfg.rounds)
     first = done  # the first round this call runs
-    unsaved = [i for i in client_states if i not in saved_at]  # read from a checkpoint that held them inside
-    token = secrets.token_hex(4)  # this call's files: never the name of a file an older checkpoint names
     if progress:
         from tqdm.auto import tqdm
 
@@ -265,35 +263,35 @@ def run_rounds(
         }
         if data.staged:
             broadcast.update(task=data.task_of(r), task_classes=data.task_classes, rounds_per_task=int(per_task))
-        calls: List[Dict[str, Any]] = []
-        sizes: List[int] = []
-        for i in selected:
+
+        def call(i: int, r: int = r, broadcast: Dict[str, Any] = broadcast, state: State = state) -> Dict[str, Any]:
             x, y = data.client_data(i, r)
-            sizes.append(len(y))
-            calls.append(
-                dict(
-                    global_state=state,
-                    spec=spec,
-                    x=x,
-                    y=y,
-                    trainer=cfg.trainer,
-                    trainer_params=dict(cfg.trainer_params),
-                    broadcast=broadcast,
-                    client_state=client_states.get(i, {}),
-                    seed=cfg.client_seed(r, i),
-                    device=cfg.device,
-                    client_id=i,
-                    round_index=r,
-                )
+            return dict(
+                global_state=state,
+                spec=spec,
+                x=x,
+                y=y,
+                trainer=cfg.trainer,
+                trainer_params=dict(cfg.trainer_params),
+                broadcast=broadcast,
+                client_state=clients.get(i),
+                seed=cfg.client_seed(r, i),
+                device=cfg.device,
+                client_id=i,
+                round_index=r,
             )
-        intake = _Intake(strategy.fold(state, sizes=sizes, num_clients=data.num_clients), r, selected, data)
+
+        calls = _Calls(selected, call)  # each built when asked for: a saved client state is read then
+        sizes = [data.client_size(i, r) for i in selected]
+        before = dict(clients.saved_at)  # the files the last checkpoint names
+        intake = _Intake(strategy.fold(state, sizes=sizes, num_clients=data.num_clients), r, selected, data, clients)
         if submit_round is not None:
             submit_round(train_step, calls, intake)
         elif submit is run_now:  # one client at a time: each update is folded in before the next is trained
-            for j, kw in enumerate(calls):
-                intake(j, submit(train_step, **kw).result())
+            for j in range(len(calls)):
+                intake(j, submit(train_step, **calls[j]).result())
         else:
-            futures = [submit(train_step, **kw) for kw in calls]
+            futures = [submit(train_step, **calls[j]) for j in range(len(calls))]
             for j, fut in enumerate(futures):
                 intake(j, fut.result())
             del futures
@@ -307,15 +305,9 @@ def run_rounds(
             agg.per_client.setdefault(i, {}).update(line)
         new_state = agg.state
         agg_seconds += time.perf_counter() - t0
-        changed = []
-        for i, upd in updates:
-            if upd.client_state:
-                client_states[i] = upd.client_state
-                changed.append(i)
         for i, upd in dropped:  # sent, so spent: a client whose update is not merged still keeps its privacy account
             if upd.client_state and "ledger" in upd.client_state:
-                client_states[i] = {**client_states.get(i, {}), "ledger": upd.client_state["ledger"]}
-                changed.append(i)
+                clients.set(i, {**clients.get(i), "ledger": upd.client_state["ledger"]}, round_index=r)
         record = _round_record(
             r,
             data,
@@ -335,20 +327,8 @@ def run_rounds(
         state, done = new_state, r + 1
         if folder is not None:
             if r == first:
-                changed += unsaved
-            _save_round(
-                folder,
-                r,
-                state,
-                strategy,
-                client_states,
-                saved_at,
-                changed,
-                records,
-                fingerprint=fp,
-                name=partial(_client_file, round_index=r, token=token),
-                sweep=r == first,
-            )
+                clients.write_unsaved(round_index=r)
+            _save_round(folder, r, state, strategy, clients, before, records, fingerprint=fp, sweep=r == first)
         if on_round is not None:
             on_round(record, state)
         if stop_after is not None and done >= stop_after and done < cfg.rounds:
@@ -357,20 +337,23 @@ def run_rounds(
         records=records,
         final_state=state,
         summary=summarise_rounds(records),
-        ledgers={k: v["ledger"] for k, v in sorted(client_states.items()) if "ledger" in v},
+        ledgers=clients.ledgers(),
     )
 
 
 class _Intake:
     """Takes a round's updates one at a time, in client order (the ``take`` of a ``submit_round``).
 
-    A finite update is folded into the round's aggregate and kept without its weights (what the
-    round's record needs); one with NaN or inf is set aside with a warning. So a weighted-sum server
-    never holds the round's models.
+    A finite update is folded into the round's aggregate, its client state handed to the store, and
+    the rest kept without its weights (what the round's record needs); one with NaN or inf is set
+    aside with a warning. So a weighted-sum server never holds the round's models.
     """
 
-    def __init__(self, fold: Fold, round_index: int, selected: Sequence[int], data: RoundData) -> None:
+    def __init__(
+        self, fold: Fold, round_index: int, selected: Sequence[int], data: RoundData, clients: _ClientStates
+    ) -> None:
         self.fold, self.round_index, self.selected, self.data = fold, round_index, list(selected), data
+        self.clients = clients
         self.updates: List[Tuple[int, ClientUpdate]] = []
         self.dropped: List[Tuple[int, ClientUpdate]] = []
         self.agg_seconds, self.bytes_up = 0.0, 0
@@ -390,7 +373,9 @@ class _Intake:
         self.fold.add(i, upd)
         self.agg_seconds += time.perf_counter() - t0
         self.bytes_up += state_bytes(upd.state) + state_bytes(upd.payload)
-        self.updates.append((i, replace(upd, state={}, payload={})))
+        if upd.client_state:  # what the server keeps for the client: saved now, not held for the round
+            self.clients.set(i, upd.client_state, round_index=self.round_index)
+        self.updates.append((i, replace(upd, state={}, payload={}, client_state={})))
 
 
 CLIENTS_DIR = "clients"  # in a rounds checkpoint: c<client>-r<round>-<run>.pt, each client's state as of that round
@@ -405,65 +390,126 @@ def _save_round(
     r: int,
     state: State,
     strategy: Strategy,
-    client_states: Mapping[int, Dict[str, Any]],
-    saved_at: Dict[int, str],
-    changed: Sequence[int],
+    clients: "_ClientStates",
+    before: Mapping[int, str],
     records: List[Dict[str, Any]],
     *,
     fingerprint: str,
-    name: Callable[[int], str],
     sweep: bool = False,
 ) -> None:
-    """Checkpoint round ``r``: the state of each client in ``changed`` in a new file of its own (``name(i)``),
-    then the server's state, which names each client's file. A round writes what its clients changed, not
-    every client known (SCAFFOLD's checkpoint grew by a model's size per client ever seen, rewritten every
-    round). A new file never replaces one a checkpoint names, so a crash at any point leaves the last
-    checkpoint whole; the files it does not name (a crashed round's, another run's) are removed once the
-    server's state is written: those it replaced, and with ``sweep`` (a call's first save) every one."""
-    clients = folder / CLIENTS_DIR
-    before = dict(saved_at)
-    for i in dict.fromkeys(changed):
-        save_state(clients, {"state": client_states[i]}, fingerprint=fingerprint, name=name(i))
-        saved_at[i] = name(i)
+    """Checkpoint round ``r``: the server's state, which names each client's file (the round's clients wrote
+    theirs as their updates were taken). A new client file never replaces one a checkpoint names, so a
+    crash at any point leaves the last checkpoint whole; the files it does not name (a crashed round's,
+    another run's) are removed once the server's state is written: those this round replaced
+    (``before``: the files the last checkpoint named), and with ``sweep`` (a call's first save) every one."""
     payload = {
         "done": r + 1,
         "global_state": state,
         "strategy": strategy.state_dict(),
-        "client_files": dict(saved_at),
+        "client_files": dict(clients.saved_at),
+        "ledgered": sorted(clients.ledgered),
         "records": records,
     }
     save_state(folder, payload, fingerprint=fingerprint)
-    named = set(saved_at.values())
-    stale = [f"{old}{suffix}" for i, old in before.items() if old not in named for suffix in (".pt", ".sha256")]
-    if sweep and clients.is_dir():
-        stale += [f.name for f in clients.iterdir() if f.name.split(".")[0] not in named]
+    named = set(clients.saved_at.values())
+    stale = [f"{old}{suffix}" for old in before.values() if old not in named for suffix in (".pt", ".sha256")]
+    where = folder / CLIENTS_DIR
+    if sweep and where.is_dir():
+        stale += [f.name for f in where.iterdir() if f.name.split(".")[0] not in named]
     for f in stale:
-        (clients / f).unlink(missing_ok=True)
+        (where / f).unlink(missing_ok=True)
 
 
-def _load_clients(
-    folder: Path, payload: Mapping[str, Any], *, fingerprint: str | None
-) -> Tuple[Dict[int, Dict[str, Any]], Dict[int, str]]:
-    """The clients' states a checkpoint names, each checked against its sha256, and the file of each."""
-    if "client_states" in payload:  # a checkpoint written before client files: the states themselves
-        return {int(k): v for k, v in payload["client_states"].items()}, {}
-    saved_at = {int(k): str(v) for k, v in payload["client_files"].items()}
-    states = {}
-    for i, name in saved_at.items():
-        found = load_state(folder / CLIENTS_DIR, fingerprint=fingerprint, name=name)
+class _ClientStates:
+    """Each client's saved state (``client_state``: SCAFFOLD's c_i, a privacy ledger) between its rounds.
+
+    With a checkpoint folder a state is written to a file of its own (:data:`CLIENTS_DIR`) as soon as
+    the round takes it, and read back when the client is next selected: the driver holds no client's
+    state between its rounds, however many clients it has seen (SCAFFOLD at K = 10,000 would otherwise
+    keep a model's size per client ever trained). Without a folder they are kept in memory.
+    """
+
+    def __init__(self, folder: Path | None, *, fingerprint: str, token: str) -> None:
+        self.folder = folder / CLIENTS_DIR if folder is not None else None
+        self.fingerprint, self.token = fingerprint, token
+        self.memory: Dict[int, Dict[str, Any]] = {}
+        self.saved_at: Dict[int, str] = {}  # client -> its file (no suffix) in the folder
+        self.ledgered: set[int] = set()  # clients whose state holds a privacy ledger
+        self.unsaved: List[int] = []  # read from a checkpoint that held the states inside: written at the first save
+
+    def resume_from(self, payload: Mapping[str, Any]) -> None:
+        if "client_states" in payload:  # a checkpoint written before client files: the states themselves
+            self.memory = {int(k): v for k, v in payload["client_states"].items()}
+            self.unsaved = sorted(self.memory)
+            self.ledgered = {i for i, v in self.memory.items() if "ledger" in v}
+            return
+        self.saved_at = {int(k): str(v) for k, v in payload["client_files"].items()}
+        for i in self.saved_at:  # every file the checkpoint names must be there and whole, before any work
+            self._read(i, check_only=True)
+        if "ledgered" in payload:
+            self.ledgered = {int(i) for i in payload["ledgered"]}
+        else:  # an older checkpoint does not say which: look
+            self.ledgered = {i for i in self.saved_at if "ledger" in self._read(i)}
+
+    def get(self, i: int) -> Dict[str, Any]:
+        if i in self.memory:
+            return self.memory[i]
+        return self._read(i) if i in self.saved_at else {}
+
+    def set(self, i: int, state: Dict[str, Any], *, round_index: int) -> None:
+        if "ledger" in state:
+            self.ledgered.add(i)
+        if self.folder is None:
+            self.memory[i] = state
+            return
+        name = _client_file(i, round_index=round_index, token=self.token)
+        save_state(self.folder, {"state": state}, fingerprint=self.fingerprint, name=name)
+        self.saved_at[i] = name
+        self.memory.pop(i, None)
+
+    def write_unsaved(self, *, round_index: int) -> None:
+        for i in self.unsaved:
+            if i in self.memory:  # not replaced by this round
+                self.set(i, self.memory[i], round_index=round_index)
+        self.unsaved = []
+
+    def ledgers(self) -> Dict[int, Any]:
+        return {i: self.get(i)["ledger"] for i in sorted(self.ledgered)}
+
+    def _read(self, i: int, *, check_only: bool = False) -> Dict[str, Any]:
+        assert self.folder is not None
+        found = load_state(self.folder, fingerprint=self.fingerprint, name=self.saved_at[i])
         if found is None:
             raise CheckpointError(
-                f"the checkpoint in {folder} names {CLIENTS_DIR}/{name}.pt, client {i}'s state, which is missing; "
-                "restore the folder whole, or move it away to start fresh"
+                f"the checkpoint in {self.folder.parent} names {CLIENTS_DIR}/{self.saved_at[i]}.pt, client {i}'s "
+                "state, which is missing; restore the folder whole, or move it away to start fresh"
             )
-        states[i] = found.payload["state"]
-    return states, saved_at
+        return {} if check_only else found.payload["state"]
+
+
+class _Calls(SequenceABC):
+    """A round's client calls, each built when asked for (a client's saved state is read from its file then)."""
+
+    def __init__(self, selected: Sequence[int], make: Callable[[int], Dict[str, Any]]) -> None:
+        self.selected, self.make = list(selected), make
+
+    def __len__(self) -> int:
+        return len(self.selected)
+
+    def __getitem__(self, j):
+        if not isinstance(j, int):
+            raise TypeError("a round's calls are taken one index at a time")
+        return self.make(self.selected[j])
 
 
 def load_client_states(folder: str | Path) -> Dict[int, Dict[str, Any]]:
     """Every client's saved state in a rounds checkpoint folder (empty when there is none)."""
     found = load_state(folder)
-    return {} if found is None else _load_clients(Path(folder), found.payload, fingerprint=None)[0]
+    if found is None:
+        return {}
+    clients = _ClientStates(Path(folder), fingerprint=found.fingerprint, token="")
+    clients.resume_from(found.payload)
+    return {i: clients.get(i) for i in sorted({*clients.memory, *clients.saved_at})}
 
 
 def _round_record(

@@ -7,7 +7,7 @@ task on Ray. Both drivers therefore run the same step functions in the same orde
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, Sequence
 
 
 class Done:
@@ -29,4 +29,5 @@ Submit = Callable[..., Any]
 # take(j, fn(**calls[j])) once per call, in call order, as soon as that result and every one before it
 # are ready (the engine folds each into the round's aggregate), and returns when all are taken. A result
 # taken is final: a retry reruns only the calls not yet taken.
-SubmitRound = Callable[[Callable, List[Dict[str, Any]], Callable[[int, Any], None]], None]
+# calls[j] builds call j when asked for (read each once, in order)
+SubmitRound = Callable[[Callable, Sequence[Dict[str, Any]], Callable[[int, Any], None]], None]

@@ -327,6 +327,31 @@ def scaffold_cfg(*, rounds: int, participation: float) -> RoundConfig:
     )
 
 
+def test_with_a_checkpoint_no_clients_state_stays_in_memory_between_its_rounds(tmp_path, monkeypatch):
+    """SCAFFOLD keeps a model-sized variate per client: at K = 10,000 the driver must not hold one for every
+    client it has seen. With a checkpoint folder each is read back from its file when the client is next
+    selected, and the run is the in-memory run exactly."""
+    import fedcore.engine.rounds as engine
+
+    stores = []
+    real_init = engine._ClientStates.__init__
+
+    def init(self, *a, **kw):
+        real_init(self, *a, **kw)
+        stores.append(self)
+
+    monkeypatch.setattr(engine._ClientStates, "__init__", init)
+    data, cfg = _many(12), scaffold_cfg(rounds=5, participation=0.25)
+    held = []
+    on_disk = run_rounds(
+        data, SPEC, cfg, checkpoint_dir=tmp_path, on_round=lambda r, s: held.append(len(stores[-1].memory))
+    )
+    in_memory = run_rounds(data, SPEC, cfg, on_round=lambda r, s: held.append(len(stores[-1].memory)))
+    assert held[:5] == [0] * 5 and held[5:] == sorted(held[5:]) and held[-1] > 3  # seen clients accumulate
+    assert all(torch.equal(on_disk.final_state[k], in_memory.final_state[k]) for k in in_memory.final_state)
+    assert strip(on_disk.records) == strip(in_memory.records)
+
+
 def test_a_round_checkpoints_the_state_of_the_clients_it_trained_not_of_every_client_known(tmp_path):
     # Prepare: SCAFFOLD (a control variate per client) with 2 of 40 clients a round
     data = _many(40)
