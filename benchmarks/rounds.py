@@ -127,11 +127,11 @@ def client_task_submit(data):
     from prefect.cache_policies import NO_CACHE
 
     from flows import runtime
-    from flows.worker import train_step_or_fail
+    from flows.worker import train_step_or_fail, unpack
 
     @task(name="train-client", cache_policy=NO_CACHE)
     def client_task(**kw):
-        return runtime.ray_call(train_step_or_fail, **kw)
+        return unpack(runtime.ray_call(train_step_or_fail, **kw))
 
     arrays, states = runtime.PutOnce(), runtime.PutOnce(keep=1)
 

@@ -206,14 +206,15 @@ def killed(row: str, strategy: str, rounds: int, folder: Path) -> int:
     done = 0
     try:
         while done < half:
-            if child.poll() is not None:
-                raise SystemExit(f"the run to be killed ended first (exit {child.returncode})")
-            time.sleep(0.05)
+            ended = child.poll() is not None
             try:
                 found = load_state(folder)
             except (CheckpointError, OSError):  # read while the child replaced it: look again
-                continue
-            done = int(found.payload["done"]) if found is not None else 0
+                found = None
+            done = int(found.payload["done"]) if found is not None else done
+            if ended and done < half:
+                raise SystemExit(f"the run to be killed ended first (exit {child.returncode})")
+            time.sleep(0.05)
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait()

@@ -101,7 +101,7 @@ def train_round_task(
     calls: List[Dict[str, Any]],
     names: List[str],
     take: Callable[[int, ClientUpdate], None],
-    progress: RoundProgress | None = None,
+    progress: RoundProgress,
     num_gpus: float = 0.0,
     markers: Mapping[int, Mapping[str, str]] | None = None,
     threads: int = 1,
@@ -127,7 +127,6 @@ def train_round_task(
 
     from flows import runtime
 
-    progress = progress if progress is not None else RoundProgress()
     if progress.broken is not None:  # taking failed in an earlier attempt: rerunning the clients cannot help
         raise progress.broken
     logger = get_run_logger()

@@ -51,10 +51,17 @@ class FedAvg(Strategy):
     """
 
     def fold(self, global_state: State, *, sizes: Sequence[int], num_clients: int) -> Fold:
+        if not _own_rule(self, FedAvg):
+            return Fold(self, global_state, num_clients=num_clients)
         return _AverageFold(self, global_state, num_clients=num_clients, total=float(sum(sizes)))
 
     def aggregate(self, global_state: State, updates: Updates, *, num_clients: int) -> Aggregated:
         return aggregate_by_folding(self, global_state, updates, num_clients=num_clients)
+
+
+def _own_rule(strategy: Strategy, cls: type) -> bool:
+    """False for a subclass of ``cls`` that replaced its ``aggregate``: its fold must hand it the whole round."""
+    return type(strategy).aggregate is cls.aggregate  # type: ignore[attr-defined]
 
 
 class _AverageFold(Fold):
@@ -99,6 +106,8 @@ class Scaffold(Strategy):
         return {"c": self.c}
 
     def fold(self, global_state: State, *, sizes: Sequence[int], num_clients: int) -> Fold:
+        if not _own_rule(self, Scaffold):
+            return Fold(self, global_state, num_clients=num_clients)
         return _ScaffoldFold(self, global_state, num_clients=num_clients, total=float(len(sizes)), equal=True)
 
     def aggregate(self, global_state: State, updates: Updates, *, num_clients: int) -> Aggregated:
@@ -152,6 +161,8 @@ class FedDyn(Strategy):
         self.h = {k: torch.zeros_like(global_state[k]) for k in self.param_keys}
 
     def fold(self, global_state: State, *, sizes: Sequence[int], num_clients: int) -> Fold:
+        if not _own_rule(self, FedDyn):
+            return Fold(self, global_state, num_clients=num_clients)
         return _FedDynFold(self, global_state, num_clients=num_clients, total=float(len(sizes)), equal=True)
 
     def aggregate(self, global_state: State, updates: Updates, *, num_clients: int) -> Aggregated:
@@ -209,6 +220,8 @@ class FedAdam(Strategy):
         self.v = {k: torch.zeros_like(global_state[k]) for k in self.param_keys}
 
     def fold(self, global_state: State, *, sizes: Sequence[int], num_clients: int) -> Fold:
+        if not _own_rule(self, FedAdam):
+            return Fold(self, global_state, num_clients=num_clients)
         return _FedAdamFold(self, global_state, num_clients=num_clients, total=float(sum(sizes)))
 
     def aggregate(self, global_state: State, updates: Updates, *, num_clients: int) -> Aggregated:

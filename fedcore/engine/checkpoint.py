@@ -3,7 +3,7 @@
 A checkpoint is a folder holding ``<name>.pt`` and ``<name>.sha256``. The payload is a plain
 dict of tensors, numbers, strings, lists and dicts; a loop turns its own dataclasses into that
 and back. The file and its sha256 are written to temporary names and renamed, file first, so a
-crash leaves either the old checkpoint or the new one; one that lands between the two renames
+killed process leaves either the old checkpoint or the new one; a kill between the two renames
 leaves the new file and its digest in ``<name>.sha256.tmp``, and the next read or write finishes
 the rename. A file that does not match its sha256 is never read and never overwritten.
 """
@@ -60,7 +60,11 @@ def save_state(folder: str | Path, payload: Dict[str, Any], *, fingerprint: str,
     torch.save({"version": CHECKPOINT_VERSION, "fingerprint": fingerprint, "payload": payload}, tmp)
     pending.write_text(sha256_file(tmp) + "\n")
     tmp.replace(path)
-    pending.replace(digest_path)
+    try:
+        pending.replace(digest_path)
+    except FileNotFoundError:  # a reader found the new file first and finished the rename itself
+        if not digest_path.exists():
+            raise
     return path
 
 

@@ -296,6 +296,8 @@ def run_rounds(
                 intake(j, fut.result())
             del futures
         del calls
+        if intake.taken != len(selected):
+            raise RuntimeError(f"round {r}: {intake.taken} of {len(selected)} client updates were handed over")
         updates, dropped, agg_seconds = intake.updates, intake.dropped, intake.agg_seconds
         refused = [i for i, _ in dropped]
         lines = strategy.discarded(dropped) if dropped else {}
@@ -356,9 +358,15 @@ class _Intake:
         self.clients = clients
         self.updates: List[Tuple[int, ClientUpdate]] = []
         self.dropped: List[Tuple[int, ClientUpdate]] = []
-        self.agg_seconds, self.bytes_up = 0.0, 0
+        self.agg_seconds, self.bytes_up, self.taken = 0.0, 0, 0
 
     def __call__(self, j: int, upd: ClientUpdate) -> None:
+        if j != self.taken:
+            raise RuntimeError(
+                f"round {self.round_index}: update {j} handed over after {self.taken}; a submit_round must hand "
+                "each call's result over once, in call order"
+            )
+        self.taken += 1
         i = self.selected[j]
         if not is_finite_update(upd):
             self.dropped.append((i, upd))
@@ -459,6 +467,8 @@ class _ClientStates:
     def set(self, i: int, state: Dict[str, Any], *, round_index: int) -> None:
         if "ledger" in state:
             self.ledgered.add(i)
+        else:
+            self.ledgered.discard(i)
         if self.folder is None:
             self.memory[i] = state
             return

@@ -108,6 +108,27 @@ def test_a_save_killed_between_its_renames_leaves_a_checkpoint_that_reads_whole(
     assert load_state(tmp_path, fingerprint="f").payload == {"done": 3}
 
 
+def test_a_reader_that_finishes_a_saves_rename_does_not_break_the_save(tmp_path, monkeypatch):
+    """A resume check or a benchmark may read the folder while a run writes it: if the reader completes the
+    digest's rename between the writer's two renames, the writer must still finish cleanly."""
+    from fedcore.engine.checkpoint import load_state, save_state
+
+    save_state(tmp_path, {"done": 1}, fingerprint="f")
+    real, renames = Path.replace, []
+
+    def replace(self, target):
+        renames.append(target)
+        out = real(self, target)
+        if len(renames) == 1:  # the file is in place: a reader arrives now
+            assert load_state(tmp_path, fingerprint="f").payload == {"done": 2}
+        return out
+
+    monkeypatch.setattr(Path, "replace", replace)
+    save_state(tmp_path, {"done": 2}, fingerprint="f")
+    monkeypatch.setattr(Path, "replace", real)
+    assert load_state(tmp_path, fingerprint="f").payload == {"done": 2}
+
+
 def test_forgetting_golden():
     acc = np.array([[0.9, np.nan, np.nan], [0.8, 0.7, np.nan], [0.6, 0.75, 0.5]])
     assert forgetting(acc, [0, 1, 2]) == pytest.approx(((0.9 - 0.6) + (0.7 - 0.75)) / 2)

@@ -327,6 +327,19 @@ def scaffold_cfg(*, rounds: int, participation: float) -> RoundConfig:
     )
 
 
+@pytest.mark.parametrize("order", [[1, 0, 2, 3], [0, 1, 1, 2, 3], [0, 1, 2]])
+def test_a_submit_round_that_hands_updates_over_out_of_order_twice_or_not_at_all_is_refused(fed, order):
+    """The round's aggregate is folded in call order; a driver that breaks that must fail, not average wrongly."""
+
+    def submit_round(fn, calls, take):
+        done = {j: fn(**calls[j]) for j in range(len(calls))}
+        for j in order:
+            take(j, done[j])
+
+    with pytest.raises(RuntimeError, match="handed over"):
+        run_rounds(fed, SPEC, sgd_cfg(rounds=1), submit_round=submit_round)
+
+
 def test_with_a_checkpoint_no_clients_state_stays_in_memory_between_its_rounds(tmp_path, monkeypatch):
     """SCAFFOLD keeps a model-sized variate per client: at K = 10,000 the driver must not hold one for every
     client it has seen. With a checkpoint folder each is read back from its file when the client is next

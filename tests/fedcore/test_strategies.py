@@ -206,10 +206,24 @@ def _random_round(n: int, seed: int = 0):
     return glob, ups
 
 
-def _whole_round_reference(name, glob, ups, num_clients, server):
-    """Each server's rule over the whole round's list, as written before updates were folded in one at a time."""
-    from fedcore.aggregate.functions import weighted_average
+def _mean_by_hand(pairs):
+    """The weighted mean over a whole list: each key's float64 sum of s·(w/total), added in list order."""
+    total = float(sum(w for _, w in pairs))
+    out = {}
+    for key, ref in pairs[0][0].items():
+        if ref.is_floating_point():
+            acc = torch.zeros_like(ref, dtype=torch.float64)
+            for state, w in pairs:
+                acc += state[key].to(torch.float64) * (w / total)
+            out[key] = acc.to(ref.dtype)
+        else:
+            out[key] = pairs[-1][0][key].clone()
+    return out
 
+
+def _whole_round_reference(name, glob, ups, num_clients, server):
+    """Each server's rule written over the whole round's list."""
+    weighted_average = _mean_by_hand
     keys = ["w", "b"]
     if name in ("fedavg", "fedadam"):
         avg = weighted_average([(u.state, u.num_examples) for _, u in ups])
@@ -277,3 +291,20 @@ def test_a_server_that_needs_the_whole_round_is_given_it_by_the_default_fold():
     for i, u in ups:
         fold.add(i, u)
     assert [i for i, _ in fold.updates] == [i for i, _ in ups]
+
+
+def test_a_subclass_of_fedavg_that_replaces_aggregate_is_given_the_whole_round():
+    """Folding FedAvg's sum would silently train plain FedAvg in place of the subclass's own rule."""
+    from fedcore.aggregate.strategies import Aggregated, FedAvg
+
+    class Newest(FedAvg):
+        def aggregate(self, global_state, updates, *, num_clients):
+            return Aggregated(dict(updates[-1][1].state))
+
+    glob, ups = _random_round(3, seed=3)
+    s = Newest()
+    s.setup(glob, num_clients=20, param_keys=["w", "b"])
+    fold = s.fold(glob, sizes=[u.num_examples for _, u in ups], num_clients=20)
+    for i, u in ups:
+        fold.add(i, u)
+    assert torch.equal(fold.finish().state["w"], ups[-1][1].state["w"])

@@ -539,7 +539,12 @@ def test_a_failed_client_step_lets_the_rounds_other_steps_finish_and_an_interrup
 
     # Act
     with pytest.raises(type(error)):
-        tasks.train_round_task.fn(calls=[{}, {}, {}], names=["c0", "c1", "c2"], take=lambda j, u: taken.append(u))
+        tasks.train_round_task.fn(
+            calls=[{}, {}, {}],
+            names=["c0", "c1", "c2"],
+            take=lambda j, u: taken.append(u),
+            progress=tasks.RoundProgress(),
+        )
 
     # Assert: ray.cancel racing a completing task can abort the driver inside Ray's core worker
     assert seen == ({"settle": [refs], "cancel": []} if settled else {"settle": [], "cancel": [refs]})
