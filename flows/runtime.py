@@ -385,8 +385,8 @@ def ray_settle(refs: List[Any]) -> None:
 
     A round whose client step raised waits for its other steps rather than cancelling them:
     ``ray.cancel`` racing a task that is just completing can fail a check inside Ray's core worker
-    (``it != submissible_tasks_.end()``) and abort the whole driver process, which CI saw once
-    (2026-12-02). The other steps are sub-second to minutes, and Prefect's retry reruns the round.
+    (``it != submissible_tasks_.end()``) and abort the whole driver process. The other steps are
+    sub-second to minutes, and Prefect's retry reruns the clients not yet taken.
     """
     import ray
 
