@@ -293,7 +293,8 @@ def main() -> int:
                         s_plains.append(plain(data, cfg, tmp / f"plain-{k}-{per_round}-{strategy}-{pair}")[1])
                     res, s_flow, mem = flow(data, cfg, tmp / f"flow-{k}-{per_round}-{strategy}-{pair}", uri)
                     s_flows.append(s_flow)
-                    mem_flow = mem if not pair else mem_flow  # the first flow's, as the plain loop's
+                    if not pair:  # the first flow's, as the plain loop's
+                        mem_flow = mem
                     if not all(torch.equal(base.final_state[n], res.final_state[n]) for n in base.final_state):
                         failed.append(f"K={k}, {per_round} a round, {strategy}")
                 ratios = [f / p for f, p in zip(s_flows, s_plains)]

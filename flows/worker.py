@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence, Tuple
+from typing import Any, Callable, Iterator, Mapping, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -112,33 +112,35 @@ _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch
 _NUMPY_DTYPES |= {torch.uint8, torch.bool}
 
 
+def _map_leaves(obj: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``obj`` with ``leaf`` applied to each value inside its dicts, lists, tuples and :class:`ClientUpdate`."""
+    if isinstance(obj, dict):
+        return {k: _map_leaves(v, leaf) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_leaves(v, leaf) for v in obj)
+    if isinstance(obj, ClientUpdate):
+        parts = ("state", "client_state", "payload")
+        return replace(obj, **{p: _map_leaves(getattr(obj, p), leaf) for p in parts})
+    return leaf(obj)
+
+
 def pack(obj: Any) -> Any:
     """``obj`` with every tensor in its dicts, lists, tuples and :class:`ClientUpdate` as a :class:`Packed` array.
 
     Other values (numpy arrays among them) pass untouched; a tensor numpy cannot hold stays a tensor.
     """
-    if isinstance(obj, torch.Tensor):
-        return Packed(obj.detach().cpu().numpy()) if obj.dtype in _NUMPY_DTYPES else obj
-    if isinstance(obj, dict):
-        return {k: pack(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(pack(v) for v in obj)
-    if isinstance(obj, ClientUpdate):
-        return replace(obj, state=pack(obj.state), client_state=pack(obj.client_state), payload=pack(obj.payload))
-    return obj
+
+    def leaf(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and v.dtype in _NUMPY_DTYPES:
+            return Packed(v.detach().cpu().numpy())
+        return v
+
+    return _map_leaves(obj, leaf)
 
 
 def unpack(obj: Any) -> Any:
     """:func:`pack` undone: each array a tensor of its own memory (the same bits), never a view of Ray's store."""
-    if isinstance(obj, Packed):
-        return torch.from_numpy(np.array(obj.array, copy=True))
-    if isinstance(obj, dict):
-        return {k: unpack(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(unpack(v) for v in obj)
-    if isinstance(obj, ClientUpdate):
-        return replace(obj, state=unpack(obj.state), client_state=unpack(obj.client_state), payload=unpack(obj.payload))
-    return obj
+    return _map_leaves(obj, lambda v: torch.from_numpy(np.array(v.array, copy=True)) if isinstance(v, Packed) else v)
 
 
 def update_summary(update: ClientUpdate) -> Tuple[int, float]:

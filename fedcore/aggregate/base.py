@@ -61,9 +61,8 @@ class Strategy:
         ``sizes``: the examples each selected client is given, in that order (what a weighted sum
         needs before the first update arrives). This default keeps every update and calls
         :meth:`aggregate` at the end: right for a server that needs the whole round at once
-        (alignment, client selection, prototypes). A server whose rule is a weighted sum overrides
-        it (see :class:`fedcore.aggregate.strategies.FedAvg`) and holds a constant number of
-        model-sized sums instead.
+        (alignment, client selection, prototypes). A server whose rule is a weighted sum is a
+        :class:`FoldingStrategy` and holds a constant number of model-sized sums instead.
         """
         return Fold(self, global_state, num_clients=num_clients)
 
@@ -98,12 +97,27 @@ class Fold:
         return self.strategy.aggregate(self.global_state, self.updates, num_clients=self.num_clients)
 
 
-def aggregate_by_folding(strategy: Strategy, global_state: State, updates: Updates, *, num_clients: int) -> Aggregated:
-    """``strategy.aggregate`` for a strategy whose :meth:`Strategy.fold` is the rule: every update folded in order."""
-    fold = strategy.fold(global_state, sizes=[u.num_examples for _, u in updates], num_clients=num_clients)
-    for i, u in updates:
-        fold.add(i, u)
-    return fold.finish()
+class FoldingStrategy(Strategy):
+    """A strategy whose rule is a weighted sum, taken one update at a time: it defines :meth:`new_fold`.
+
+    Its :meth:`aggregate` folds in every update of the list, so the two can never disagree. A
+    subclass that replaces ``aggregate`` with a rule of its own is handed the whole round instead
+    (folding the parent's sum would silently train the parent).
+    """
+
+    def new_fold(self, global_state: State, *, sizes: Sequence[int], num_clients: int) -> Fold:
+        raise NotImplementedError
+
+    def fold(self, global_state: State, *, sizes: Sequence[int], num_clients: int) -> Fold:
+        if type(self).aggregate is not FoldingStrategy.aggregate:
+            return Fold(self, global_state, num_clients=num_clients)
+        return self.new_fold(global_state, sizes=sizes, num_clients=num_clients)
+
+    def aggregate(self, global_state: State, updates: Updates, *, num_clients: int) -> Aggregated:
+        fold = self.new_fold(global_state, sizes=[u.num_examples for _, u in updates], num_clients=num_clients)
+        for i, u in updates:
+            fold.add(i, u)
+        return fold.finish()
 
 
 STRATEGIES: Registry[Strategy] = Registry("strategy")

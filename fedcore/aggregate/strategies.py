@@ -18,9 +18,9 @@ from fedcore.aggregate.base import (
     STRATEGIES,
     Aggregated,
     Fold,
+    FoldingStrategy,
     Strategy,
     Updates,
-    aggregate_by_folding,
     create_strategy,
 )
 from fedcore.aggregate.functions import State, WeightedSum, fedadam_step, weighted_average
@@ -32,6 +32,7 @@ __all__ = [
     "Strategy",
     "Updates",
     "Fold",
+    "FoldingStrategy",
     "create_strategy",
     "FedAvg",
     "Scaffold",
@@ -43,25 +44,15 @@ __all__ = [
 
 
 @STRATEGIES.register("fedavg")
-class FedAvg(Strategy):
+class FedAvg(FoldingStrategy):
     """FedAvg; with the ``prox`` trainer this is FedProx (its server is FedAvg's).
 
     Its average is folded in as updates arrive (:class:`fedcore.aggregate.functions.WeightedSum`),
     as are SCAFFOLD's, FedDyn's and FedAdam's: the server holds a few model-sized sums, not the round.
     """
 
-    def fold(self, global_state: State, *, sizes: Sequence[int], num_clients: int) -> Fold:
-        if not _own_rule(self, FedAvg):
-            return Fold(self, global_state, num_clients=num_clients)
+    def new_fold(self, global_state: State, *, sizes: Sequence[int], num_clients: int) -> Fold:
         return _AverageFold(self, global_state, num_clients=num_clients, total=float(sum(sizes)))
-
-    def aggregate(self, global_state: State, updates: Updates, *, num_clients: int) -> Aggregated:
-        return aggregate_by_folding(self, global_state, updates, num_clients=num_clients)
-
-
-def _own_rule(strategy: Strategy, cls: type) -> bool:
-    """False for a subclass of ``cls`` that replaced its ``aggregate``: its fold must hand it the whole round."""
-    return type(strategy).aggregate is cls.aggregate  # type: ignore[attr-defined]
 
 
 class _AverageFold(Fold):
@@ -82,7 +73,7 @@ class _AverageFold(Fold):
 
 
 @STRATEGIES.register("scaffold")
-class Scaffold(Strategy):
+class Scaffold(FoldingStrategy):
     """SCAFFOLD's server: x ← x + η_g · mean(y_i − x); c ← c + (|S|/N) · mean(Δc_i).
 
     Parameters
@@ -105,13 +96,8 @@ class Scaffold(Strategy):
     def broadcast(self) -> Dict[str, Any]:
         return {"c": self.c}
 
-    def fold(self, global_state: State, *, sizes: Sequence[int], num_clients: int) -> Fold:
-        if not _own_rule(self, Scaffold):
-            return Fold(self, global_state, num_clients=num_clients)
+    def new_fold(self, global_state: State, *, sizes: Sequence[int], num_clients: int) -> Fold:
         return _ScaffoldFold(self, global_state, num_clients=num_clients, total=float(len(sizes)), equal=True)
-
-    def aggregate(self, global_state: State, updates: Updates, *, num_clients: int) -> Aggregated:
-        return aggregate_by_folding(self, global_state, updates, num_clients=num_clients)
 
     def state_dict(self) -> Dict[str, Any]:
         return {"c": self.c}
@@ -143,7 +129,7 @@ class _ScaffoldFold(_AverageFold):
 
 
 @STRATEGIES.register("feddyn")
-class FedDyn(Strategy):
+class FedDyn(FoldingStrategy):
     """FedDyn's server: h ← h − α/N · Σ_{i∈P}(θ_i − θ); θ ← mean(θ_i) − h/α.
 
     ``alpha`` must equal the ``feddyn`` trainer's (the engine checks).
@@ -160,13 +146,8 @@ class FedDyn(Strategy):
         super().setup(global_state, num_clients=num_clients, param_keys=param_keys)
         self.h = {k: torch.zeros_like(global_state[k]) for k in self.param_keys}
 
-    def fold(self, global_state: State, *, sizes: Sequence[int], num_clients: int) -> Fold:
-        if not _own_rule(self, FedDyn):
-            return Fold(self, global_state, num_clients=num_clients)
+    def new_fold(self, global_state: State, *, sizes: Sequence[int], num_clients: int) -> Fold:
         return _FedDynFold(self, global_state, num_clients=num_clients, total=float(len(sizes)), equal=True)
-
-    def aggregate(self, global_state: State, updates: Updates, *, num_clients: int) -> Aggregated:
-        return aggregate_by_folding(self, global_state, updates, num_clients=num_clients)
 
     def state_dict(self) -> Dict[str, Any]:
         return {"h": self.h}
@@ -197,7 +178,7 @@ class _FedDynFold(_AverageFold):
 
 
 @STRATEGIES.register("fedadam")
-class FedAdam(Strategy):
+class FedAdam(FoldingStrategy):
     """FedAdam (Reddi et al. 2021): Adam on the server over the averaged client update.
 
     Defaults are the FedOpt paper's: β₁ = 0.9, β₂ = 0.99, τ = 1e-3; server ``lr`` η = 0.01
@@ -219,13 +200,8 @@ class FedAdam(Strategy):
         self.m = {k: torch.zeros_like(global_state[k]) for k in self.param_keys}
         self.v = {k: torch.zeros_like(global_state[k]) for k in self.param_keys}
 
-    def fold(self, global_state: State, *, sizes: Sequence[int], num_clients: int) -> Fold:
-        if not _own_rule(self, FedAdam):
-            return Fold(self, global_state, num_clients=num_clients)
+    def new_fold(self, global_state: State, *, sizes: Sequence[int], num_clients: int) -> Fold:
         return _FedAdamFold(self, global_state, num_clients=num_clients, total=float(sum(sizes)))
-
-    def aggregate(self, global_state: State, updates: Updates, *, num_clients: int) -> Aggregated:
-        return aggregate_by_folding(self, global_state, updates, num_clients=num_clients)
 
     def state_dict(self) -> Dict[str, Any]:
         return {"m": self.m, "v": self.v}
