@@ -155,6 +155,10 @@ def main(argv=None) -> int:
         if not signals.STOP.is_set():
             raise
     if signals.STOP.is_set():
+        if "mlflow" in sys.modules:
+            from flows import tracking
+
+            tracking.fail_active_runs()
         print(f"stopped by {signals.describe()}; resume with flow.resume=true", file=sys.stderr)
     return signals.exit_status()
 

@@ -103,16 +103,25 @@ def write_ahead_log(uri: str, *, timeout: float = 5.0) -> str:
 
 def start_run(run_name: str, *, started_ms: int | None = None) -> "mlflow.ActiveRun":
     """``mlflow.start_run``, but a run logged after its work ended may give the time the work began
-    (``started_ms``, epoch milliseconds), so its duration in the UI is the experiment's."""
-    if started_ms is None:
-        return mlflow.start_run(run_name=run_name)
+    (``started_ms``, epoch milliseconds), so its duration in the UI is the experiment's.
+
+    The run is created first and then made active; a stop signal that lands in between (the run exists,
+    but nothing holds it yet) ends it as failed rather than leaving it running."""
     from mlflow.tracking.context import registry as context
 
+    client = mlflow.MlflowClient()
     exp = mlflow.tracking.fluent._get_experiment_id()
-    run = mlflow.MlflowClient().create_run(
-        exp, start_time=int(started_ms), run_name=run_name, tags=context.resolve_tags({})
+    run = client.create_run(
+        exp,
+        start_time=None if started_ms is None else int(started_ms),
+        run_name=run_name,
+        tags=context.resolve_tags({}),
     )
-    return mlflow.start_run(run_id=run.info.run_id)
+    try:
+        return mlflow.start_run(run_id=run.info.run_id)
+    except BaseException:
+        client.set_terminated(run.info.run_id, "FAILED")
+        raise
 
 
 @contextlib.contextmanager
@@ -124,6 +133,13 @@ def failing_run(run: "mlflow.ActiveRun"):
     except BaseException:
         mlflow.end_run("FAILED")
         raise
+
+
+def fail_active_runs() -> None:
+    """End, as failed, every run this thread still holds open: a stop signal that lands between a run's
+    creation and the ``with`` that would close it leaves nobody else to."""
+    while mlflow.active_run() is not None:
+        mlflow.end_run("FAILED")
 
 
 def end_run_at(run_id: str, ended_ms: int) -> None:
