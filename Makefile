@@ -122,11 +122,16 @@ lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# Two pytest workers (pytest-xdist), one per core here; work stealing evens out the long end-to-end runs.
+# TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+
 test: setup browser lint
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow" tests/fedcore tests/flows
+	$(PYTEST) -m "not slow" tests/fedcore tests/flows
 
 bench: setup
 	$(BIN)/python benchmarks/overhead.py

@@ -8,18 +8,30 @@ federation built through the real stage code (Hydra config, the prepare and part
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from tests.fedcore.tiny import threads_per_test
 from tests.helpers import tiny_overrides
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("MLFLOW_ENABLE_TELEMETRY", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("RAY_TMPDIR", "/tmp/fedcore-ray-test")
+# Under pytest-xdist (`make test` runs two workers) each worker gets a Ray temp folder and a Prefect home of
+# its own: a local Ray cluster is found through a file in its temp folder, and every temporary Prefect
+# server keeps its database in the Prefect home, so two workers sharing either would attach to, or lock,
+# each other's.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if WORKER and not os.environ["RAY_TMPDIR"].endswith(f"-{WORKER}"):
+    os.environ["RAY_TMPDIR"] += f"-{WORKER}"
+    os.environ["PREFECT_HOME"] = str(Path(tempfile.gettempdir()) / f"fedcore-prefect-test-{WORKER}")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # the flows a test starts, too (see threads_per_test)
+torch.set_num_threads(threads_per_test())
 Path(os.environ["RAY_TMPDIR"]).mkdir(parents=True, exist_ok=True)
 
 
@@ -56,7 +68,7 @@ def tiny(tmp_path_factory):
     _partition(cfg)
     part = Partition.load(F.partition_dir(cfg))
     spec = C.model_spec(cfg)
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads_per_test())
     state = run_rounds(source_round_data(part), spec, C.pretrain_config(cfg)).final_state
     path = F.source_model_path(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,7 @@ weights)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict
 
 import torch
@@ -46,6 +47,12 @@ PRETRAIN = RoundConfig(
 )
 
 
+def threads_per_test() -> int:
+    """Torch threads a test process uses: 2, one per core here, or 1 under pytest-xdist, where the two
+    workers already fill both cores and two threads each would wait on one another."""
+    return 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
+
+
 def build_tiny(*, seed: int = 0, norm: str = "batch", local_epochs: int | None = None) -> Dict[str, Any]:
     """``{"partition", "spec", "source"}``: the partition, the CNN's spec and its FedAvg-pretrained weights."""
     part = build_partition(load_dataset("digits"), seed=seed, **DIGITS)  # type: ignore[arg-type]
@@ -55,6 +62,6 @@ def build_tiny(*, seed: int = 0, norm: str = "batch", local_epochs: int | None =
         from dataclasses import replace
 
         pcfg = replace(pcfg, trainer_params={**pcfg.trainer_params, "local_epochs": local_epochs})
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads_per_test())
     state = run_rounds(source_round_data(part), spec, pcfg).final_state
     return {"partition": part, "spec": spec, "source": state}

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict, List
 
+import pytest
 import yaml
 
 from flows.config import ROOT
@@ -44,6 +45,7 @@ def stale_code_deps(root: Path) -> Dict[str, List[str]]:
     return stale
 
 
+@pytest.mark.slow  # dvc status over every stage: about 30 s
 def test_dvc_lock_records_the_committed_code_and_params():
     # Execute
     stale = stale_code_deps(ROOT)

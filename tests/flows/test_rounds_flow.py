@@ -236,6 +236,7 @@ def test_grid_flow_writes_the_table_statistics_plots_and_one_run_per_cell(quick)
     assert load_registered("fedpad-quick", "champion", tracking_uri=C.tracking_uri(cfg)) is not None
 
 
+@pytest.mark.slow
 def test_a_resumed_grid_logs_no_cell_twice(quick):
     """Every cell of the grid has finished: a rerun resumes each from its checkpoint and logs nothing again,
     and its report is the same."""
