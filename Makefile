@@ -32,25 +32,25 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 	# Bytecode for every installed module, written once here (about 30 s on 2 cores): pip's own
 	# compile step is skipped above, and where PYTHONDONTWRITEBYTECODE is set nothing writes it at
 	# run time, so each process (every Ray worker and test) would compile torch, Prefect and MLflow
-	# from source: `import flows.federation` took 10.3 s without it, 5.3 s with it. Files for
+	# from source: `import flows.runs.federation` took 10.3 s without it, 5.3 s with it. Files for
 	# newer Pythons (*312*.py) do not compile and are skipped.
 	$(BIN)/python -m compileall -q -j 0 -x '312' $(VENV)/lib
-	$(BIN)/python -m flows.plot_page  # .dvc/plots/page.html: dvc plots show with Vega bundled, no CDN
+	$(BIN)/python -m flows.reports.plot_page  # .dvc/plots/page.html: dvc plots show with Vega bundled, no CDN
 	@mkdir -p $(RAY_TMPDIR)
 	@touch $@
 
 setup: $(BIN)/.installed
 
 params: setup
-	$(BIN)/python -m flows.params
+	$(BIN)/python -m flows.config.params
 
 # dvc exp show with the headline metrics and the settings a user changes; ARGS=--all for every column
 exp: setup
-	$(BIN)/python -m flows.exp $(ARGS)
+	$(BIN)/python -m flows.reports.exp $(ARGS)
 
 # dvc plots show, naming each plot without data here and the stage that writes its tables
 plots: setup
-	$(BIN)/python -m flows.plots $(ARGS)
+	$(BIN)/python -m flows.reports.plots $(ARGS)
 
 run: setup
 	@git rev-parse --git-dir >/dev/null 2>&1 || (git init -q && echo "initialised a git repo for DVC")
@@ -102,10 +102,10 @@ ppfcil: setup
 	@cat results/ppfcil/privacy/privacy.md
 
 push: setup
-	$(BIN)/python -m flows.remote push $(STAGES)
+	$(BIN)/python -m flows.services.remote push $(STAGES)
 
 pull: setup
-	$(BIN)/python -m flows.remote pull $(STAGES)
+	$(BIN)/python -m flows.services.remote pull $(STAGES)
 
 # The browser check of the MLflow and Prefect UIs (tests/e2e/test_ui.py) needs Chromium, from the system's
 # packages: installed here when we are root with apt-get; otherwise that one test is skipped, with the reason.

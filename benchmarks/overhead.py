@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from paired import median_summary  # noqa: E402  (this folder; opacus installs a package named benchmarks)
 
-from flows import config as C  # noqa: E402
+from flows.config import compose as C  # noqa: E402
 
 
 class PeakRSS:
@@ -201,8 +201,8 @@ def main(overrides: list[str]) -> None:
     import ray
 
     from fedcore.engine import run_arrivals
-    from flows import federation as F
-    from flows import model_registry, runtime, tracking
+    from flows.runs import federation as F
+    from flows.services import model_registry, runtime, tracking
 
     variant = ["variant=cifar10"] if cifar else []
     # the cifar10 variant sets flow.experiment itself (an override of it would be refused), so it is set after

@@ -13,7 +13,7 @@ time of rounds 2-5, and both as ratios to the plain loop. Three designs are comp
 1. a Prefect task per client on prefect-ray's RayTaskRunner, arrays shipped with every task (naive);
 2. a Prefect task per client in a driver thread whose body runs the step on Ray, data put once;
 3. a Prefect task per round whose clients run as Ray tasks, data put once: what the flows use
-   (``flows.rounds.round_submit``), started cold and with Prefect and Ray already up.
+   (``flows.runs.rounds.round_submit``), started cold and with Prefect and Ray already up.
 Every flow logs each round to MLflow (a nested run and the round's metrics) on a background thread,
 as the real flows do.
 """
@@ -78,9 +78,9 @@ def run_flow(kind: str, data, spec, cfg, tracking_uri: str):
     import mlflow
     from prefect import flow
 
-    from flows import runtime, tracking
-    from flows.config import ROOT
-    from flows.rounds import round_submit
+    from flows.config.compose import ROOT
+    from flows.runs.rounds import round_submit
+    from flows.services import runtime, tracking
 
     t0 = time.perf_counter()
     if kind == "naive":
@@ -126,8 +126,8 @@ def client_task_submit(data):
     from prefect import task
     from prefect.cache_policies import NO_CACHE
 
-    from flows import runtime
-    from flows.worker import train_step_or_fail, unpack
+    from flows.runs.worker import train_step_or_fail, unpack
+    from flows.services import runtime
 
     @task(name="train-client", cache_policy=NO_CACHE)
     def client_task(**kw):
@@ -148,8 +148,8 @@ def client_task_submit(data):
 
 
 def _run_logged(data, spec, cfg, submit, submit_round):
-    """As ``flows.rounds.single`` does it: each round logged (a nested run) on a background thread."""
-    from flows import tracking
+    """As ``flows.runs.rounds.single`` does it: each round logged (a nested run) on a background thread."""
+    from flows.services import tracking
 
     marks = []
     log = tracking.BackgroundRoundLog()
@@ -177,8 +177,8 @@ def main() -> int:
     args = ap.parse_args()
     import ray
 
-    from flows import runtime
-    from flows.config import ROOT
+    from flows.config.compose import ROOT
+    from flows.services import runtime
 
     data, spec, cfg = workload()
     print(

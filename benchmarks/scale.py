@@ -159,9 +159,9 @@ def flow(data, cfg, folder: Path, uri: str):
     import mlflow
     from prefect import flow as prefect_flow
 
-    from flows import runtime, tracking
-    from flows.config import ROOT
-    from flows.rounds import round_submit
+    from flows.config.compose import ROOT
+    from flows.runs.rounds import round_submit
+    from flows.services import runtime, tracking
 
     runner = runtime.make_driver_runner(address=None, num_cpus=2, root=ROOT)
 
@@ -245,8 +245,8 @@ def main() -> int:
     args = ap.parse_args()
     import ray
 
-    from flows import runtime
-    from flows.config import ROOT
+    from flows.config.compose import ROOT
+    from flows.services import runtime
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-scale-"))
     uri = f"sqlite:///{tmp}/mlruns.db"

@@ -24,8 +24,8 @@ from fedcore.adapt import prior_precision, softmax_entropy  # noqa: E402
 from fedcore.data import Partition  # noqa: E402
 from fedcore.evaluate import batch_statistics  # noqa: E402
 from fedcore.tensors import batches, to_tensor  # noqa: E402
-from flows import config as C  # noqa: E402
-from flows import federation as F  # noqa: E402
+from flows.config import compose as C  # noqa: E402
+from flows.runs import federation as F  # noqa: E402
 
 
 def main(argv) -> None:

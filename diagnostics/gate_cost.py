@@ -39,9 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fedcore.aggregate import UGSA_NORMALIZERS  # noqa: E402
 from fedcore.engine import run_arrivals  # noqa: E402
 from fedcore.privacy import calibrate_sigma, gate_noise_std  # noqa: E402
-from flows import config as C  # noqa: E402
-from flows.stress import cell_config  # noqa: E402
-from flows.tasks import load_inputs  # noqa: E402
+from flows.config import compose as C  # noqa: E402
+from flows.runs.stress import cell_config  # noqa: E402
+from flows.runs.tasks import load_inputs  # noqa: E402
 
 CELL = "ugsa-lr1e-2-p3"
 MODES = ("private", "exact")

@@ -41,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fedcore.engine import run_arrivals  # noqa: E402
 from fedcore.privacy import dp  # noqa: E402
-from flows import config as C  # noqa: E402
-from flows.stress import cell_config  # noqa: E402
-from flows.tasks import load_inputs  # noqa: E402
+from flows.config import compose as C  # noqa: E402
+from flows.runs.stress import cell_config  # noqa: E402
+from flows.runs.tasks import load_inputs  # noqa: E402
 
 CELLS = {0.001: "lr1e-3-p3", 0.003: "clipnorm-lr3e-3-p3", 0.01: "clipnorm-lr1e-2-p3"}
 # (lr, form run here, lr of the recorded partner, its form)

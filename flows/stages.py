@@ -30,21 +30,22 @@ import sys
 from functools import partial
 from typing import Any, Callable, Dict
 
-from flows import config as C
-from flows import signals, steps, systems
+from flows import systems
+from flows.config import compose as C
+from flows.runs import signals, steps
 
 
 def stress(cfg, protocol: str = "bpfedctta") -> None:
     """A stress cell of ``protocol`` (``bpfedctta``, ``dptta``: the variant whose inputs it reads)."""
-    from flows.stress import run_cell
+    from flows.runs.stress import run_cell
 
     print(f"figure -> {run_cell(cfg, protocol)}")
 
 
 def stress_report(cfg, protocol: str = "bpfedctta") -> None:
     """The report of every cell that ran; for a protocol with an lr × passes grid, that grid at a glance."""
-    from flows import stress_grid
-    from flows.stress import report
+    from flows.runs import stress_grid
+    from flows.runs.stress import report
 
     print(report(cfg, protocol))
     if protocol in stress_grid.PROTOCOLS:
@@ -129,7 +130,7 @@ def main(argv=None) -> int:
     terminal = logging.StreamHandler()
     terminal.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     if "PREFECT_LOGGING_LEVEL" not in os.environ:
-        # Flow and task logs go to the Prefect API at INFO (the UI's Logs tab, flows/runtime.py);
+        # Flow and task logs go to the Prefect API at INFO (the UI's Logs tab, flows/services/runtime.py);
         # the terminal keeps showing Prefect's warnings only, not a line per task run.
         terminal.addFilter(_prefect_warnings_only)
         os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")  # Prefect's own handler, Ray workers
@@ -156,7 +157,7 @@ def main(argv=None) -> int:
             raise
     if signals.STOP.is_set():
         if "mlflow" in sys.modules:
-            from flows import tracking
+            from flows.services import tracking
 
             tracking.fail_active_runs()
         print(f"stopped by {signals.describe()}; resume with flow.resume=true", file=sys.stderr)

@@ -46,8 +46,8 @@ def _stop_services():
     yield
     import sys
 
-    if "flows.runtime" in sys.modules:  # a library-only run (tests/fedcore) never started one
-        sys.modules["flows.runtime"].stop_prefect_api()
+    if "flows.services.runtime" in sys.modules:  # a library-only run (tests/fedcore) never started one
+        sys.modules["flows.services.runtime"].stop_prefect_api()
 
 
 @pytest.fixture(scope="session")
@@ -57,10 +57,10 @@ def tiny(tmp_path_factory):
 
     from fedcore.data import Partition
     from fedcore.engine import run_rounds, source_round_data
-    from flows import config as C
-    from flows import federation as F
-    from flows.steps import partition as _partition
-    from flows.steps import prepare as _prepare
+    from flows.config import compose as C
+    from flows.runs import federation as F
+    from flows.runs.steps import partition as _partition
+    from flows.runs.steps import prepare as _prepare
 
     tmp = tmp_path_factory.mktemp("tiny")
     cfg = C.compose(tiny_overrides(tmp))
@@ -82,7 +82,7 @@ def tiny_gn(tiny):
     from dataclasses import replace
 
     from fedcore.engine import run_rounds, source_round_data
-    from flows import config as C
+    from flows.config import compose as C
 
     spec = replace(tiny["spec"], norm="group")
     pcfg = C.pretrain_config(tiny["cfg"])
@@ -101,7 +101,8 @@ def plugin_sandbox(monkeypatch):
     import sys
 
     from fedcore.aggregate.base import STRATEGIES
-    from flows import evaluations, systems
+    from flows import systems
+    from flows.reports import evaluations
 
     monkeypatch.setattr(systems, "_SYSTEMS", dict(systems._SYSTEMS))
     monkeypatch.setattr(evaluations, "EVALUATIONS", dict(evaluations.EVALUATIONS))

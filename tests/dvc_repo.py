@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, List, Mapping
 
-from flows.config import ROOT
+from flows.config.compose import ROOT
 
 # What the stages import or DVC hashes. Copied, not linked: DVC hashes a dependency's content, and a
 # stage run in the copy must import the copy's code (python -m puts the working directory first).
@@ -82,7 +82,7 @@ def make_repo(dest: Path, *, defaults: Mapping[str, str] = (), settings: Mapping
     if groups:
         raise ValueError(f"no config group {sorted(groups)} in conf/config.yaml's defaults")
     OmegaConf.save(OmegaConf.merge(conf, dict(settings)), dest / "conf" / "config.yaml")
-    run(dest, sys.executable, "-m", "flows.params")
+    run(dest, sys.executable, "-m", "flows.config.params")
     run(dest, "git", "init", "-q")
     commit(dest, "the pipeline")
     return dest

@@ -26,10 +26,10 @@ def tiny_overrides(tmp: Path) -> list[str]:
 
 def for_variant(overrides: list[str]) -> list[str]:
     """``overrides`` less the settings that the variant they select sets itself (a variant's
-    ``paths.models`` replaces the root's; composing both is refused, see ``flows.config.check_not_replaced``)."""
+    ``paths.models`` replaces the root's; composing both is refused, see ``flows.config.compose.check_not_replaced``)."""
     from omegaconf import DictConfig, OmegaConf
 
-    from flows import config as C
+    from flows.config import compose as C
 
     chosen = [o.split("=", 1)[1] for o in overrides if o.startswith("variant=")]
     if not chosen:

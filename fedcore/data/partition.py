@@ -51,7 +51,7 @@ def write_arrays(folder: str | Path, arrays: Dict[str, np.ndarray], manifest: Di
     return folder
 
 
-# the default variant's commands (a flow names the stage of the variant it runs: flows.tasks.build_hint)
+# the default variant's commands (a flow names the stage of the variant it runs: flows.runs.tasks.build_hint)
 BUILD_PARTITION = "`dvc repro partition@mnist` (or `python -m flows.stages partition`)"
 Build = Union[str, Callable[[], str]]  # the command that writes a file, or what works it out when it is missing
 

@@ -124,7 +124,7 @@ class PrivacyConfig:
         """plain | clip | dp0 | dp-eps<ε> | dp-sigma<σ>, then ``-c<C>`` when C is not 1: the form's name.
 
         Runs, MLflow tags and tables carry it; two settings with one name would share a run folder, so a
-        sweep refuses them (``flows.config.check_forms``).
+        sweep refuses them (``flows.config.compose.check_forms``).
         """
         if self.mode == "off":
             return "plain"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Literal, Tuple
 
-from flows.schema import ARRIVAL_BLOCK, GRID_KEYS, round_block
+from flows.config.schema import ARRIVAL_BLOCK, GRID_KEYS, round_block
 
 Engine = Literal["arrivals", "rounds"]
 ENGINES: Tuple[str, ...] = ("arrivals", "rounds")
@@ -33,7 +33,7 @@ class System:
         over the root config) or ``rounds`` (synchronous rounds, :func:`fedcore.engine.run_rounds`, grids
         of method x seed cells).
     evaluation:
-        How a round-based grid is built and judged: a name in :data:`flows.evaluations.EVALUATIONS`
+        How a round-based grid is built and judged: a name in :data:`flows.reports.evaluations.EVALUATIONS`
         (``domains``: per-domain accuracy, worst domain; ``openset``: AUROC and OSCR; ``incremental``:
         accuracy over tasks and forgetting). Arrival systems say ``arrivals``.
     headline:
@@ -52,10 +52,10 @@ class System:
         A YAML file composed under ``<name>`` when conf/ has no block of that name (a plug-in's own grids
         and methods); the built-in systems' blocks are in ``conf/experiment/<name>.yaml``.
     grid_keys:
-        Round-based systems: the settings its grids take (:data:`flows.schema.GRID_KEYS`, plus what its
+        Round-based systems: the settings its grids take (:data:`flows.config.schema.GRID_KEYS`, plus what its
         evaluation reads: an open-set grid's known and unknown classes, an incremental grid's tasks).
     settings:
-        Keys of its config block beyond its engine's own (:mod:`flows.schema`: a round-based block takes
+        Keys of its config block beyond its engine's own (:mod:`flows.config.schema`: a round-based block takes
         ``grid``, ``stages``, ``target``, ``trainer``, ``methods`` and ``grids``; an arrival block ``variants``),
         each with its schema: ``LEAF`` for a value. A key outside these is refused as a misspelling.
     extra_steps:
@@ -95,7 +95,7 @@ class System:
             raise ValueError(f"system {self.name!r} runs arrivals but lists no stages to rebuild and push")
 
     def schema(self) -> Dict[str, Any]:
-        """Every key its config block takes (:mod:`flows.schema`)."""
+        """Every key its config block takes (:mod:`flows.config.schema`)."""
         own = round_block(self.grid_keys) if self.engine == "rounds" else ARRIVAL_BLOCK
         return {**own, **self.settings}
 
@@ -116,7 +116,7 @@ class System:
         return {
             "name": f"nightly-{self.name}",
             "description": self.description,
-            "entrypoint": f"flows/nightly.py:{flow}",
+            "entrypoint": f"flows/runs/nightly.py:{flow}",
             "work_pool": {"name": "fedcore-process"},
             "parameters": params,
             "schedules": [{"cron": self.cron, "timezone": "UTC"}],

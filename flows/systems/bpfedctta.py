@@ -1,6 +1,6 @@
 """BPFedCTTA: federated continual test-time adaptation (BPA prior, UGSA gate, sequential arrival)."""
 
-from flows.schema import STRESS
+from flows.config.schema import STRESS
 from flows.systems.base import System
 
 SYSTEM = System(

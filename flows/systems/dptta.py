@@ -1,6 +1,6 @@
 """DP-TTA: five test-time methods with per-sample clipping and noise, μ-GDP, per-client ledgers."""
 
-from flows.schema import AUDIT, STRESS
+from flows.config.schema import AUDIT, STRESS
 from flows.systems.base import System
 
 SYSTEM = System(

@@ -1,6 +1,6 @@
 """FedPAD: prototype-weighted federated training under domain imbalance, judged by the worst domain."""
 
-from flows.schema import LEAF
+from flows.config.schema import LEAF
 from flows.systems.base import System
 
 SYSTEM = System(
@@ -17,7 +17,7 @@ SYSTEM = System(
     description="FedPAD and its baselines on a domain-silo grid (partition -> every method x seed cell)",
     settings={"report": LEAF, "baselines": LEAF, "ablations": LEAF},  # the pooled report's grids and rows
     extra_steps={
-        "rounds": ("flows.steps:single_run", {"system": "fedpad"}),
-        "fedpad_report": ("flows.reports:fedpad_report", {}),
+        "rounds": ("flows.runs.steps:single_run", {"system": "fedpad"}),
+        "fedpad_report": ("flows.reports.tables:fedpad_report", {}),
     },
 )

@@ -1,6 +1,6 @@
 """FedPD++: federated open-set recognition with importance masks and optimal-transport alignment."""
 
-from flows.schema import GRID_KEYS
+from flows.config.schema import GRID_KEYS
 from flows.systems.base import System
 
 SYSTEM = System(

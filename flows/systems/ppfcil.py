@@ -1,6 +1,6 @@
 """PP-FCIL: federated class-incremental learning with a dual model, exemplars and local Bayesian DP."""
 
-from flows.schema import GRID_KEYS, LEAF
+from flows.config.schema import GRID_KEYS, LEAF
 from flows.systems.base import System
 
 SYSTEM = System(
@@ -17,5 +17,5 @@ SYSTEM = System(
     description="PP-FCIL and fine-tuning over class-incremental tasks (average incremental accuracy, forgetting)",
     grid_keys=(GRID_KEYS - {"rounds"}) | {"tasks", "rounds_per_task", "clients", "alpha"},  # rounds: per task
     settings={"privacy_report": LEAF, "privacy_report_with": LEAF},  # the privacy curve's grids
-    extra_steps={"ppfcil_privacy": ("flows.reports:ppfcil_privacy", {})},
+    extra_steps={"ppfcil_privacy": ("flows.reports.tables:ppfcil_privacy", {})},
 )

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from flows.config import ROOT
+from flows.config.compose import ROOT
 from tests.flows.test_flows import _free_port
 from tests.helpers import tiny_overrides
 

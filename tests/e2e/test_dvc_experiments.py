@@ -41,10 +41,10 @@ def _build_inputs(repo: Path) -> None:
 
     from fedcore.data import Partition
     from fedcore.engine import run_rounds, source_round_data
-    from flows import config as C
-    from flows import federation as F
-    from flows.steps import partition as _partition
-    from flows.steps import prepare as _prepare
+    from flows.config import compose as C
+    from flows.runs import federation as F
+    from flows.runs.steps import partition as _partition
+    from flows.runs.steps import prepare as _prepare
 
     cfg = C.load(
         repo / "params.yaml",
@@ -128,7 +128,7 @@ def test_exp_run_twice_then_show_and_diff_put_the_headline_metrics_side_by_side(
         assert all(isinstance(v[k], (int, float)) for k in ("old", "new")), v
     assert any(v["old"] != v["new"] for v in head.values()), head
     # the readable view: the headline metrics and the changed setting of both experiments, few columns
-    view = run(repo, sys.executable, "-m", "flows.exp", "--csv").stdout.splitlines()
+    view = run(repo, sys.executable, "-m", "flows.reports.exp", "--csv").stdout.splitlines()
     header = view[0].split(",")
     assert len(header) < 30 and {"Experiment", "adapt.passes", "headline.final_avg_holdout_acc"} <= set(header)
     rows = {r.split(",")[0]: dict(zip(header, r.split(","))) for r in view[1:]}

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from flows import ui
+from flows.services import ui
 from tests.helpers import tiny_overrides
 
 from .test_deployment import BIN, _free_port, prefect_server  # noqa: F401 - the fixture

@@ -2,8 +2,8 @@
 
 import pytest
 
-from flows import config as C
-from flows import federation as F
+from flows.config import compose as C
+from flows.runs import federation as F
 from flows.stages import main
 
 PATHS = "bpfedctta.variants.cifar10.paths"
@@ -54,7 +54,7 @@ def test_nothing_it_writes_lands_where_the_default_variants_outputs_are(base, ci
 
 
 def test_cifar_stages_name_their_own_stage_when_prepared_data_is_missing(cifar, tmp_path, capsys):
-    from flows.tasks import build_hint
+    from flows.runs.tasks import build_hint
 
     assert (
         build_hint(cifar, "prepare")
@@ -69,7 +69,7 @@ def test_cifar_stages_name_their_own_stage_when_prepared_data_is_missing(cifar, 
 
 
 def test_cifar_stages_name_their_own_stage_when_partitions_are_missing(cifar, tmp_path, capsys):
-    from flows.tasks import build_hint
+    from flows.runs.tasks import build_hint
 
     assert build_hint(cifar, "partition").startswith("`dvc repro partition@cifar10` (or `python -m flows")
     over = ["variant=cifar10", f"{PATHS}.partitions={tmp_path}/q", f"{PATHS}.models={tmp_path}/m"]
@@ -85,8 +85,8 @@ def test_missing_cifar_files_name_what_to_do(tmp_path, capsys):
 
 
 def test_a_cifar_stress_cell_names_the_cifar_stage_when_partitions_are_missing(base):
-    from flows.stress import cell_config
-    from flows.tasks import build_hint
+    from flows.runs.stress import cell_config
+    from flows.runs.tasks import build_hint
 
     # a cell runs the root config with its cell laid over the CIFAR variant: its inputs are that variant's
     cell = cell_config(base, "lr1e-1-p1", "cifar10")

@@ -3,8 +3,8 @@
 import pytest
 from omegaconf import OmegaConf, open_dict
 
-from flows import config as C
-from flows.params import check_stage_keys, render
+from flows.config import compose as C
+from flows.config.params import check_stage_keys, render
 
 
 @pytest.mark.parametrize(

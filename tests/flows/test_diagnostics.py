@@ -8,7 +8,7 @@ import pytest
 
 from fedcore.engine import ArrivalConfig, run_arrivals
 from fedcore.privacy import calibrate_sigma
-from flows import config as C
+from flows.config import compose as C
 
 
 def load(name, folder="diagnostics"):

@@ -157,7 +157,7 @@ def test_the_commands_the_readme_and_the_guides_give_exist():
     assert steps
     known = set(stages.stage_steps()) | {"partition_toy", "toy", "rounds_toy"}  # the worked example's plug-in
     assert steps <= known, f"steps that do not exist: {sorted(steps - known)}"
-    for module in set(re.findall(r"python -m (flows\.\w+)", text)):
+    for module in set(re.findall(r"python -m (flows(?:\.\w+)+)", text)):
         out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True)
         assert out.returncode == 0, f"python -m {module} --help: {out.stderr[-300:]}"
 

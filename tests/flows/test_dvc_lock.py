@@ -2,7 +2,7 @@
 
 A stage's lock entry holds the hash of each code file or folder and each param it read when it last ran.
 If the code changes and the lock does not, ``dvc repro`` in a fresh clone reruns stages nobody meant to
-rerun, ``make pull`` restores outputs that this code did not build, and ``flows.integrity`` checks inputs
+rerun, ``make pull`` restores outputs that this code did not build, and ``flows.services.integrity`` checks inputs
 against a lock that is out of date. Only what a fresh clone has is compared: git-tracked code and conf/
 (through params.yaml); a dependency that is another stage's output (or a folder holding such outputs) is
 absent there, and rebuilt by DVC.
@@ -16,7 +16,7 @@ from typing import Dict, List
 import pytest
 import yaml
 
-from flows.config import ROOT
+from flows.config.compose import ROOT
 
 
 def stale_code_deps(root: Path) -> Dict[str, List[str]]:

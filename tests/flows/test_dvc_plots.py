@@ -21,9 +21,9 @@ from typing import Dict, List, Tuple
 import numpy as np
 import pytest
 
-from flows import config as C
-from flows import plot_data, plot_page
-from flows.config import ROOT
+from flows.config import compose as C
+from flows.config.compose import ROOT
+from flows.reports import plot_data, plot_page
 from tests.dvc_repo import DVC_CONFIG, dvc, env, run
 from tests.helpers import for_variant, tiny_overrides
 
@@ -55,7 +55,7 @@ def stage_outs(root: Path) -> Dict[str, List[str]]:
 
 def stage_tables(stage: str) -> Dict[str, Cell]:
     """``{table path: cell}`` of every plot table ``stage`` writes with the committed config."""
-    from flows.tasks import cell_name, sweep_cells
+    from flows.runs.tasks import cell_name, sweep_cells
 
     name, _, key = stage.partition("@")
     if name in ("adapt", "private"):
@@ -154,7 +154,7 @@ def test_every_plot_reads_a_table_that_the_stage_owning_it_writes():
 
 def _arrival_tables(folder: Path, cell: Cell, tmp: Path, partition: Path) -> None:
     """One arrival cell on the tiny digits federation (plain driver, untrained source), its tables written by
-    the function :func:`flows.federation._log_experiment` calls."""
+    the function :func:`flows.runs.federation._log_experiment` calls."""
     from fedcore.data import Partition
     from fedcore.engine import run_arrivals
 
@@ -182,12 +182,12 @@ TINY_GRIDS = {
 
 def _round_tables(folder: Path, cell: Cell, tmp: Path) -> None:
     """One round cell of a quick grid, shrunk, as the grid's Ray task runs it; written by the flow's
-    :func:`flows.rounds._cell_outputs`."""
+    :func:`flows.runs.rounds._cell_outputs`."""
     from fedcore.engine import run_rounds
-    from flows.evaluations import round_inputs
-    from flows.rounds import _cell_outputs, _headline_score
-    from flows.steps import partition_domains as _partition_domains
-    from flows.tasks import load_domain_partition
+    from flows.reports.evaluations import round_inputs
+    from flows.runs.rounds import _cell_outputs, _headline_score
+    from flows.runs.steps import partition_domains as _partition_domains
+    from flows.runs.tasks import load_domain_partition
 
     _, system, grid, m, s = cell
     cfg = C.compose([f"paths.domains={tmp}/domains", f"{system}.grid={grid}", *TINY_GRIDS[system]])
@@ -211,9 +211,9 @@ def _round_tables(folder: Path, cell: Cell, tmp: Path) -> None:
 def test_plots_show_renders_every_declared_plot_from_tables_the_stage_code_writes(tmp_path):
     # Prepare: a repository with the pipeline's plot definitions, and each table a plot names, written by
     # the stage code on tiny data
-    from flows.federation import partition_dir
-    from flows.steps import partition as _partition
-    from flows.steps import prepare as _prepare
+    from flows.runs.federation import partition_dir
+    from flows.runs.steps import partition as _partition
+    from flows.runs.steps import prepare as _prepare
 
     repo = tmp_path / "repo"
     (repo / ".dvc").mkdir(parents=True)
@@ -269,7 +269,7 @@ def test_plots_show_renders_every_declared_plot_from_tables_the_stage_code_write
     gone = plots["weight drift"][0][0]
     (repo / gone).unlink()
     named = subprocess.run(
-        [sys.executable, "-m", "flows.plots", "-o", "page2"],
+        [sys.executable, "-m", "flows.reports.plots", "-o", "page2"],
         cwd=repo,
         capture_output=True,
         text=True,
@@ -280,7 +280,7 @@ def test_plots_show_renders_every_declared_plot_from_tables_the_stage_code_write
 
 
 def test_a_plot_without_data_is_named_with_the_stage_that_writes_it(tmp_path, monkeypatch, capsys):
-    from flows import plots
+    from flows.reports import plots
 
     # Prepare: DVC's errors for a workspace without the private grid's tables, and a lock that records them
     (tmp_path / "dvc.lock").write_text(

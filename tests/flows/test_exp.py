@@ -1,11 +1,11 @@
-"""``python -m flows.exp``: the columns it keeps out of every one ``dvc exp show`` would print."""
+"""``python -m flows.reports.exp``: the columns it keeps out of every one ``dvc exp show`` would print."""
 
 from __future__ import annotations
 
 import re
 
-from flows import config as C
-from flows import exp
+from flows.config import compose as C
+from flows.reports import exp
 
 
 def test_the_view_keeps_each_systems_headline_and_the_settings_a_user_changes():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
-from flows import config as C
+from flows.config import compose as C
 
 
 def overrides(tmp, *extra):
@@ -55,9 +55,9 @@ SCENARIOS = (
 
 
 def test_a_bad_unknown_scenario_is_refused_before_any_service_starts(tmp_path, monkeypatch):
-    from flows import runtime
-    from flows.rounds import grid
-    from flows.steps import partition_domains as _partition_domains
+    from flows.runs.rounds import grid
+    from flows.runs.steps import partition_domains as _partition_domains
+    from flows.services import runtime
 
     bad = SCENARIOS.replace("sklearn: [8]", "sklearn: [5]")
     cfg = C.compose(overrides(tmp_path, bad))
@@ -73,8 +73,8 @@ def test_a_bad_unknown_scenario_is_refused_before_any_service_starts(tmp_path, m
 
 @pytest.mark.slow
 def test_open_set_grid_writes_auroc_tables_and_logs_alignment_per_round(tmp_path):
-    from flows.rounds import grid, results_dir
-    from flows.steps import partition_domains as _partition_domains
+    from flows.runs.rounds import grid, results_dir
+    from flows.runs.steps import partition_domains as _partition_domains
 
     cfg = C.compose(overrides(tmp_path, SCENARIOS))
     _partition_domains(cfg, "fedpd")
@@ -125,7 +125,7 @@ def test_method_names_mlflow_refuses_in_keys_are_logged_under_safe_keys(tmp_path
     """``fedpd++`` is a config key; MLflow refuses '+' in param keys, so a run that logs the config must not fail."""
     from mlflow.entities import Param
 
-    from flows import tracking
+    from flows.services import tracking
 
     params = tracking.flatten({"fedpd": {"methods": {"fedpd++": {"trainer": "proser"}}}, "seeds": [0, 1]})
     assert params == {"fedpd.methods.fedpd__.trainer": "proser", "seeds": "[0, 1]"}
@@ -136,7 +136,7 @@ def test_method_names_mlflow_refuses_in_keys_are_logged_under_safe_keys(tmp_path
 
 
 def test_relabelled_scenarios_are_exact_weighted_means_of_per_class_aurocs():
-    from flows.reports import relabelled_aurocs
+    from flows.reports.tables import relabelled_aurocs
 
     counts = {"a": {6: 10, 7: 30}, "b": {6: 20, 7: 20}}
     per_class = {("a", 6): 0.9, ("a", 7): 0.5, ("b", 6): 0.8, ("b", 7): 0.6}
@@ -149,7 +149,7 @@ def test_relabelled_scenarios_are_exact_weighted_means_of_per_class_aurocs():
 
 
 def test_the_report_adds_scenarios_relabellings_and_per_class_aurocs(tmp_path):
-    from flows.reports import write_openset_report
+    from flows.reports.tables import write_openset_report
 
     def summary(base):
         s = {

@@ -3,7 +3,7 @@
 import numpy as np
 import torch
 
-from flows import config as C
+from flows.config import compose as C
 from tests.fedcore.tiny import PRETRAIN, build_tiny
 
 

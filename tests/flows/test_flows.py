@@ -15,9 +15,9 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from flows import config as C
-from flows import federation as F
-from flows import tracking
+from flows.config import compose as C
+from flows.runs import federation as F
+from flows.services import tracking
 from tests.helpers import (
     for_variant,
     prefect_artifacts,
@@ -44,7 +44,7 @@ def runs_of(cfg, name):
 
 def count_streams(monkeypatch) -> list:
     """The Ray generators the arrival flow starts (one per worker that runs arrivals), counted."""
-    from flows import runtime
+    from flows.services import runtime
 
     started, real = [], runtime.ray_stream
 
@@ -110,7 +110,7 @@ def test_arrival_flow_logs_lineage_metrics_artifacts_and_model(tiny, monkeypatch
         res.summary["final_avg_holdout_acc"], abs=1e-5
     )
     assert "bpa+ugsa (plain), seed 0, on digits" in v.description
-    from flows.tracking import load_registered
+    from flows.services.tracking import load_registered
 
     model = load_registered(name, "champion", tracking_uri=C.tracking_uri(cfg))
     for k, v in model.state_dict().items():
@@ -144,7 +144,7 @@ def test_the_arrivals_stream_is_stopped_when_the_flow_cannot_start(tiny, monkeyp
     unreachable API, say), the stream is cancelled, not left computing."""
     from prefect.flows import Flow
 
-    from flows import runtime
+    from flows.services import runtime
 
     cfg = cfg_for(tiny, "flow.experiment=no-start")
     streams = count_streams(monkeypatch)
@@ -253,7 +253,7 @@ def test_private_arrival_flow_logs_each_clients_ledger_and_refusals(tiny_gn, tmp
 def test_audit_stage_bounds_stay_below_the_accountant(tiny_gn, tmp_path):
     import json
 
-    from flows.steps import audit as _audit
+    from flows.runs.steps import audit as _audit
 
     cfg = cfg_for(
         tiny_gn,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from flows import config as C
+from flows.config import compose as C
 
 
 def overrides(tmp, *extra):
@@ -87,8 +87,8 @@ def test_bad_ppfcil_settings_are_refused_with_the_fix(extra, match):
 
 @pytest.mark.slow
 def test_incremental_grid_writes_tables_and_logs_tasks_ledgers_and_selection(tmp_path):
-    from flows.rounds import grid, results_dir
-    from flows.steps import partition_domains as _partition_domains
+    from flows.runs.rounds import grid, results_dir
+    from flows.runs.steps import partition_domains as _partition_domains
 
     cfg = C.compose(overrides(tmp_path))
     _partition_domains(cfg, "ppfcil")
@@ -143,13 +143,13 @@ def test_incremental_grid_writes_tables_and_logs_tasks_ledgers_and_selection(tmp
     assert all(v["accountant"]["accountant"] == "bayesian" for v in doc["clients"].values())
     versions = client.search_model_versions("name='ppfcil-quick'")
     assert [(v.tags["method"], v.tags["champion_metric"]) for v in versions] == [("ppfcil", "avg_inc_acc")]
-    from flows.tracking import load_registered
+    from flows.services.tracking import load_registered
 
     assert load_registered("ppfcil-quick", "champion", tracking_uri=C.tracking_uri(cfg)) is not None
 
 
 def test_privacy_report_pairs_lbdp_with_classic_dp_at_each_epsilon_and_clip_norm(tmp_path):
-    from flows.reports import ppfcil_privacy as _ppfcil_privacy
+    from flows.reports.tables import ppfcil_privacy as _ppfcil_privacy
 
     # a clip-only row (no noise, no ε) in the grid is left out of the curve and the pairs
     cfg = C.compose(
@@ -177,7 +177,7 @@ def test_privacy_report_pairs_lbdp_with_classic_dp_at_each_epsilon_and_clip_norm
 
 
 def test_privacy_report_names_the_stage_that_builds_its_input(tmp_path):
-    from flows.reports import ppfcil_privacy as _ppfcil_privacy
+    from flows.reports.tables import ppfcil_privacy as _ppfcil_privacy
 
     with pytest.raises(FileNotFoundError, match=re.escape("dvc repro ppfcil@privacy`")):
         _ppfcil_privacy(C.compose([f"paths.results={tmp_path}"]))
@@ -190,7 +190,7 @@ def test_privacy_report_names_the_stage_that_builds_its_input(tmp_path):
 
 
 def test_privacy_report_joins_grids_on_the_same_data_and_refuses_others(tmp_path):
-    from flows.reports import ppfcil_privacy as _ppfcil_privacy
+    from flows.reports.tables import ppfcil_privacy as _ppfcil_privacy
 
     cfg = C.compose([f"paths.results={tmp_path}", "ppfcil.grids.privacy.methods=[ppfcil-nodp,lbdp-eps8,dp-eps8]"])
     fake = {
@@ -228,7 +228,7 @@ def test_the_flow_submit_ships_each_clients_data_of_the_current_task_once(monkey
     import numpy as np
 
     from fedcore.engine.rounds import RoundData
-    from flows import rounds as R
+    from flows.runs import rounds as R
 
     put, submitted = [], []
 

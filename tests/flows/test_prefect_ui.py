@@ -14,9 +14,9 @@ import time
 import pytest
 
 from fedcore.engine.checkpoint import CheckpointError
-from flows import config as C
-from flows import runtime, ui
-from flows.tasks import arrival_checkpoints, check_checkpoints, sweep_cells
+from flows.config import compose as C
+from flows.runs.tasks import arrival_checkpoints, check_checkpoints, sweep_cells
+from flows.services import runtime, ui
 from tests.helpers import tiny_overrides, write_checkpoint
 
 
@@ -38,7 +38,7 @@ def test_check_checkpoints_refuses_corrupt_or_foreign_ones_and_names_the_fix(tmp
 @pytest.mark.parametrize("flow", ["arrival", "sweep"])
 def test_a_corrupt_checkpoint_fails_before_ray_or_prefect_start(tiny, tmp_path, monkeypatch, flow):
     # Prepare: the run's checkpoint corrupted, and Ray or Prefect starting fails the test
-    from flows import federation as F
+    from flows.runs import federation as F
 
     cfg = C.compose(
         tiny_overrides(tiny["tmp"])
@@ -122,7 +122,7 @@ def test_the_terminal_shows_prefects_warnings_only():
 
     assert not _prefect_warnings_only(record("prefect.task_runs", logging.INFO))
     assert _prefect_warnings_only(record("prefect.task_runs", logging.WARNING))
-    assert _prefect_warnings_only(record("flows.runtime", logging.INFO))
+    assert _prefect_warnings_only(record("flows.services.runtime", logging.INFO))
 
 
 def test_run_links_point_at_each_ui(monkeypatch):

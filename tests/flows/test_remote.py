@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows import remote as R
-from flows.config import ROOT
+from flows.config.compose import ROOT
+from flows.services import remote as R
 
 BUILD = """\
 import json, pathlib, sys
@@ -199,7 +199,9 @@ def test_a_partly_pushed_run_pulls_what_was_pushed_and_exits_zero(pushed, tmp_pa
     git("clone", "-q", str(pushed["a"]), str(b), cwd=tmp_path)
 
     def pull(*stages):
-        return sh(sys.executable, "-m", "flows.remote", "pull", *stages, "--root", str(b), cwd=ROOT, check=False)
+        return sh(
+            sys.executable, "-m", "flows.services.remote", "pull", *stages, "--root", str(b), cwd=ROOT, check=False
+        )
 
     # Execute
     everything, asked = pull(), pull("data")
@@ -314,7 +316,7 @@ def test_the_project_caches_every_output_and_names_a_remote_outside_the_work_tre
 
 def test_the_nightly_records_and_pushes_what_it_built(base, tmp_path):
     # Prepare: the stages' code run outside `dvc repro`, as the nightly flow runs it
-    from flows import nightly as N
+    from flows.runs import nightly as N
 
     log = tmp_path / "runs.log"
     a = make_project(tmp_path / "a", log)
@@ -344,7 +346,7 @@ def test_every_nightly_deployment_pushes_after_a_run():
     # Prepare
     import inspect
 
-    from flows import nightly as N
+    from flows.runs import nightly as N
 
     spec = yaml.safe_load((ROOT / "infra" / "prefect.yaml").read_text())
 
@@ -395,4 +397,4 @@ def test_a_real_stage_round_trips_through_the_remote(base, tmp_path, monkeypatch
 def test_make_targets_run_the_wrapper(target):
     # `make -n` prints the recipe without running it (nor the set-up it depends on)
     out = sh("make", "-n", target, "STAGES=adapt@mnist fedpad@quick", cwd=ROOT).stdout
-    assert f"python -m flows.remote {target} adapt@mnist fedpad@quick" in out
+    assert f"python -m flows.services.remote {target} adapt@mnist fedpad@quick" in out

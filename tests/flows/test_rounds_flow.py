@@ -12,7 +12,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from fedcore.engine.checkpoint import CheckpointError
-from flows import config as C
+from flows.config import compose as C
 from tests.helpers import prefect_artifacts, prefect_flow_run, prefect_logs, prefect_task_runs, write_checkpoint
 
 
@@ -44,7 +44,7 @@ def strip(records):
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-    from flows.steps import partition_domains as _partition_domains
+    from flows.runs.steps import partition_domains as _partition_domains
 
     tmp = tmp_path_factory.mktemp("rounds")
     cfg = C.compose(rounds_overrides(tmp))
@@ -72,8 +72,9 @@ def test_unknown_grid_and_method_are_refused_with_the_valid_names():
 @pytest.mark.parametrize("flow", ["single", "grid"])
 def test_a_corrupt_round_checkpoint_fails_before_ray_or_prefect_start(quick, tmp_path, monkeypatch, flow):
     # Prepare: the run's (a grid's first cell's) checkpoint corrupted; Ray or Prefect starting fails the test
-    from flows import rounds, runtime
-    from flows.tasks import round_cell_dir
+    from flows.runs import rounds
+    from flows.runs.tasks import round_cell_dir
+    from flows.services import runtime
 
     cfg = C.compose(rounds_overrides(quick["tmp"], f"paths.checkpoints={tmp_path}"))
     folder = (
@@ -94,9 +95,9 @@ def test_a_corrupt_round_checkpoint_fails_before_ray_or_prefect_start(quick, tmp
 def test_round_flow_equals_the_plain_driver_and_logs_every_round(quick):
     """The same run_rounds loop, driven by a Prefect task per client per round on Ray: identical metrics."""
     from fedcore.engine import run_rounds
-    from flows.evaluations import round_data
-    from flows.rounds import single
-    from flows.tasks import load_domain_partition
+    from flows.reports.evaluations import round_data
+    from flows.runs.rounds import single
+    from flows.runs.tasks import load_domain_partition
 
     cfg = quick["cfg"]
     part = load_domain_partition(cfg, "fedpad")
@@ -139,7 +140,7 @@ def test_round_flow_equals_the_plain_driver_and_logs_every_round(quick):
 @pytest.mark.slow
 def test_failed_and_killed_client_tasks_are_rerun_with_unchanged_results(quick):
     """Round 1's client-0 task raises once (Prefect retries it); round 0's worker is killed by PID (Ray reruns it)."""
-    from flows.rounds import single
+    from flows.runs.rounds import single
 
     cfg = C.compose(
         rounds_overrides(
@@ -172,7 +173,7 @@ def test_a_round_flow_stopped_after_a_round_resumes_from_its_checkpoint_with_unc
     """flow.stop_after=1 ends the run once round 0 is checkpointed; resume=true runs round 1 alone, and the
     records are the uninterrupted run's."""
     from fedcore.engine import RunInterrupted
-    from flows.rounds import single
+    from flows.runs.rounds import single
 
     extra = (f"paths.checkpoints={quick['tmp']}/ckpt3",)
     with pytest.raises(RunInterrupted):
@@ -197,7 +198,7 @@ def test_a_round_flow_stopped_after_a_round_resumes_from_its_checkpoint_with_unc
 
 @pytest.mark.slow
 def test_grid_flow_writes_the_table_statistics_plots_and_one_run_per_cell(quick):
-    from flows.rounds import grid, results_dir
+    from flows.runs.rounds import grid, results_dir
 
     cfg = quick["cfg"]
     rows = grid(cfg, "fedpad")
@@ -231,7 +232,7 @@ def test_grid_flow_writes_the_table_statistics_plots_and_one_run_per_cell(quick)
     assert [(v.tags["method"], v.tags["seed"]) for v in versions] == [("fedpad", "0")]
     assert versions[0].tags["champion_metric"] == "final_worst_acc"
     assert client.get_model_version_by_alias("fedpad-quick", "champion")  # the first version always takes it
-    from flows.tracking import load_registered
+    from flows.services.tracking import load_registered
 
     assert load_registered("fedpad-quick", "champion", tracking_uri=C.tracking_uri(cfg)) is not None
 
@@ -240,7 +241,7 @@ def test_grid_flow_writes_the_table_statistics_plots_and_one_run_per_cell(quick)
 def test_a_resumed_grid_logs_no_cell_twice(quick):
     """Every cell of the grid has finished: a rerun resumes each from its checkpoint and logs nothing again,
     and its report is the same."""
-    from flows.rounds import grid, results_dir
+    from flows.runs.rounds import grid, results_dir
 
     cfg = C.compose(rounds_overrides(quick["tmp"], "flow.resume=true"))
     client = MlflowClient(C.tracking_uri(cfg))

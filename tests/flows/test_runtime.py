@@ -5,12 +5,12 @@ import os
 
 import pytest
 
-from flows import config as C
-from flows.runtime import ray_init_kwargs
+from flows.config import compose as C
+from flows.services.runtime import ray_init_kwargs
 
 
 def test_gpus_are_requested_only_for_cuda():
-    from flows.placement import gpus
+    from flows.services.placement import gpus
 
     assert gpus(C.compose(["device=cpu"])) == 0.0
     assert gpus(C.compose(["device=cuda"])) == 1.0
@@ -28,7 +28,7 @@ def test_file_hash_is_recomputed_when_the_file_changes(tmp_path):
     import hashlib
     import os
 
-    from flows.tracking import file_sha256
+    from flows.services.tracking import file_sha256
 
     p = tmp_path / "f.bin"
     p.write_bytes(b"abc")
@@ -39,25 +39,27 @@ def test_file_hash_is_recomputed_when_the_file_changes(tmp_path):
 
 
 def test_task_module_is_light_for_ray_workers():
-    """A worker unpickling a task imports flows.tasks: it must not drag in MLflow or matplotlib."""
+    """A worker unpickling a task imports flows.runs.tasks: it must not drag in MLflow or matplotlib."""
     import subprocess
     import sys
 
-    probe = "import sys, flows.tasks; print(sorted(m for m in ('mlflow', 'matplotlib', 'ray') if m in sys.modules))"
+    probe = (
+        "import sys, flows.runs.tasks; print(sorted(m for m in ('mlflow', 'matplotlib', 'ray') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", probe], cwd=C.ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 
 
 def test_worker_module_is_lighter_still_for_plain_ray_tasks():
-    """Arrivals and round clients run as plain Ray tasks from flows.worker: a fresh worker imports torch and
+    """Arrivals and round clients run as plain Ray tasks from flows.runs.worker: a fresh worker imports torch and
     fedcore for them, not Prefect, OmegaConf, scipy.stats or the corruptions' image libraries (together about
     4 s of a cold worker's start)."""
     import subprocess
     import sys
 
     heavy = ("mlflow", "matplotlib", "ray", "prefect", "omegaconf", "scipy.stats", "scipy.ndimage", "cv2", "skimage")
-    probe = f"import sys, flows.worker; print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    probe = f"import sys, flows.runs.worker; print(sorted(m for m in {heavy!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", probe], cwd=C.ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
@@ -67,7 +69,7 @@ def test_background_arrival_log_keeps_order_nesting_and_errors(tmp_path):
     import mlflow
     import pytest
 
-    from flows.tracking import BackgroundArrivalLog
+    from flows.services.tracking import BackgroundArrivalLog
 
     before = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlruns.db")
@@ -112,7 +114,7 @@ def test_background_log_batches_records_that_come_close_together(tmp_path):
 
     import mlflow
 
-    from flows.tracking import BackgroundLog
+    from flows.services.tracking import BackgroundLog
 
     # the log opens a client on the tracking URI: a store of this test's, not MLflow's default ./mlflow.db
     before = mlflow.get_tracking_uri()
@@ -163,7 +165,7 @@ def test_arrival_runs_are_written_at_close_or_live(tmp_path, runs_at_end):
 
     import mlflow
 
-    from flows.tracking import BackgroundArrivalLog
+    from flows.services.tracking import BackgroundArrivalLog
 
     before = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlruns.db")
@@ -219,11 +221,11 @@ def test_in_child_computes_elsewhere_and_falls_back_here(monkeypatch, caplog):
     import os
     import sys
 
-    from flows.runtime import InChild
+    from flows.services.runtime import InChild
 
     value, pid = InChild(_double, 21).result()
     assert value == 42 and pid != os.getpid()  # a child computed it
-    with caplog.at_level("WARNING", logger="flows.runtime"):
+    with caplog.at_level("WARNING", logger="flows.services.runtime"):
         assert InChild(_fails_in_a_child, os.getpid()).result() == "here"  # the child failed: computed here
     assert "RuntimeError: only in the child" in caplog.text and "computing it here instead" in caplog.text
     call = InChild(_double, 5)
@@ -237,7 +239,7 @@ def test_in_child_computes_elsewhere_and_falls_back_here(monkeypatch, caplog):
 
     with monkeypatch.context() as m:
         m.setattr(multiprocessing.process.BaseProcess, "start", no_fork)
-        with caplog.at_level("WARNING", logger="flows.runtime"):
+        with caplog.at_level("WARNING", logger="flows.services.runtime"):
             assert InChild(_double, 3).result() == (6, os.getpid())  # no child could start: computed here
     assert "could not start a child process for _double" in caplog.text
     monkeypatch.setattr(sys, "platform", "darwin")  # no fork there: computed here, at result()
@@ -247,7 +249,7 @@ def test_in_child_computes_elsewhere_and_falls_back_here(monkeypatch, caplog):
 def test_in_child_cancel_stops_a_child_still_running():
     import time
 
-    from flows.runtime import InChild
+    from flows.services.runtime import InChild
 
     call = InChild(time.sleep, 60)
     proc = call._proc
@@ -262,8 +264,8 @@ def test_plots_drawn_in_a_child_are_the_bytes_drawn_here(tmp_path):
     the ones the same call writes in this process."""
     import numpy as np
 
-    from flows.federation import _draw_plots
-    from flows.runtime import InChild
+    from flows.runs.federation import _draw_plots
+    from flows.services.runtime import InChild
 
     records = [
         {
@@ -297,7 +299,7 @@ def test_a_ray_the_caller_started_is_left_running_and_ours_binds_loopback():
     import ray
     import ray._private.ray_constants as ray_constants
 
-    from flows import runtime
+    from flows.services import runtime
 
     before = ray_constants.ENABLE_RAY_CLUSTER
     with runtime.loopback_ray():
@@ -322,7 +324,7 @@ def test_ray_goes_down_with_reference_cycles_freed_first_and_no_collection_meanw
 
     import ray
 
-    from flows import runtime
+    from flows.services import runtime
 
     class Holder:
         pass
@@ -359,7 +361,7 @@ def test_a_process_that_starts_or_joins_ray_frees_its_cycles_before_rays_own_exi
     when a Ray is started or joined (loopback_ray and start_ray both ask), runs before it."""
     import atexit
 
-    from flows import runtime
+    from flows.services import runtime
 
     registered = []
     monkeypatch.setattr(atexit, "register", registered.append)
@@ -387,7 +389,7 @@ def test_a_ray_started_here_loses_its_autoscaler_monitor_before_ray_shuts_the_re
     import ray
     import ray._private.worker as ray_worker
 
-    from flows import runtime
+    from flows.services import runtime
 
     with runtime.loopback_ray():
         ray.init(address="local", num_cpus=1, include_dashboard=False)
@@ -415,7 +417,7 @@ def test_only_rays_autoscaler_monitor_is_stopped_and_a_failure_to_stop_it_still_
     import ray
     import ray._private.worker as ray_worker
 
-    from flows import runtime
+    from flows.services import runtime
 
     # Arrange: a node record whose monitor and raylet are two sleeping processes of this test's
     sleeping = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
@@ -446,7 +448,7 @@ def test_only_rays_autoscaler_monitor_is_stopped_and_a_failure_to_stop_it_still_
     shut = []
     monkeypatch.setattr(runtime, "_stop_autoscaler_monitor", fails)
     monkeypatch.setattr(ray, "shutdown", lambda: shut.append(True))
-    with caplog.at_level(logging.WARNING, logger="flows.runtime"):
+    with caplog.at_level(logging.WARNING, logger="flows.services.runtime"):
         runtime.stop_ray()
     assert shut == [True] and "node record moved" in caplog.text
 
@@ -459,7 +461,7 @@ def test_the_temporary_prefect_server_is_made_on_its_boot_thread_unless_its_modu
     import sys
     import threading
 
-    from flows import runtime
+    from flows.services import runtime
 
     made = []
 
@@ -500,7 +502,7 @@ def test_the_url_planned_for_the_temporary_server_is_the_one_prefects_server_cla
     class: if a Prefect upgrade changed its form, every cold start would restart Ray."""
     from prefect.server.api.server import SubprocessASGIServer
 
-    from flows import runtime
+    from flows.services import runtime
 
     server = object.__new__(SubprocessASGIServer)  # not the process-wide singleton, and nothing started
     server.port = 43210
@@ -517,7 +519,8 @@ def test_a_failed_client_step_lets_the_rounds_other_steps_finish_and_an_interrup
     import prefect
     import ray
 
-    from flows import runtime, tasks
+    from flows.runs import tasks
+    from flows.services import runtime
 
     refs, seen = [], {"settle": [], "cancel": []}
 
@@ -559,7 +562,8 @@ def test_the_round_task_hands_over_results_in_client_order_once_each_across_a_re
     import prefect
     import ray
 
-    from flows import runtime, tasks
+    from flows.runs import tasks
+    from flows.services import runtime
 
     # Arrange: attempt 1 finishes clients 1, 0, 3 and then client 2 fails; attempt 2 reruns 2 and 3
     started, attempt = [], {"n": 0}
@@ -609,7 +613,8 @@ def test_an_error_while_taking_a_result_is_not_retried(monkeypatch):
     import prefect
     import ray
 
-    from flows import runtime, tasks
+    from flows.runs import tasks
+    from flows.services import runtime
 
     started = []
     monkeypatch.setattr(runtime, "ray_start_kept", lambda fn, **kw: started.append(1) or (("h", len(started)), "u"))
@@ -634,7 +639,7 @@ def test_a_sync_flow_does_not_wait_for_its_heartbeat_thread(monkeypatch):
     async engine does) and keeps every other argument; a Prefect without that parameter is left alone."""
     from prefect import flow_engine
 
-    from flows import runtime
+    from flows.services import runtime
 
     calls = []
 
@@ -661,7 +666,7 @@ def test_the_pinned_prefect_still_sends_heartbeats_under_the_patch(monkeypatch):
 
     from prefect import flow, flow_engine
 
-    from flows import runtime
+    from flows.services import runtime
 
     real = flow_engine._send_heartbeats
     real = getattr(real, "func", real)  # already patched by an earlier flow in this process
@@ -691,7 +696,7 @@ def test_tensors_travel_to_and_from_workers_as_arrays_with_the_same_bits():
     import torch
 
     from fedcore.types import ClientUpdate
-    from flows.worker import Packed, pack, unpack
+    from flows.runs.worker import Packed, pack, unpack
 
     g = torch.Generator().manual_seed(0)
     update = ClientUpdate(

@@ -24,9 +24,9 @@ from omegaconf import OmegaConf
 
 from fedcore.data import sha256_file
 from fedcore.engine import CheckpointError, ModelSpec, init_state, load_network, load_state, save_state
-from flows import config as C
-from flows import integrity
-from flows import tasks as T
+from flows.config import compose as C
+from flows.runs import tasks as T
+from flows.services import integrity
 
 SPEC = ModelSpec(name="cnn", in_channels=1, num_classes=10)
 
@@ -224,7 +224,7 @@ def registry(tmp_path_factory):
     """Two versions of a registered model in a throwaway tracking store (sqlite file + local artifacts)."""
     import mlflow
 
-    from flows import tracking
+    from flows.services import tracking
 
     tmp = tmp_path_factory.mktemp("registry")
     uri, before = f"sqlite:///{tmp}/mlruns.db", mlflow.get_tracking_uri()
@@ -253,7 +253,7 @@ def test_registered_model_loads_in_a_fresh_process_with_one_call(registry, tmp_p
     np.save(tmp_path / "x.npy", registry["x"])
     x, y = str(tmp_path / "x.npy"), str(tmp_path / "y.npy")
     code = (
-        "import numpy as np, torch; from flows.tracking import load_registered; "
+        "import numpy as np, torch; from flows.services.tracking import load_registered; "
         f"m = load_registered('fedcore-safe', 1, tracking_uri={registry['uri']!r}); "
         f"np.save({y!r}, m(torch.as_tensor(np.load({x!r}))).detach().numpy())"
     )
@@ -273,7 +273,7 @@ def test_registered_model_loads_in_a_fresh_process_with_one_call(registry, tmp_p
 def test_registered_model_swapped_in_the_artifact_store_is_refused_unread(registry):
     import mlflow
 
-    from flows import tracking
+    from flows.services import tracking
 
     # Prepare: version 2's stored weights are replaced by the pickle.
     client = mlflow.MlflowClient(registry["uri"], registry["uri"])

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from flows import config as C
-from flows import federation as F
-from flows import tasks as T
+from flows.config import compose as C
+from flows.runs import federation as F
+from flows.runs import tasks as T
 from flows.stages import main
 
 

@@ -1,4 +1,4 @@
-"""The stop logic of flows/signals.py in one process (the real runs are in tests/e2e/test_signals.py)."""
+"""The stop logic of flows/runs/signals.py in one process (the real runs are in tests/e2e/test_signals.py)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import signal
 
 import pytest
 
-from flows import signals
+from flows.runs import signals
 
 
 @pytest.fixture
 def stopping(monkeypatch):
-    """flows.signals with its deadline thread and its process exit recorded instead of carried out."""
+    """flows.runs.signals with its deadline thread and its process exit recorded instead of carried out."""
     exits: list[int] = []
     monkeypatch.setattr(signals, "_deadline", lambda signum: None)
     monkeypatch.setattr(signals, "exit_now", lambda code: exits.append(code))
@@ -73,8 +73,8 @@ def test_an_arrival_accepted_while_the_run_stops_is_checkpointed_and_logged_or_n
     import time
     from types import SimpleNamespace
 
-    from flows import federation as F
-    from flows import runtime
+    from flows.runs import federation as F
+    from flows.services import runtime
 
     # Prepare: a run of 4 arrivals whose checkpoint write can be held, without Ray
     signals.reset()

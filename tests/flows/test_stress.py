@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from flows import config as C
-from flows import stress as S
+from flows.config import compose as C
+from flows.runs import stress as S
 
 
 @pytest.fixture(scope="module")
@@ -255,7 +255,7 @@ def test_a_plain_method_is_paired_with_the_source_run_under_its_own_aggregator()
 
 # ------------------------------------------------------------------------------------ the lr x passes grid
 def test_the_grid_is_the_cells_that_set_only_lr_and_passes(cfg):
-    from flows import stress_grid as G
+    from flows.runs import stress_grid as G
 
     cells = G.grid_cells(cfg)
 
@@ -269,7 +269,7 @@ def test_the_grid_is_the_cells_that_set_only_lr_and_passes(cfg):
 def test_the_grid_tabulates_each_cell_and_maps_its_gap_to_bn_paired_by_seed(cfg, tmp_path):
     # Arrange: two grid cells and one ablation cell ran; tent+sequential collapses at lr 0.1, and at
     # lr 0.01 BN ran seed 2 only, so the gap pairs that seed alone
-    from flows import stress_grid as G
+    from flows.runs import stress_grid as G
 
     root = tmp_path / "stress"
     _write_private_cell(
@@ -310,7 +310,7 @@ def test_the_grid_tabulates_each_cell_and_maps_its_gap_to_bn_paired_by_seed(cfg,
 
 
 def test_the_grid_is_written_before_any_grid_cell_ran(cfg, tmp_path):
-    from flows import stress_grid as G
+    from flows.runs import stress_grid as G
 
     _write_private_cell(tmp_path / "stress" / "ugsa-none-b1", {"bn+none": [0.7], "tent+ugsa": [0.6]})
     c = OmegaConf.merge(cfg, {"bpfedctta": {"stress": {"results": str(tmp_path / "stress")}}})
@@ -321,7 +321,7 @@ def test_the_grid_is_written_before_any_grid_cell_ran(cfg, tmp_path):
 
 
 def test_bad_grid_cells_name_the_fix(cfg):
-    from flows import stress_grid as G
+    from flows.runs import stress_grid as G
 
     def with_cells(**cells):
         bad = cfg.copy()

@@ -9,8 +9,9 @@ import re
 import pytest
 import yaml
 
-from flows import config as C
-from flows import deploy, systems
+from flows import systems
+from flows.config import compose as C
+from flows.runs import deploy
 from flows.stages import stage_steps
 
 BUILT_IN = {"bpfedctta": "arrivals", "dptta": "arrivals", "fedpad": "rounds", "fedpd": "rounds", "ppfcil": "rounds"}
@@ -62,7 +63,7 @@ def test_infra_prefect_yaml_is_written_from_the_declarations():
     doc = yaml.safe_load(deploy.PREFECT_FILE.read_text())
 
     # Assert: one nightly deployment per system, each with its quick default, schedule and push
-    assert deploy.main(["--check"]) == 0, "rewrite infra/prefect.yaml with `python -m flows.deploy`"
+    assert deploy.main(["--check"]) == 0, "rewrite infra/prefect.yaml with `python -m flows.runs.deploy`"
     by_name = {d["name"]: d for d in doc["deployments"]}
     assert sorted(by_name) == sorted(f"nightly-{n}" for n in BUILT_IN)
     for name, engine in BUILT_IN.items():

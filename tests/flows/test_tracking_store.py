@@ -16,7 +16,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from fedcore.engine import ModelSpec
-from flows import artifact_store, model_registry, tracking
+from flows.services import artifact_store, model_registry, tracking
 
 SPEC = ModelSpec(name="cnn", num_classes=10, in_channels=1, norm="batch")
 
@@ -75,8 +75,8 @@ uri = "sqlite:///{new}/mlruns.db"
 client = mlflow.MlflowClient(uri)
 local = mlflow.artifacts.download_artifacts(run_id="{run_id}", artifact_path="plots/note-0.txt",
                                             tracking_uri=uri, dst_path="{tmp_path}/dl")
-assert "flows.tracking" not in sys.modules, "the entry point alone must resolve the scheme"
-from flows.tracking import load_registered
+assert "flows.services.tracking" not in sys.modules, "the entry point alone must resolve the scheme"
+from flows.services.tracking import load_registered
 model = load_registered("bpfedctta-digits", "champion", tracking_uri=uri)
 mlflow.set_tracking_uri(uri)
 mlflow.set_experiment("store-test")
@@ -230,7 +230,7 @@ def test_a_champion_history_is_replayed_exactly():
 
 
 def test_unknown_register_mode_or_champion_metric_fails_before_any_work():
-    from flows import config as C
+    from flows.config import compose as C
 
     with pytest.raises(ValueError, match="flow.register 'some'.*configured, all, none"):
         model_registry.check(C.compose(["flow.register=some"]))
@@ -304,8 +304,8 @@ def test_lineage_names_the_dvc_outputs_a_run_reads_and_no_others(tmp_path):
 def test_an_arrival_runs_lineage_in_the_real_lock_is_its_data_partition_and_source_model(overrides, stages):
     """What an arrival run reads (the paths its flow passes) against the project's own dvc.lock, where
     the outputs are folders: exactly the three stages upstream of it."""
-    from flows import config as C
-    from flows import tasks as T
+    from flows.config import compose as C
+    from flows.runs import tasks as T
 
     cfg = C.compose(overrides)
     tags = tracking.dvc_lock_hashes([T.prepared_path(cfg), T.partition_dir(cfg), T.source_model_path(cfg)])
@@ -342,7 +342,7 @@ def test_lineage_names_a_commit_that_exists_and_lists_what_differs_from_it(tmp_p
 
 def test_experiments_and_the_links_we_write_open_on_the_runs_table(tmp_path):
     """MLflow 3 opens an experiment on its GenAI overview unless told it is model development."""
-    from flows import ui
+    from flows.services import ui
 
     tracking.setup(f"sqlite:///{tmp_path}/mlruns.db", "kind-test")
     exp = MlflowClient(f"sqlite:///{tmp_path}/mlruns.db").get_experiment_by_name("kind-test")

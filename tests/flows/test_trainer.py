@@ -13,7 +13,7 @@ from torch import nn
 
 from fedcore.engine import ModelSpec
 from fedcore.train import augment_batch, create_trainer
-from flows import config as C
+from flows.config import compose as C
 
 
 def colour_images(n: int = 48, seed: int = 0):
@@ -174,7 +174,7 @@ def test_pretrain_passes_its_settings_to_the_trainer_and_refuses_a_misspelt_one(
 
 
 def test_a_round_client_step_runs_with_the_cpus_it_was_given_and_gives_them_back(monkeypatch):
-    from flows import worker
+    from flows.runs import worker
 
     seen = []
     monkeypatch.setattr(worker, "train_step", lambda **kw: seen.append(torch.get_num_threads()) or "update")

@@ -1,7 +1,7 @@
 """The variants (conf/experiment/bpfedctta.yaml, dptta.yaml) and the DVC stages that run them.
 
 The expected values are literals: what the default config, ``cifar_experiment(cfg)`` and
-``private_grid(cfg)`` resolved to when the variants were Python overlays in flows/config.py.
+``private_grid(cfg)`` resolved to when the variants were Python overlays in flows/config/compose.py.
 """
 
 from functools import lru_cache
@@ -9,7 +9,7 @@ from functools import lru_cache
 import pytest
 from omegaconf import OmegaConf
 
-from flows import config as C
+from flows.config import compose as C
 from flows.stages import main
 
 DEFAULT = {
@@ -372,7 +372,7 @@ def test_the_private_stages_declare_outputs_under_the_private_variants_results(d
     ],
 )
 def test_a_missing_input_is_built_by_the_stage_that_writes_it(variant, step, stage):
-    from flows.tasks import build_hint
+    from flows.runs.tasks import build_hint
 
     cfg = C.compose([f"variant={variant}"])
     name = stage.split("@")[1]
@@ -382,7 +382,7 @@ def test_a_missing_input_is_built_by_the_stage_that_writes_it(variant, step, sta
 def test_the_private_variant_names_the_default_partition_stage_when_its_partitions_are_missing(tmp_path, capsys):
     # its partitions are partition@mnist's: that stage writes them
     over = ["variant=private", f"dptta.variants.private.paths.models={tmp_path}/m"]
-    from flows.tasks import build_hint
+    from flows.runs.tasks import build_hint
 
     assert build_hint(C.compose(over), "partition").startswith("`dvc repro partition@mnist`")
     # partitions moved elsewhere: no stage writes them, and the advice says so rather than name one that would not

@@ -19,8 +19,9 @@ import torch
 
 from fedcore.aggregate.base import STRATEGIES, Aggregated, Strategy, Updates
 from fedcore.types import State
-from flows import evaluations, systems
-from flows.evaluations import Evaluation, GridRun
+from flows import systems
+from flows.reports import evaluations
+from flows.reports.evaluations import Evaluation, GridRun
 
 
 # --- a strategy -----------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ metrics. Two kinds of alias move:
   ``flow.champion_metric`` (higher is better). A tie keeps the older champion.
 * ``flow.aliases`` (the nightly job passes ``nightly``) always move to the newest version.
 
-Load a version by number or alias with :func:`flows.tracking.load_registered`.
+Load a version by number or alias with :func:`flows.services.tracking.load_registered`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from omegaconf import DictConfig
 
 from fedcore.engine.spec import WEIGHTS_FILE
 from fedcore.registry import check_choice
-from flows import config as C
-from flows import tracking
+from flows.config import compose as C
+from flows.services import tracking
 
 CHAMPION = "champion"
 REGISTER_CHOICES = ("configured", "all", "none")

@@ -1,8 +1,8 @@
 """The Prefect tasks that run on Ray workers, and the paths and inputs they share with the flows.
 
-Kept apart from ``flows.federation`` so that a Ray worker unpickling a task imports only
+Kept apart from ``flows.runs.federation`` so that a Ray worker unpickling a task imports only
 Prefect, torch and fedcore: no MLflow, no matplotlib (about 2 s less per fresh worker). What
-plain Ray tasks run (a block of arrivals, a round's client step) is lighter still: ``flows.worker``.
+plain Ray tasks run (a block of arrivals, a round's client step) is lighter still: ``flows.runs.worker``.
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ from fedcore.data import Partition
 from fedcore.engine import ModelSpec, run_arrivals, run_rounds
 from fedcore.tensors import to_tensor
 from fedcore.types import ClientUpdate
-from flows import config as C
-from flows import integrity, systems
-from flows.evaluations import round_inputs
-from flows.worker import train_step_or_fail, unpack, update_summary
+from flows import systems
+from flows.config import compose as C
+from flows.reports.evaluations import round_inputs
+from flows.runs.worker import train_step_or_fail, unpack, update_summary
+from flows.services import integrity
 
 # ------------------------------------------------------------------------------------ tasks
 
@@ -54,7 +55,7 @@ def run_cell_task(
 ) -> Dict[str, Any]:
     """One whole sweep cell, in one worker: the plain driver over the fedcore steps.
 
-    ``written``: md5s of inputs the calling flow wrote itself (:func:`flows.integrity.record`).
+    ``written``: md5s of inputs the calling flow wrote itself (:func:`flows.services.integrity.record`).
     """
     cfg = OmegaConf.create(cfg_dict)
     systems.load_plugins(cfg.get("plugins"))  # a plug-in's method or aggregator, in this worker too
@@ -125,7 +126,7 @@ def train_round_task(
     import ray
     from prefect import get_run_logger
 
-    from flows import runtime
+    from flows.services import runtime
 
     if progress.broken is not None:  # taking failed in an earlier attempt: rerunning the clients cannot help
         raise progress.broken
@@ -390,7 +391,7 @@ def load_source(
 ) -> Dict[str, torch.Tensor]:
     """The source model's weights, checked against its writer's md5 first, then read as tensors only.
 
-    Raises :class:`flows.integrity.IntegrityError` for a stage output changed since DVC (or
+    Raises :class:`flows.services.integrity.IntegrityError` for a stage output changed since DVC (or
     the flow in ``written``) wrote it, and ``ValueError`` for anything but a fedcore source
     model of ``spec``.
     """

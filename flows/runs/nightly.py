@@ -5,14 +5,14 @@
 * ``nightly_rounds``: a round-based system's grid (FedPAD, FedPD++, PP-FCIL): partition, then every cell.
 
 Each system's deployment (schedule, quick default, stages to push) comes from its declaration
-(:mod:`flows.systems`); ``python -m flows.deploy`` writes them into ``infra/prefect.yaml``.
+(:mod:`flows.systems`); ``python -m flows.runs.deploy`` writes them into ``infra/prefect.yaml``.
 
 ``overrides`` are Hydra overrides. Each job rebuilds its inputs outside DVC, so what it reads
 back is checked against the md5s it recorded as it wrote them, not against ``dvc.lock``.
 
 A run without overrides writes exactly what the DVC stages declare,
 so after it succeeds the flow records those stages (``dvc commit``: dvc.lock and the DVC cache) and
-pushes them to the DVC remote (``flows/remote.py``). Another machine then gets the run with
+pushes them to the DVC remote (``flows/services/remote.py``). Another machine then gets the run with
 ``make pull`` once it has this dvc.lock. A run with overrides is not what dvc.yaml describes, so it
 is neither recorded nor pushed; ``push=False`` turns sharing off.
 """
@@ -23,8 +23,9 @@ from typing import List, Optional
 
 from prefect import flow, get_run_logger, task
 
-from flows import config as C
-from flows import integrity, systems
+from flows import systems
+from flows.config import compose as C
+from flows.services import integrity
 
 
 def _share_run_name(parameters) -> str:
@@ -37,7 +38,7 @@ def share(stages: List[str], root: str = str(C.ROOT)) -> str:
 
     Retried because the remote is outside I/O; both steps are idempotent.
     """
-    from flows import remote
+    from flows.services import remote
 
     remote.commit(root, stages)
     report = remote.push(root, stages)
@@ -58,8 +59,8 @@ def _share(stages: List[str], overrides: Optional[List[str]], push: bool, root: 
 @flow(name="nightly-federation")
 def nightly(system: str = "bpfedctta", overrides: Optional[List[str]] = None, push: bool = True) -> dict:
     """A test-time adaptation system's nightly run: its quick variant's data, partition, source model and sweep."""
-    from flows.federation import partition_dir, pretrain
-    from flows.steps import adapt, partition, prepare
+    from flows.runs.federation import partition_dir, pretrain
+    from flows.runs.steps import adapt, partition, prepare
 
     systems.configured_plugins(overrides or [])  # a plug-in system is known before it is looked up
     decl = systems.get(system)
@@ -94,8 +95,8 @@ def nightly_rounds(
     system: str = "fedpad", grid: str = "quick", overrides: Optional[List[str]] = None, push: bool = True
 ) -> dict:
     """A round-based system's nightly run: a grid's partition, then every (method, seed) cell."""
-    from flows.rounds import grid as run_grid
-    from flows.steps import partition_domains
+    from flows.runs.rounds import grid as run_grid
+    from flows.runs.steps import partition_domains
 
     systems.configured_plugins(overrides or [])
     decl = systems.get(system)

@@ -10,7 +10,7 @@ reference (``bn+none``: test-time batch statistics, no parameter update) and eac
   reads off one figure.
 
 Only the protocols in ``PROTOCOLS`` have a grid (their report stages declare these two files); a
-cell not yet run is marked as such. The stress report (flows/stress.py) holds each cell's full
+cell not yet run is marked as such. The stress report (flows/runs/stress.py) holds each cell's full
 table and paired tests.
 """
 
@@ -22,7 +22,7 @@ from typing import Dict, List, Tuple
 import numpy as np
 from omegaconf import DictConfig
 
-from flows.stress import load_cell, protocol, results_root
+from flows.runs.stress import load_cell, protocol, results_root
 
 PROTOCOLS = ("bpfedctta",)
 GRID_KEYS = frozenset({"lr", "passes"})

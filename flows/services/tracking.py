@@ -35,8 +35,8 @@ import torch
 from fedcore.data import sha256_file
 from fedcore.engine import ModelSpec, load_network, save_network
 from fedcore.engine.spec import SPEC_FILE, WEIGHTS_FILE
-from flows import artifact_store, integrity
-from flows.config import ROOT
+from flows.config.compose import ROOT
+from flows.services import artifact_store, integrity
 
 MODEL_NAME = "global_model"  # the logged model's name in its run
 NETWORK_DIR = "network"  # the folder of spec + weights inside the logged model's data
@@ -47,7 +47,7 @@ def setup(uri: str, experiment: str) -> None:
     """Track into ``uri`` under ``experiment``.
 
     In a local SQLite store a new experiment keeps its artifacts beside the database, addressed
-    relative to it (:mod:`flows.artifact_store`), so a copied or moved project still opens them.
+    relative to it (:mod:`flows.services.artifact_store`), so a copied or moved project still opens them.
     """
     from mlflow.exceptions import MlflowException
 
@@ -576,7 +576,7 @@ def log_client_lines(lines: Iterable[Tuple[int, int, Mapping[str, float]]]) -> N
 def log_model(spec: ModelSpec, state: Dict[str, torch.Tensor], *, example: np.ndarray) -> str:
     """Log the final global model on the active run as data only; return its ``models:/`` URI.
 
-    Registering a version is a separate step (:mod:`flows.model_registry`): a sweep logs every
+    Registering a version is a separate step (:mod:`flows.services.model_registry`): a sweep logs every
     cell's model but registers only the ones its config names.
 
     The logged model is an MLflow pyfunc whose loader is this module (from the installed
@@ -609,7 +609,7 @@ def load_registered(name: str, version: int | str = "latest", *, tracking_uri: s
     Parameters
     ----------
     name:
-        The registered model, e.g. ``"bpfedctta-mnist5k"`` (:func:`flows.model_registry.model_name`).
+        The registered model, e.g. ``"bpfedctta-mnist5k"`` (:func:`flows.services.model_registry.model_name`).
     version:
         A version number, ``"latest"``, or an alias such as ``"champion"``.
     tracking_uri:
@@ -617,13 +617,13 @@ def load_registered(name: str, version: int | str = "latest", *, tracking_uri: s
 
     Raises
     ------
-    flows.integrity.IntegrityError
+    flows.services.integrity.IntegrityError
         The stored spec or weights differ from the sha256s in the run's tags, or the version
         predates them (registered as a pickle): nothing was loaded.
 
     Examples
     --------
-    >>> from flows.tracking import load_registered
+    >>> from flows.services.tracking import load_registered
     >>> model = load_registered("bpfedctta-mnist5k", "champion", tracking_uri="sqlite:///mlruns.db")
     >>> logits = model(x)  # x: (N, C, H, W), normalised like the training data
     """

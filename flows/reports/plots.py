@@ -1,13 +1,13 @@
 """``dvc plots show``, naming each plot that has no data here and the command that builds its tables.
 
-    python -m flows.plots               # or `make plots`: dvc_plots/index.html, every plot with data
-    python -m flows.plots -o page       # any option goes to `dvc plots show` as it is
+    python -m flows.reports.plots               # or `make plots`: dvc_plots/index.html, every plot with data
+    python -m flows.reports.plots -o page       # any option goes to `dvc plots show` as it is
 
 Where a plot's table is missing (its stage has not run in this clone, as the private grid after
 ``make run``), DVC says only "failed to load some plots for following revisions: 'workspace'". This
 then asks DVC which (``dvc plots show --json``) and prints, for each such plot, the missing files and
 the stage that writes them (from ``dvc.lock``), with ``make pull`` for a run someone else pushed.
-The page itself is DVC's (with Vega bundled in: :mod:`flows.plot_page`); the exit status is DVC's.
+The page itself is DVC's (with Vega bundled in: :mod:`flows.reports.plot_page`); the exit status is DVC's.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Sequence
 
-from flows import integrity
+from flows.services import integrity
 
 FAILED = "failed to load some plots"
 

@@ -16,9 +16,9 @@ from typing import Any, Dict, List, Mapping, Sequence
 
 import numpy as np
 
-ARRIVALS_CSV = "arrivals.csv"  # one row per arrival (flows.federation)
+ARRIVALS_CSV = "arrivals.csv"  # one row per arrival (flows.runs.federation)
 ACCURACY_CSV = "accuracy.csv"  # the accuracy matrix, one row per (arrival, seen hold-out client)
-ROUNDS_CSV = "rounds.csv"  # one row per round (flows.rounds)
+ROUNDS_CSV = "rounds.csv"  # one row per round (flows.runs.rounds)
 
 
 def _cell(value: Any) -> Any:

@@ -8,7 +8,7 @@ import sys
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from flows.config import PARAMS, ROOT, compose
+from flows.config.compose import PARAMS, ROOT, compose
 
 HEADER = "# Generated from conf/ by `make params`: edit conf/, not this file.\n"
 

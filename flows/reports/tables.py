@@ -1,6 +1,6 @@
 """What a round-based grid writes for DVC and people: tables, summaries, paired tests and plots.
 
-One writer per evaluation (:mod:`flows.evaluations` says which a system uses): per-domain accuracy
+One writer per evaluation (:mod:`flows.reports.evaluations` says which a system uses): per-domain accuracy
 with the worst domain (:func:`write_grid_report`), open-set AUROC and OSCR
 (:func:`write_openset_report`), class-incremental accuracy (:func:`write_incremental_report`).
 Each writes ``table.md``, ``summary.json`` (DVC metrics), ``scores.json`` (what the paired tests
@@ -17,9 +17,9 @@ import numpy as np
 
 from fedcore.evaluate.plots import plot_methods
 from fedcore.evaluate.stats import friedman_p, friedman_ranks, wilcoxon_against
-from flows import config as C
+from flows.config import compose as C
 
-# The summary.json keys a reader compares first, by the system's evaluation (``python -m flows.exp``'s
+# The summary.json keys a reader compares first, by the system's evaluation (``python -m flows.reports.exp``'s
 # columns); the rest (per-domain scores, spreads, timings) are there for ``--all`` and ``dvc exp diff``.
 HEADLINE_KEYS = {
     "domains": ("avg_acc", "worst_acc"),

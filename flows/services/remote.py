@@ -1,8 +1,8 @@
 """Share what a run built: ``dvc push`` and ``dvc pull`` against the project's remote, with errors that say what to do.
 
-    python -m flows.remote push [stage ...]   # every output in dvc.lock (or these stages') -> the remote
-    python -m flows.remote pull [stage ...]   # fetch, check every file's md5 against dvc.lock, then check out
-    python -m flows.remote where              # the remote's name and URL, and how to change it
+    python -m flows.services.remote push [stage ...]   # every output in dvc.lock (or these stages') -> the remote
+    python -m flows.services.remote pull [stage ...]   # fetch, check every file's md5 against dvc.lock, then check out
+    python -m flows.services.remote where              # the remote's name and URL, and how to change it
 
 ``make push`` and ``make pull`` run the first two. The remote is ``fedcore`` in ``.dvc/config``: a
 folder beside the clone (``../fedcore-dvc-remote``), so a fresh clone knows it and the first push
@@ -441,7 +441,9 @@ def commit(root: Path, stages: Sequence[str]) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m flows.remote", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m flows.services.remote",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("command", choices=["push", "pull", "where"])
     ap.add_argument(

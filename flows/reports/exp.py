@@ -1,13 +1,13 @@
 """``dvc exp show`` with the columns a reader compares: each system's headline metrics and the settings a user
 changes.
 
-    python -m flows.exp                 # or `make exp`: a few dozen columns, not every flattened setting
-    python -m flows.exp --all           # every column, as plain `dvc exp show`
-    python -m flows.exp --csv -A        # any other option goes to `dvc exp show` as it is
+    python -m flows.reports.exp                 # or `make exp`: a few dozen columns, not every flattened setting
+    python -m flows.reports.exp --all           # every column, as plain `dvc exp show`
+    python -m flows.reports.exp --csv -A        # any other option goes to `dvc exp show` as it is
 
 Plain ``dvc exp show`` prints a column for every setting a stage tracks (about 1,200 here) and every key of
 every metrics file; DVC has no setting for its default columns, so this picks them with ``--drop`` and
-``--keep``. The metrics kept are :data:`flows.reports.HEADLINE_KEYS` of each system's target method (the
+``--keep``. The metrics kept are :data:`flows.reports.tables.HEADLINE_KEYS` of each system's target method (the
 arrival systems' ``headline``), and the settings :data:`SETTINGS` plus each round-based system's grid.
 """
 
@@ -20,9 +20,9 @@ from typing import List, Sequence
 
 from omegaconf import DictConfig
 
-from flows import config as C
 from flows import systems
-from flows.reports import HEADLINE_KEYS
+from flows.config import compose as C
+from flows.reports.tables import HEADLINE_KEYS
 
 # the settings a user changes most: `dvc exp run -S <one of these>=...`
 SETTINGS = (

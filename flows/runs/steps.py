@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 import time
 
-from flows import config as C
+from flows.config import compose as C
 
 
 def prepare(cfg) -> None:
     from fedcore.data import load_dataset, save_prepared
-    from flows.federation import prepared_path
+    from flows.runs.federation import prepared_path
 
     t0 = time.perf_counter()
     data = load_dataset(cfg.data.name, C.resolve_path(cfg.paths.data_root))
@@ -27,8 +27,8 @@ def prepare(cfg) -> None:
 
 def partition(cfg) -> None:
     from fedcore.data import build_partition, load_prepared
-    from flows.federation import partition_dir, prepared_path
-    from flows.tasks import build_hint
+    from flows.runs.federation import partition_dir, prepared_path
+    from flows.runs.tasks import build_hint
 
     d = cfg.data
     t0 = time.perf_counter()
@@ -58,13 +58,13 @@ def partition(cfg) -> None:
 
 
 def pretrain(cfg) -> None:
-    from flows.federation import pretrain
+    from flows.runs.federation import pretrain
 
     print(f"source model -> {pretrain(cfg)}")
 
 
 def arrival(cfg) -> None:
-    from flows.federation import arrival
+    from flows.runs.federation import arrival
 
     res = arrival(cfg)
     print(json.dumps(res.summary, indent=1))
@@ -82,10 +82,10 @@ def adapt(cfg, written=None) -> list:
     ``method`` + ``aggregator`` (+ ``privacy``) cell's, when the sweep ran it: the numbers ``dvc exp show``
     and ``dvc exp diff`` put side by side whatever the sweep's cells.
 
-    ``written``: md5s of inputs the caller wrote itself (the nightly job), see :func:`flows.federation.sweep`.
+    ``written``: md5s of inputs the caller wrote itself (the nightly job), see :func:`flows.runs.federation.sweep`.
     """
-    from flows.federation import sweep
-    from flows.tracking import summary_rows
+    from flows.runs.federation import sweep
+    from flows.services.tracking import summary_rows
 
     t0 = time.perf_counter()
     results = sweep(cfg, written=written)
@@ -120,9 +120,9 @@ def audit(cfg) -> None:
         )
     from omegaconf import OmegaConf
 
-    from flows.federation import audit
+    from flows.runs.federation import audit
 
-    rows = audit(OmegaConf.merge({"audit": cfg.dptta.audit}, cfg))  # flows.federation.audit reads cfg.audit
+    rows = audit(OmegaConf.merge({"audit": cfg.dptta.audit}, cfg))  # flows.runs.federation.audit reads cfg.audit
     out = C.resolve_path(cfg.paths.results)
     out.mkdir(parents=True, exist_ok=True)
     (out / "audit.json").write_text(json.dumps(rows, indent=1) + "\n")
@@ -164,7 +164,7 @@ def partition_domains(cfg, system: str = "fedpad") -> None:
 
 
 def run_grid(cfg, system: str) -> None:
-    from flows.rounds import grid, results_dir
+    from flows.runs.rounds import grid, results_dir
 
     t0 = time.perf_counter()
     grid(cfg, system)
@@ -176,6 +176,6 @@ def run_grid(cfg, system: str) -> None:
 
 
 def single_run(cfg, system: str = "fedpad") -> None:
-    from flows.rounds import single
+    from flows.runs.rounds import single
 
     print(json.dumps(single(cfg, system).summary, indent=1))

@@ -15,8 +15,8 @@ from typing import Any, Dict, List
 import mlflow
 from omegaconf import DictConfig
 
-from flows import config as C
-from flows.tracking import flatten
+from flows.config import compose as C
+from flows.services.tracking import flatten
 
 
 # Everything a round-based run does not read, and the round-based systems' grids an arrival run does not.
@@ -176,7 +176,7 @@ def prefect_flow_run_url(flow_run_id: str) -> str | None:
     None under the temporary server, which serves no UI."""
     from prefect.settings import get_current_settings
 
-    from flows import runtime
+    from flows.services import runtime
 
     if runtime.is_temporary_api():
         return None

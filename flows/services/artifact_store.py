@@ -12,7 +12,7 @@ that scheme. It resolves the path against the tracking store in use:
 
 Copy or move the project, open ``sqlite:///<new place>/mlruns.db``, and every run, plot and
 registered model is found under ``<new place>/mlartifacts``. (Copy ``mlruns.db*`` together: the
-store's latest commits may still be in ``mlruns.db-wal``, :func:`flows.tracking.write_ahead_log`.)
+store's latest commits may still be in ``mlruns.db-wal``, :func:`flows.services.tracking.write_ahead_log`.)
 The scheme is registered through the package's entry point (``mlflow.artifact_repository``), so
 ``mlflow ui`` run from this environment serves these artifacts; :func:`register` also registers it
 in-process.

@@ -36,10 +36,10 @@ from fedcore.engine import (
 )
 from fedcore.evaluate.plots import plot_arrivals, plot_privacy
 from fedcore.privacy.ledger import ledger_document
-from flows import config as C
-from flows import model_registry, plot_data, runtime, signals, tracking, ui
-from flows.placement import faults, gpus
-from flows.tasks import (  # noqa: F401 - the paths and loaders are part of this module's interface
+from flows.config import compose as C
+from flows.reports import plot_data
+from flows.runs import signals
+from flows.runs.tasks import (  # noqa: F401 - the paths and loaders are part of this module's interface
     arrival_checkpoints,
     cell_name,
     check_checkpoints,
@@ -54,6 +54,8 @@ from flows.tasks import (  # noqa: F401 - the paths and loaders are part of this
     source_model_path,
     sweep_cells,
 )
+from flows.services import model_registry, runtime, tracking, ui
+from flows.services.placement import faults, gpus
 
 
 def _runner(cfg: DictConfig):
@@ -74,7 +76,7 @@ def _driver_runner(cfg: DictConfig, *, warm_workers: int | None = None):
 def pretrain(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> Path:
     """FedAvg source pretraining on the round engine: a Prefect task per round, its clients as Ray tasks.
 
-    ``written``: md5s of inputs the calling flow wrote itself (:func:`flows.integrity.record`);
+    ``written``: md5s of inputs the calling flow wrote itself (:func:`flows.services.integrity.record`);
     otherwise the partition is checked against ``dvc.lock``.
     """
 
@@ -86,7 +88,7 @@ def pretrain(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> Pa
     def source_pretraining(
         variant: str | None, system: str | None, data: str, model: str, rounds: int, seed: int, config: Dict[str, str]
     ) -> str:  # the parameters are for the UI: cfg is the config
-        from flows.rounds import round_submit
+        from flows.runs.rounds import round_submit
 
         logger = get_run_logger()
         spec, pcfg = C.model_spec(cfg), C.pretrain_config(cfg)
@@ -191,7 +193,7 @@ def _log_experiment(
 
     ``arrivals``: the log that took the arrivals as they came back, closed here (so that what it
     still has to write overlaps the plots); without it the arrivals are logged here. The plots are
-    drawn in a child process (:class:`flows.runtime.InChild`) while this one writes the rest.
+    drawn in a child process (:class:`flows.services.runtime.InChild`) while this one writes the rest.
     """
     records, acc = res.records, res.acc_matrix
     out = C.resolve_path(cfg.paths.results) / "cells" / cell_name(acfg)
@@ -368,7 +370,7 @@ class ArrivalPasses:
     """The driver's side of a sequential-arrival flow: the run's state, and the blocks of arrivals that advance it.
 
     Every arrival still to run (up to ``flow.stop_after``) runs on one Ray worker as one generator
-    (:func:`flows.worker.arrival_pass`), started by :meth:`start` as soon as the state is known, so
+    (:func:`flows.runs.worker.arrival_pass`), started by :meth:`start` as soon as the state is known, so
     that the worker computes while Prefect creates the flow run and the flow opens its MLflow run
     and Prefect tasks. The worker
     holds the data and the model between arrivals and sends each arrival's state back as it is
@@ -420,7 +422,7 @@ class ArrivalPasses:
 
     def start(self) -> None:
         """The generator of every arrival from ``st.done`` to the last, on a Ray worker (once; again after a failure)."""
-        from flows.worker import arrival_pass
+        from flows.runs.worker import arrival_pass
 
         if self._stream is None and self.st.done < self.last:
             self._stream = runtime.ray_stream(
@@ -628,7 +630,7 @@ def arrival(cfg: DictConfig) -> ArrivalsResult:
 def sweep(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> List[Dict[str, Any]]:
     """The (method x aggregator x seed) grid, cells running concurrently on Ray; logged as each ends.
 
-    ``written``: md5s of inputs the calling flow wrote itself (:func:`flows.integrity.record`);
+    ``written``: md5s of inputs the calling flow wrote itself (:func:`flows.services.integrity.record`);
     otherwise the partition and the source model are checked against ``dvc.lock``.
     """
 

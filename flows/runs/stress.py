@@ -31,8 +31,8 @@ from typing import Dict, List, Mapping, Sequence, Tuple
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from flows import config as C
-from flows import schema
+from flows.config import compose as C
+from flows.config import schema
 
 METRICS = (
     ("final_avg_holdout_acc", "final hold-out"),
@@ -135,7 +135,7 @@ def cell_config(cfg: DictConfig, cell: str, name: str = "bpfedctta") -> DictConf
 
 def run_cell(cfg: DictConfig, name: str = "bpfedctta") -> Path:
     """The sweep of the cell named by ``<system>.stress.cell``, then its figure (also logged to MLflow)."""
-    from flows.steps import adapt
+    from flows.runs.steps import adapt
 
     proto = protocol(name)
     cell = _stress(cfg, proto).cell
@@ -171,7 +171,7 @@ def describe(cfg: DictConfig, cell: str, name: str = "bpfedctta") -> str:
 def _runs(raw: Mapping[str, object]) -> List[Tuple[str, int, str]]:
     """``(method+aggregator[+form], seed, run folder name)`` of every run in a cell's summary.json ``raw``.
 
-    The run folders are named ``method-aggregator[-form]-s<seed>`` (flows.tasks.cell_name), and a
+    The run folders are named ``method-aggregator[-form]-s<seed>`` (flows.runs.tasks.cell_name), and a
     privacy form may hold a hyphen itself (``dp-eps10``): so the names come from summary.json's keys.
     """
     out = []
@@ -240,7 +240,7 @@ def plot_cell(folder: Path, *, title: str, name: str = "bpfedctta") -> Path:
 def _log_figure(cfg: DictConfig, cell: str, path: Path, proto: Protocol) -> None:
     import mlflow
 
-    from flows import tracking
+    from flows.services import tracking
 
     tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
     with mlflow.start_run(run_name=f"{proto.stage.replace('_', '-')}-{cell}"):
@@ -391,7 +391,7 @@ def report_paths(cfg: DictConfig, name: str = "bpfedctta") -> tuple:
 
 def check(cfg: DictConfig, cells: Sequence[str] | None = None, name: str = "bpfedctta") -> None:
     """Every cell composes into a valid sweep, before any work (a typo fails in a second)."""
-    from flows.tasks import sweep_cells
+    from flows.runs.tasks import sweep_cells
 
     for cell in cells or cell_names(cfg, name):
         ccfg = cell_config(cfg, cell, name)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Mapping, Tuple
 
-from flows import config as C
+from flows.config import compose as C
 
 
 class IntegrityError(ValueError):

@@ -67,7 +67,7 @@ GRID_KEYS = frozenset(
         "participation",
         "methods",
         "seeds",
-        "label_alpha",  # Dirichlet label skew within a domain (flows.steps.partition_domains)
+        "label_alpha",  # Dirichlet label skew within a domain (flows.runs.steps.partition_domains)
     }
 )
 

@@ -23,9 +23,10 @@ from fedcore.data.corruptions import CORRUPTION_NAMES
 from fedcore.data.domains import DOMAIN_SETS
 from fedcore.engine import ArrivalConfig, ModelSpec, RoundConfig
 from fedcore.privacy import NOISE_SOURCES, PrivacyConfig
-from flows import schema, systems
+from flows import systems
+from flows.config import schema
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = ROOT / "conf"
 PARAMS = ROOT / "params.yaml"
 

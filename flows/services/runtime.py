@@ -5,7 +5,7 @@ With no Prefect API URL set, every Ray worker would start its own temporary Pref
 user exported, and pass it to the workers through Ray's ``runtime_env``.
 
 Start-up is overlapped: the temporary server boots on a thread while Ray starts, and the local
-Ray workers a flow will use then import the worker code (torch and fedcore: ``flows.worker``)
+Ray workers a flow will use then import the worker code (torch and fedcore: ``flows.runs.worker``)
 before the first real task arrives.
 """
 
@@ -221,9 +221,10 @@ def make_task_runner(*, address: str | None, num_cpus: int, root: Path):
     """prefect-ray's runner: a local Ray with ``num_cpus`` CPUs, or the cluster at ``address``."""
     from prefect_ray import RayTaskRunner
 
-    # its workers run Prefect tasks (flows.tasks), so they warm up with Prefect too
+    # its workers run Prefect tasks (flows.runs.tasks), so they warm up with Prefect too
     return RayTaskRunner(
-        address=address, init_kwargs=start_ray(address=address, num_cpus=num_cpus, root=root, warm_module="flows.tasks")
+        address=address,
+        init_kwargs=start_ray(address=address, num_cpus=num_cpus, root=root, warm_module="flows.runs.tasks"),
     )
 
 
@@ -411,7 +412,7 @@ class PutOnce:
     ``refs(key, value)`` puts ``value`` the first time ``key`` is seen and returns its ObjectRef.
     The value is kept alive with its ref, so an ``id()`` key stays unique. ``keep``: hold at most
     this many (the oldest is dropped), e.g. 1 for a global state that changes every round.
-    ``pack``: what is put instead of the value itself (``flows.worker.pack``: tensors as arrays).
+    ``pack``: what is put instead of the value itself (``flows.runs.worker.pack``: tensors as arrays).
     """
 
     def __init__(self, keep: int | None = None) -> None:
@@ -439,7 +440,7 @@ def start_ray(
     num_cpus: int,
     root: Path,
     warm_workers: int | None = None,
-    warm_module: str = "flows.worker",
+    warm_module: str = "flows.runs.worker",
 ) -> Dict[str, Any]:
     """Start (or join) Ray with the Prefect API URL in every worker's environment; returns the init kwargs.
 
@@ -497,11 +498,11 @@ _OWN_RAY = False  # whether make_task_runner started the Ray in this process (el
 def _warm(module: str) -> None:
     import importlib
 
-    importlib.import_module(module)  # torch and fedcore (and Prefect, for flows.tasks), once per worker process
+    importlib.import_module(module)  # torch and fedcore (and Prefect, for flows.runs.tasks), once per worker process
     import torch._dynamo  # noqa: F401 - torch.optim imports it at a process's first optimizer: 1 s, paid here
 
 
-def _prewarm_workers(n: int, module: str = "flows.worker") -> None:
+def _prewarm_workers(n: int, module: str = "flows.runs.worker") -> None:
     """One import task per local worker, started now: it overlaps the flow's own set-up."""
     import ray
 

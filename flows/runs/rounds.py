@@ -24,12 +24,13 @@ from prefect.futures import as_completed
 
 from fedcore.engine import RoundConfig, RoundsResult, run_rounds
 from fedcore.engine.rounds import CLIENTS_DIR
-from flows import config as C
-from flows import evaluations, plot_data, runtime, signals, systems, tracking, ui
-from flows.evaluations import GridRun, round_inputs
-from flows.placement import faults, gpus
-from flows.reports import results_dir
-from flows.tasks import (
+from flows import systems
+from flows.config import compose as C
+from flows.reports import evaluations, plot_data
+from flows.reports.evaluations import GridRun, round_inputs
+from flows.reports.tables import results_dir
+from flows.runs import signals
+from flows.runs.tasks import (
     RoundProgress,
     check_checkpoints,
     load_domain_partition,
@@ -37,7 +38,9 @@ from flows.tasks import (
     run_round_cell_task,
     train_round_task,
 )
-from flows.worker import pack
+from flows.runs.worker import pack
+from flows.services import runtime, tracking, ui
+from flows.services.placement import faults, gpus
 
 
 def _runner(cfg: DictConfig):
@@ -176,7 +179,7 @@ def grid(
     """Every (method, seed) cell of the grid, concurrently on Ray; results/<system>/<grid>/ for DVC.
 
     ``written``: md5s of the partition if the calling flow wrote it itself
-    (:func:`flows.integrity.record`); otherwise it is checked against ``dvc.lock``.
+    (:func:`flows.services.integrity.record`); otherwise it is checked against ``dvc.lock``.
     """
     name = str(cfg[system].grid if grid_name is None else grid_name)
     g = C.grid(cfg, system, name)
@@ -188,7 +191,7 @@ def grid(
         {round_cell_dir(cfg, system, name, m, s): rc.fingerprint() for (m, s), rc in configs.items()},
         resume=bool(cfg.flow.resume),
     )  # before any service starts, as the partition
-    from flows import model_registry
+    from flows.services import model_registry
 
     model_registry.check(cfg)
     params = ui.round_parameters(cfg, system, name, methods=list(g.methods), seeds=list(g.seeds))
@@ -310,7 +313,7 @@ def _register(cfg: DictConfig, system: str, grid_name: str, cell: Mapping[str, A
     of 30 cells logs and registers one model (logging a model costs a second or two per cell);
     ``all`` logs and registers every cell.
     """
-    from flows import model_registry
+    from flows.services import model_registry
 
     name = model_registry.model_name(cfg, system)
     if not name or not model_registry.wanted(cfg, (cell["method"], cell["seed"]), target):

@@ -1,7 +1,7 @@
 """``infra/prefect.yaml``: one nightly deployment per registered system, written from the declarations.
 
-    python -m flows.deploy            # write infra/prefect.yaml
-    python -m flows.deploy --check    # exit 1 if the file differs from what the declarations say
+    python -m flows.runs.deploy            # write infra/prefect.yaml
+    python -m flows.runs.deploy --check    # exit 1 if the file differs from what the declarations say
 
 Then, from the repository root, with a Prefect server (``PREFECT_API_URL``):
 
@@ -20,19 +20,19 @@ import yaml
 
 from flows import systems
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PREFECT_FILE = ROOT / "infra" / "prefect.yaml"
 PREFECT_VERSION = "3.9.1"
 
 HEADER = """\
-# Prefect deployments of the nightly federation runs: one per system, written by `python -m flows.deploy`
+# Prefect deployments of the nightly federation runs: one per system, written by `python -m flows.runs.deploy`
 # from the systems' declarations (flows/systems/); edit those, not this file. From the repository root:
 #   prefect work-pool create fedcore-process --type process
 #   prefect deploy --all --prefect-file infra/prefect.yaml
 #   prefect worker start --pool fedcore-process
 # With no `pull` section, Prefect records the directory `prefect deploy` ran in.
 # After a successful run without overrides, each flow records its DVC stages (`dvc commit`) and pushes
-# them to the DVC remote (flows/remote.py): the folder beside the checkout, unless the worker's environment
+# them to the DVC remote (flows/services/remote.py): the folder beside the checkout, unless the worker's environment
 # sets FEDCORE_DVC_REMOTE. Commit the dvc.lock it leaves so that other clones can `make pull` that run.
 # `push: false` turns sharing off.
 """
@@ -52,7 +52,7 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m flows.deploy", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m flows.runs.deploy", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--check", action="store_true", help="compare, write nothing")
     args = ap.parse_args(argv)
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         if not PREFECT_FILE.is_file() or PREFECT_FILE.read_text() != text:
             print(
                 f"{PREFECT_FILE.relative_to(ROOT)} differs from the systems' declarations; "
-                "rewrite it with `python -m flows.deploy`",
+                "rewrite it with `python -m flows.runs.deploy`",
                 file=sys.stderr,
             )
             return 1

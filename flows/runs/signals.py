@@ -79,7 +79,7 @@ def exit_now(code: int) -> None:
     services the signal has already stopped (Ctrl-C reaches the temporary Prefect server too). The runs
     are marked by then, and every write is committed. The temporary Prefect server, which Prefect stops
     in an exit handler, is sent SIGTERM here (a SIGTERM to the driver alone does not reach it)."""
-    from flows import runtime
+    from flows.services import runtime
 
     runtime.stop_temporary_server_now()
     sys.stdout.flush()
@@ -112,7 +112,7 @@ def _deadline(signum: int) -> None:
     """Exit at the deadline; or sooner, once the run has had :data:`SETTLE_S` to mark its runs, if the
     temporary Prefect server it reports to is gone (Ctrl-C reaches it too): all that is left then is
     Prefect's client retrying a dead server, which took 70 s and more."""
-    from flows import runtime
+    from flows.services import runtime
 
     start = time.monotonic()
     while time.monotonic() - start < GRACE_S:
@@ -128,7 +128,7 @@ def _deadline(signum: int) -> None:
     exit_now(128 + signum)
 
 
-# The flows' own bodies (flows/federation.py, flows/rounds.py): while the main thread is in one, it is still
+# The flows' own bodies (flows/runs/federation.py, flows/runs/rounds.py): while the main thread is in one, it is still
 # closing its MLflow runs and checkpoints; once it has left them, only Prefect's reporting remains.
 FLOW_BODIES = frozenset({"sequential_arrival", "sweep_flow", "grid_flow", "rounds_flow", "source_pretraining"})
 

@@ -6,7 +6,7 @@ from the Vega-Embed bundle of the ``vl-convert-python`` package (Vega-Lite 5 and
 templates are) and points DVC at it in ``.dvc/config.local`` (``plots.html_template``; both are
 ignored by git, so a clone without the page keeps DVC's own). ``make setup`` runs it; so can you:
 
-    python -m flows.plot_page          # writes .dvc/plots/page.html (about 0.9 MB) and sets the template
+    python -m flows.reports.plot_page          # writes .dvc/plots/page.html (about 0.9 MB) and sets the template
 
 The page has no ``{scripts}`` placeholder, so DVC's CDN script tags are left out.
 """

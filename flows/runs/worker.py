@@ -1,10 +1,10 @@
 """What plain Ray tasks run on a worker: a block of arrivals, a round's client step.
 
-Kept apart from ``flows.tasks`` (Prefect tasks, config and paths) so that a fresh Ray worker
+Kept apart from ``flows.runs.tasks`` (Prefect tasks, config and paths) so that a fresh Ray worker
 unpickling one of these imports torch and fedcore only: no Prefect, no OmegaConf, no MLflow.
-A worker that starts cold pays its imports before its first arrival (9 s for ``flows.tasks`` in a
+A worker that starts cold pays its imports before its first arrival (9 s for ``flows.runs.tasks`` in a
 Ray worker on this 2-core machine before bytecode was compiled, about 3 s for this module:
-``python -X importtime -c "import flows.worker"``).
+``python -X importtime -c "import flows.runs.worker"``).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ An evaluation gives the round engine its inputs (``RoundData``, the ``ModelSpec`
 ``evaluate`` function) and writes a cell's plot and the grid's report. A new kind is one more
 :class:`Evaluation` passed to :func:`register`; the config checks then treat its grids as they treat
 ``domains`` grids (``rounds`` rounds, no tasks, no unknown classes): the class-incremental schedule and
-the open-set scores are checked for the two built-in kinds that have them (:func:`flows.config.validate_rounds`). Report and plot code is imported only where it runs
+the open-set scores are checked for the two built-in kinds that have them (:func:`flows.config.compose.validate_rounds`). Report and plot code is imported only where it runs
 (the driver), so a Ray worker that builds inputs loads no matplotlib.
 """
 
@@ -26,8 +26,8 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from fedcore.engine import RoundData
-from flows import config as C
 from flows import systems
+from flows.config import compose as C
 
 
 @dataclass
@@ -232,7 +232,7 @@ def _plot_incremental(records, part, out: Path, title: str, score: str | None = 
 
 
 def _report_domains(run: GridRun) -> str:
-    from flows.reports import write_grid_report
+    from flows.reports.tables import write_grid_report
 
     return write_grid_report(
         run.rows,
@@ -250,7 +250,7 @@ def _target(run: GridRun) -> str | None:
 
 
 def _report_openset(run: GridRun) -> str:
-    from flows.reports import write_openset_report
+    from flows.reports.tables import write_openset_report
 
     g = run.grid
     scores = {m: C.method_scores(run.cfg, run.system, m, run.trainers[m]) for m in g.methods}
@@ -270,7 +270,7 @@ def _report_openset(run: GridRun) -> str:
 
 
 def _report_incremental(run: GridRun) -> str:
-    from flows.reports import write_incremental_report
+    from flows.reports.tables import write_incremental_report
 
     target = run.cfg[run.system].get("target")
     return write_incremental_report(
