@@ -1,4 +1,4 @@
-"""Time to exit after SIGTERM and Ctrl-C, at random moments of real runs (flows/runs/signals.py).
+"""Time to exit after SIGTERM and Ctrl-C, at random moments of real runs (flows/services/signals.py).
 
     python benchmarks/stop.py               # 5 trials of each signal on each kind of run
     python benchmarks/stop.py --trials=10

@@ -32,7 +32,8 @@ from typing import Any, Callable, Dict
 
 from flows import systems
 from flows.config import compose as C
-from flows.runs import signals, steps
+from flows.runs import steps
+from flows.services import signals
 
 
 def stress(cfg, protocol: str = "bpfedctta") -> None:
@@ -148,15 +149,15 @@ def main(argv=None) -> int:
         cfg = C.load(args.params, args.overrides)
         known[args.stage](cfg)
     except (ValueError, FileNotFoundError, CheckpointError, HydraException, OmegaConfBaseException) as exc:
-        if signals.STOP.is_set():  # the stop is the cause: an error it led to is not the one to report
-            return signals.exit_status()
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        if not signals.STOP.is_set():
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        # the stop is the cause: an error it led to is not the one to report
     except BaseException:  # signals.Stopped, or Prefect's TerminationSignal, once a stop signal came
         if not signals.STOP.is_set():
             raise
     if signals.STOP.is_set():
-        if "mlflow" in sys.modules:
+        if "mlflow" in sys.modules:  # a run the stop unwound past, still open, ends failed
             from flows.services import tracking
 
             tracking.fail_active_runs()

@@ -38,7 +38,6 @@ from fedcore.evaluate.plots import plot_arrivals, plot_privacy
 from fedcore.privacy.ledger import ledger_document
 from flows.config import compose as C
 from flows.reports import plot_data
-from flows.runs import signals
 from flows.runs.tasks import (  # noqa: F401 - the paths and loaders are part of this module's interface
     arrival_checkpoints,
     cell_name,
@@ -54,7 +53,7 @@ from flows.runs.tasks import (  # noqa: F401 - the paths and loaders are part of
     source_model_path,
     sweep_cells,
 )
-from flows.services import model_registry, runtime, tracking, ui
+from flows.services import model_registry, runtime, signals, tracking, ui
 from flows.services.placement import faults, gpus
 
 
@@ -107,7 +106,7 @@ def pretrain(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> Pa
             plugins=list(cfg.get("plugins") or []),
         )
 
-        with mlflow.start_run(run_name=run_name):
+        with tracking.start_run(run_name):
             ui.link_runs()
             mlflow.set_tags(
                 {
@@ -279,7 +278,7 @@ def _start_experiment_run(
     (its charts go on from the arrival it stopped at) instead of starting a second one."""
     earlier = _run_to_continue(checkpoint_dir) if cfg.flow.resume else None
     if earlier is not None:
-        run = mlflow.start_run(run_id=earlier)
+        run = tracking.continue_run(earlier)
     else:
         run = tracking.start_run(run_name(acfg), started_ms=started_ms)
     with tracking.failing_run(run):
@@ -765,7 +764,7 @@ def audit(cfg: DictConfig) -> List[Dict[str, Any]]:
     ]
     tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
     rows = []
-    with mlflow.start_run(run_name="privacy-audit"):
+    with tracking.start_run("privacy-audit"):
         mlflow.set_tags(
             {
                 **tracking.lineage_tags(

@@ -29,7 +29,6 @@ from flows.config import compose as C
 from flows.reports import evaluations, plot_data
 from flows.reports.evaluations import GridRun, round_inputs
 from flows.reports.tables import results_dir
-from flows.runs import signals
 from flows.runs.tasks import (
     RoundProgress,
     check_checkpoints,
@@ -39,7 +38,7 @@ from flows.runs.tasks import (
     train_round_task,
 )
 from flows.runs.worker import pack
-from flows.services import runtime, tracking, ui
+from flows.services import runtime, signals, tracking, ui
 from flows.services.placement import faults, gpus
 
 

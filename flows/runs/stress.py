@@ -243,7 +243,7 @@ def _log_figure(cfg: DictConfig, cell: str, path: Path, proto: Protocol) -> None
     from flows.services import tracking
 
     tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
-    with mlflow.start_run(run_name=f"{proto.stage.replace('_', '-')}-{cell}"):
+    with tracking.start_run(f"{proto.stage.replace('_', '-')}-{cell}"):
         mlflow.set_tags({"fedcore.kind": "stress-cell", "stress.cell": cell, "stress.protocol": proto.stage})
         mlflow.log_params({k: v for k, v in dict(_stress(cfg, proto).cells[cell]).items()})
         mlflow.log_artifact(str(path))

@@ -105,22 +105,40 @@ def start_run(run_name: str, *, started_ms: int | None = None) -> "mlflow.Active
     """``mlflow.start_run``, but a run logged after its work ended may give the time the work began
     (``started_ms``, epoch milliseconds), so its duration in the UI is the experiment's.
 
-    The run is created first and then made active; a stop signal that lands in between (the run exists,
-    but nothing holds it yet) ends it as failed rather than leaving it running."""
+    A stop signal cannot leave the run ``RUNNING`` with nothing holding it: creating the run and making
+    it active is one step (:func:`flows.services.signals.deferred`), and a stop that came meanwhile
+    ends the run as failed once it is active."""
     from mlflow.tracking.context import registry as context
 
     client = mlflow.MlflowClient()
     exp = mlflow.tracking.fluent._get_experiment_id()
-    run = client.create_run(
-        exp,
-        start_time=None if started_ms is None else int(started_ms),
-        run_name=run_name,
-        tags=context.resolve_tags({}),
+    start = None if started_ms is None else int(started_ms)
+    return _activated(
+        lambda: client.create_run(exp, start_time=start, run_name=run_name, tags=context.resolve_tags({})).info.run_id
     )
+
+
+def continue_run(run_id: str) -> "mlflow.ActiveRun":
+    """An earlier run made active again (a resumed arrival run), as :func:`start_run` guards a new one."""
+    return _activated(lambda: run_id)
+
+
+def _activated(run_id_of: Callable[[], str]) -> "mlflow.ActiveRun":
+    from flows.services import signals
+
+    run_id = None
     try:
-        return mlflow.start_run(run_id=run.info.run_id)
+        with signals.deferred():
+            run_id = run_id_of()
+            active = mlflow.start_run(run_id=run_id)
+        return active
     except BaseException:
-        client.set_terminated(run.info.run_id, "FAILED")
+        if run_id is not None:
+            now = mlflow.active_run()
+            if now is not None and now.info.run_id == run_id:
+                mlflow.end_run("FAILED")
+            else:
+                mlflow.MlflowClient().set_terminated(run_id, "FAILED")
         raise
 
 

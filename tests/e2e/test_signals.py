@@ -1,5 +1,5 @@
 """SIGTERM and Ctrl-C stop a real run promptly, with a non-zero exit, nothing started after, and a resume that
-gives the uninterrupted run's metrics (flows/runs/signals.py).
+gives the uninterrupted run's metrics (flows/services/signals.py).
 
 SIGTERM goes to the driver by pid, as systemd, Kubernetes and ``timeout`` send it; SIGINT to the whole process
 group, as a terminal sends Ctrl-C (the temporary Prefect server and Ray's processes get it too).

@@ -1,4 +1,4 @@
-"""The stop logic of flows/runs/signals.py in one process (the real runs are in tests/e2e/test_signals.py)."""
+"""The stop logic of flows/services/signals.py in one process (the real runs are in tests/e2e/test_signals.py)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import signal
 
 import pytest
 
-from flows.runs import signals
+from flows.services import signals
 
 
 @pytest.fixture
 def stopping(monkeypatch):
-    """flows.runs.signals with its deadline thread and its process exit recorded instead of carried out."""
+    """flows.services.signals with its deadline thread and its process exit recorded instead of carried out."""
     exits: list[int] = []
     monkeypatch.setattr(signals, "_deadline", lambda signum: None)
     monkeypatch.setattr(signals, "exit_now", lambda code: exits.append(code))
@@ -124,3 +124,55 @@ def test_an_arrival_accepted_while_the_run_stops_is_checkpointed_and_logged_or_n
     monkeypatch.setattr(passes, "close", lambda: None)
     monkeypatch.setattr("ray.get", lambda value: value)
     assert passes.run(4, logger=None) == 1 and logged == [0]
+
+
+def test_a_signal_in_a_deferred_block_is_noted_at_once_and_raised_when_the_block_ends(stopping):
+    reached = []
+    with pytest.raises(signals.Stopped, match="stopped by SIGINT"):
+        with signals.deferred():
+            signals._handle(signal.SIGINT, None)  # no exception here: the block is not cut in two
+            reached.append(signals.exit_status())
+    assert reached == [130] and stopping == []
+
+    with pytest.raises(signals.Stopped):
+        with signals.deferred():
+            signals._handle(signal.SIGTERM, None)  # a second signal exits at once, held or not
+    assert stopping == [128 + signal.SIGTERM]
+
+
+def test_a_stop_while_a_run_is_made_active_ends_it_failed_and_leaves_nothing_active(stopping, tmp_path, monkeypatch):
+    import mlflow
+
+    from flows.services import tracking
+
+    tracking.setup(f"sqlite:///{tmp_path}/mlruns.db", "stop-test")
+    real = mlflow.start_run
+
+    def interrupted(*args, **kwargs):
+        active = real(*args, **kwargs)
+        signals._handle(signal.SIGINT, None)  # Ctrl-C lands as the run becomes active
+        return active
+
+    monkeypatch.setattr(mlflow, "start_run", interrupted)
+    with pytest.raises(signals.Stopped):
+        tracking.start_run("cell-s0")
+
+    runs = mlflow.search_runs(experiment_names=["stop-test"], output_format="list")
+    assert [(r.info.run_name, r.info.status) for r in runs] == [("cell-s0", "FAILED")]
+    assert mlflow.active_run() is None
+
+
+def test_fail_active_runs_ends_every_open_run(tmp_path):
+    import mlflow
+
+    from flows.services import tracking
+
+    tracking.setup(f"sqlite:///{tmp_path}/mlruns.db", "open-runs")
+    parent = mlflow.start_run(run_name="parent")
+    mlflow.start_run(run_name="child", nested=True)
+    tracking.fail_active_runs()
+    assert mlflow.active_run() is None
+    statuses = {
+        r.info.run_name: r.info.status for r in mlflow.search_runs(experiment_names=["open-runs"], output_format="list")
+    }
+    assert statuses == {"parent": "FAILED", "child": "FAILED"} and parent.info.run_id

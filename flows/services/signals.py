@@ -24,12 +24,13 @@ last completed arrival or round to resume from.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 GRACE_S = float(os.environ.get("FEDCORE_STOP_GRACE_S", "20"))  # unwinding: MLflow marks its run, Ray stops
 REDELIVERY_S = 2.0  # Prefect sends its SIGTERM again once it has unwound: within this, the same stop
@@ -45,6 +46,27 @@ class Stopped(KeyboardInterrupt):
     def __init__(self, signum: int):
         super().__init__(f"stopped by {signal.Signals(signum).name}")
         self.signum = signum
+
+
+_HELD = [0]  # how many deferred() blocks the main thread is in
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Hold a stop signal's exception until the block ends, for a step that must not be cut in two
+    (creating an MLflow run and making it active, so that whoever ends it can find it). The signal is
+    noted at once (the flag, the deadline, the line on stderr), and :func:`check` raises when the block
+    is left; a second signal still exits at once. Signals reach the main thread only, so elsewhere the
+    block is run as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _HELD[0] += 1
+    try:
+        yield
+    finally:
+        _HELD[0] -= 1
+    check()
 
 
 def exit_status() -> int:
@@ -147,9 +169,12 @@ def _handle(signum: int, frame: Any) -> None:
     if sent is not None and sent[0] == signum and time.monotonic() - sent[1] < REDELIVERY_S:
         # Prefect's flow engine, having unwound its TerminationSignal, restores this handler and sends
         # the signal again: the same stop, not a second one
-        raise Stopped(signum)
+        if not _HELD[0]:
+            raise Stopped(signum)
+        return
     _note(signum)
-    raise Stopped(signum)
+    if not _HELD[0]:
+        raise Stopped(signum)
 
 
 def install() -> None:
@@ -166,6 +191,8 @@ def install() -> None:
 
     def noted(signum: int, frame: Any) -> None:
         _note(signum)
+        if _HELD[0]:  # raised by check() when the deferred block ends
+            return
         _received["redelivery"] = (signum, time.monotonic())
         prefect_handler(signum, frame)
 
