@@ -11,26 +11,29 @@ import os
 import tempfile
 from pathlib import Path
 
-import numpy as np
-import pytest
-import torch
-
-from tests.fedcore.tiny import threads_per_test
-from tests.helpers import tiny_overrides
-
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("MLFLOW_ENABLE_TELEMETRY", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("RAY_TMPDIR", "/tmp/fedcore-ray-test")
 # Under pytest-xdist (`make test` runs two workers) each worker gets a Ray temp folder and a Prefect home of
-# its own: a local Ray cluster is found through a file in its temp folder, and every temporary Prefect
-# server keeps its database in the Prefect home, so two workers sharing either would attach to, or lock,
-# each other's.
+# its own, named for the worker and the test run: a local Ray cluster is found through a file in its temp
+# folder, and every temporary Prefect server keeps its database in the Prefect home, so two workers (or two
+# runs) sharing either would attach to, or lock, each other's. Set before numpy and torch are imported: their
+# thread pools are sized then.
 WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
-if WORKER and not os.environ["RAY_TMPDIR"].endswith(f"-{WORKER}"):
-    os.environ["RAY_TMPDIR"] += f"-{WORKER}"
-    os.environ["PREFECT_HOME"] = str(Path(tempfile.gettempdir()) / f"fedcore-prefect-test-{WORKER}")
+if WORKER and f"-{WORKER}-" not in os.environ["RAY_TMPDIR"]:
+    RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID", "")[:6]  # short: Ray's socket paths are length-limited
+    os.environ["RAY_TMPDIR"] += f"-{WORKER}-{RUN}"
+    os.environ["PREFECT_HOME"] = str(Path(tempfile.gettempdir()) / f"fedcore-prefect-test-{WORKER}-{RUN}")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the flows a test starts, too (see threads_per_test)
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.fedcore.tiny import threads_per_test  # noqa: E402
+from tests.helpers import tiny_overrides  # noqa: E402
+
 torch.set_num_threads(threads_per_test())
 Path(os.environ["RAY_TMPDIR"]).mkdir(parents=True, exist_ok=True)
 
@@ -48,6 +51,10 @@ def _stop_services():
 
     if "flows.services.runtime" in sys.modules:  # a library-only run (tests/fedcore) never started one
         sys.modules["flows.services.runtime"].stop_prefect_api()
+    if WORKER:  # this worker's own Prefect home, its server stopped: its database is of no further use
+        import shutil
+
+        shutil.rmtree(os.environ["PREFECT_HOME"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

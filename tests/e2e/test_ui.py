@@ -128,7 +128,8 @@ def test_mlflow_and_prefect_pages_show_lineage_charts_and_named_task_runs(prefec
     ]
     script = (
         "import json, sys\n"
-        "from flows import config as C, federation as F\n"
+        "from flows.config import compose as C\n"
+        "from flows.runs import federation as F\n"
         "F.arrival(C.compose(json.loads(sys.argv[1])))\n"
     )
     run = subprocess.run(
