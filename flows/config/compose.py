@@ -1,7 +1,7 @@
 """Compose the Hydra config (conf/) and turn it into fedcore's typed settings.
 
 Three ways in, one source of truth:
-* ``python -m flows.run arrival method=tent aggregator=ugsa`` composes conf/ with Hydra overrides;
+* ``python -m flows.stages arrival method=tent aggregator=ugsa`` composes conf/ with Hydra overrides;
 * ``dvc repro`` runs the stages on ``params.yaml``, which is conf/ composed with no overrides;
 * ``dvc exp run -S method=tent`` (DVC's Hydra integration) recomposes params.yaml from conf/.
 

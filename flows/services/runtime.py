@@ -329,7 +329,7 @@ def ray_attempt() -> int:
     Ray knows (it reruns a task whose worker died) but exposes the number only on its core
     worker, not in its public API; the public state API needs the dashboard, which local runs
     leave off, and a marker file would need a file system shared by every node. 1 outside a Ray
-    task or if Ray drops the method (tests/test_flows.py then fails: the rerun goes unreported).
+    task or if Ray drops the method (tests/flows/test_flows.py then fails: the rerun goes unreported).
     """
     from ray._private.worker import global_worker
 

@@ -112,3 +112,35 @@ def test_fedcore_and_its_tests_import_no_orchestration():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
             bad += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in STACK]
     assert not bad, "\n".join(bad)
+
+
+# flows/ by job, lowest first: a module may import from its own layer and the ones below, never above.
+FLOWS_LAYERS = [{"config", "systems"}, {"services"}, {"reports"}, {"runs"}, {"stages"}]
+
+
+def _flows_layer(module: str) -> int:
+    job = module.split(".")[1]
+    return next(i for i, jobs in enumerate(FLOWS_LAYERS) if job in jobs)
+
+
+def test_flows_is_split_by_job_with_the_command_line_alone_at_the_top():
+    top = sorted(p.name for p in (ROOT / "flows").glob("*.py"))
+    jobs = sorted(p.parent.name for p in (ROOT / "flows").glob("*/__init__.py"))
+    assert top == ["__init__.py", "stages.py"], f"modules outside a job's sub-package: {top}"
+    assert jobs == sorted(set().union(*FLOWS_LAYERS) - {"stages"})
+
+
+def test_no_module_in_flows_imports_from_a_layer_above_its_own():
+    # Prepare
+    edges = _graph({m: p for m, p in _modules(["flows"]).items() if m != "flows"})
+
+    # Execute
+    upward = [f"{a} -> {b}" for a, bs in edges.items() for b in bs if _flows_layer(b) > _flows_layer(a)]
+
+    # Assert
+    assert not upward, "\n".join(sorted(upward))
+
+
+def test_the_layer_check_sees_an_upward_import():
+    assert _flows_layer("flows.services.tracking") < _flows_layer("flows.runs.rounds")
+    assert _flows_layer("flows.config.compose") == _flows_layer("flows.systems.base")
