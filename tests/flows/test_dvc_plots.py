@@ -131,6 +131,7 @@ def test_accuracy_csv_is_the_matrix_in_long_form_without_unseen_clients(tmp_path
     assert {r["corruption"] for r in rows} == {"0:fog", "1:snow"}
 
 
+@pytest.mark.slow  # runs the stage code of every plotted stage
 def test_every_plot_reads_a_table_that_the_stage_owning_it_writes():
     # Prepare
     plots = declared_plots(ROOT)

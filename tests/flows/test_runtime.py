@@ -292,6 +292,7 @@ def test_plots_drawn_in_a_child_are_the_bytes_drawn_here(tmp_path):
     assert all(p.read_bytes() == q.read_bytes() for p, q in zip(here, there))
 
 
+@pytest.mark.slow  # starts a Ray cluster
 def test_a_ray_the_caller_started_is_left_running_and_ours_binds_loopback():
     """shutdown_ray() stops only the Ray that make_task_runner started; threads fit the largest node.
     A Ray started under loopback_ray() (as start_ray starts one) has its node and GCS on 127.0.0.1, and
@@ -315,6 +316,7 @@ def test_a_ray_the_caller_started_is_left_running_and_ours_binds_loopback():
         ray.shutdown()
 
 
+@pytest.mark.slow  # starts a Ray cluster
 def test_ray_goes_down_with_reference_cycles_freed_first_and_no_collection_meanwhile(monkeypatch):
     """Ray ends the process when a thread frees an ObjectRef while its core worker shuts down; a ref held in
     a reference cycle is freed by whichever thread runs a collection. So cycles go first, and automatic
@@ -361,6 +363,8 @@ def test_a_process_that_starts_or_joins_ray_frees_its_cycles_before_rays_own_exi
     when a Ray is started or joined (loopback_ray and start_ray both ask), runs before it."""
     import atexit
 
+    import ray  # noqa: F401 - imported before atexit is watched: Ray's own registration is not the one tested
+
     from flows.services import runtime
 
     registered = []
@@ -383,6 +387,7 @@ def test_a_process_that_starts_or_joins_ray_frees_its_cycles_before_rays_own_exi
     assert seen == ["cycles freed", "monitor stopped"]
 
 
+@pytest.mark.slow  # starts a Ray cluster
 def test_a_ray_started_here_loses_its_autoscaler_monitor_before_ray_shuts_the_rest_down(monkeypatch):
     """ray.shutdown stops the monitor after the GCS, and the monitor (likely reporting its end to that GCS)
     outlives the second Ray gives it: stop_ray kills it (by PID) first, so ray.shutdown finds it gone."""
