@@ -284,6 +284,34 @@ def variant_systems() -> List[str]:
 VARIANT_BLOCKS = ("data", "model", "pretrain")  # every variant names these: DVC tracks them beside the root's
 
 
+def not_arrival() -> Tuple[str, ...]:
+    """Config blocks an arrival-pipeline run does not read: every system's own block, and the round groups."""
+    return (*round_systems(), *variant_systems(), "trainer", "strategy")
+
+
+def arrival_run(cfg: DictConfig) -> Dict[str, Any]:
+    """The resolved config an arrival-pipeline flow (pretraining, one arrival run, the sweep) runs on: every
+    block but the round-based systems' and groups. The variant systems' blocks stay: the selected variant is
+    laid over the root already, but its name still says which system the run belongs to (its registry name,
+    its ledgers)."""
+    drop = (*round_systems(), "trainer", "strategy")
+    return {k: v for k, v in to_dict(cfg).items() if k not in drop}
+
+
+RUN_BLOCKS = ("seed", "device", "flow", "paths", "plugins")  # what every run reads beside its system's block
+
+
+def round_run(cfg: DictConfig, system: str, grid_name: str, *, single: bool = False) -> Dict[str, Any]:
+    """The resolved config a round-based flow runs on: its system's block with this grid only (not the
+    system's other grids), the run's own blocks, and for one run (``single``) the trainer and strategy."""
+    d = to_dict(cfg)
+    block = {k: v for k, v in d[system].items() if k != "grids"}
+    # the grid's norm written out: a grid without one takes the root model's, a block this config leaves out
+    block["grids"] = {grid_name: {**d[system]["grids"][grid_name], "norm": grid_norm(cfg, system, grid_name)}}
+    keep = (*RUN_BLOCKS, "trainer", "strategy") if single else RUN_BLOCKS
+    return {system: block, **{k: d[k] for k in keep if k in d}}
+
+
 def validate(cfg: DictConfig) -> None:
     """Reject impossible values with a message that says what would be valid."""
     for system in systems.all_systems():
@@ -687,10 +715,15 @@ def method_scores(cfg: DictConfig, system: str, method: str | None, trainer: str
     return ["proser"] if trainer == "proser" else ["msp"]
 
 
+def grid_norm(cfg: DictConfig, system: str, grid_name: str | None = None) -> str:
+    """A grid's norm layer: its ``norm``, else the root model's."""
+    return str(grid(cfg, system, grid_name).get("norm") or cfg.model.norm)
+
+
 def grid_model_spec(cfg: DictConfig, system: str, grid_name: str | None = None, *, num_classes: int) -> ModelSpec:
     g = grid(cfg, system, grid_name)
     return ModelSpec(
-        name=str(g.model), in_channels=3, num_classes=int(num_classes), norm=str(g.get("norm") or cfg.model.norm)
+        name=str(g.model), in_channels=3, num_classes=int(num_classes), norm=grid_norm(cfg, system, grid_name)
     )
 
 
@@ -735,7 +768,7 @@ def validate_rounds(cfg: DictConfig, system: str) -> None:
         for method in g.methods:
             rc = round_config(cfg, system, method=str(method), seed=0, grid_name=str(name))
             if is_incremental(system):
-                _check_incremental(system, str(name), g, str(method), rc, norm=str(g.get("norm") or cfg.model.norm))
+                _check_incremental(system, str(name), g, str(method), rc, norm=grid_norm(cfg, system, str(name)))
             if is_openset(system):
                 from fedcore.openset.evaluate import check_scores
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 import mlflow
 import numpy as np
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import as_completed
@@ -75,99 +75,103 @@ def _driver_runner(cfg: DictConfig, *, warm_workers: int | None = None):
 def pretrain(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> Path:
     """FedAvg source pretraining on the round engine: a Prefect task per round, its clients as Ray tasks.
 
+    Its input is checked here, before any service starts; :func:`source_pretraining` runs it.
     ``written``: md5s of inputs the calling flow wrote itself (:func:`flows.services.integrity.record`);
     otherwise the partition is checked against ``dvc.lock``.
     """
-
-    partition = load_partition(cfg, written=written)  # before any service starts: a bad input fails fast
-
-    run_name = f"pretrain-{cfg.data.name}-{cfg.model.name}"
-
-    @flow(name="source-pretraining", task_runner=_driver_runner(cfg), log_prints=True, flow_run_name=lambda: run_name)
-    def source_pretraining(
-        variant: str | None, system: str | None, data: str, model: str, rounds: int, seed: int, config: Dict[str, str]
-    ) -> str:  # the parameters are for the UI: cfg is the config
-        from flows.runs.rounds import round_submit
-
-        logger = get_run_logger()
-        spec, pcfg = C.model_spec(cfg), C.pretrain_config(cfg)
-        tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
-        rounds_data = source_round_data(partition)
-        # One source client (the CIFAR variant's) trains on every CPU of flow.num_cpus that a node has;
-        # clients that train side by side take one each. The thread count changes the floats, so it
-        # is the stage's param flow.num_cpus, not the machine, that sets it.
-        threads = min(int(cfg.flow.num_cpus), runtime.largest_node_cpus()) if rounds_data.num_clients == 1 else 1
-        submit_round = round_submit(
-            rounds_data,
-            retries=int(cfg.flow.retries),
-            retry_delay_seconds=float(cfg.flow.retry_delay_seconds),
-            num_gpus=gpus(cfg),
-            threads=threads,
-            plugins=list(cfg.get("plugins") or []),
-        )
-
-        with tracking.start_run(run_name):
-            ui.link_runs()
-            mlflow.set_tags(
-                {
-                    **tracking.lineage_tags(
-                        seed=pcfg.seed, prepared=prepared_path(cfg), partition_dir=partition_dir(cfg)
-                    ),
-                    "stage": "pretrain",
-                }
-            )
-            # the round-based systems' grids and the variants' definitions are not this run's settings
-            mlflow.log_params(
-                tracking.flatten({k: v for k, v in C.to_dict(cfg).items() if k not in ("sweep", *ui.not_arrival())})
-            )
-            log = tracking.BackgroundRoundLog()  # MLflow writes overlap the next round
-
-            def on_round(record, state):
-                logger.info(
-                    "round %d/%d train_loss=%.4f source_test=%.3f",
-                    record["round"] + 1,
-                    pcfg.rounds,
-                    record["train_loss"],
-                    record["acc.source_test"],
-                )
-                log(record)
-
-            try:
-                result = run_rounds(
-                    rounds_data,
-                    spec,
-                    pcfg,
-                    submit_round=submit_round,
-                    on_round=on_round,
-                    progress=bool(cfg.flow.progress),
-                    desc="FedAvg rounds",
-                )
-            except BaseException:
-                log.close(raise_errors=False)
-                raise
-            log.close()
-            state = result.final_state
-            net = spec.build()
-            net.load_state_dict(state)
-            from fedcore.evaluate import accuracy
-
-            acc = accuracy(net, partition.source_test_x, partition.source_test_y)
-            mlflow.log_metric("source_test_acc", acc)
-            out = source_model_path(cfg)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(
-                {"state": state, "spec": asdict(spec), "pretrain": asdict(pcfg), "source_test_acc": acc},
-                out.with_suffix(".tmp"),
-            )
-            out.with_suffix(".tmp").replace(out)
-            mlflow.log_artifact(str(out), artifact_path="checkpoints")
-            logger.info("source model: clean test accuracy %.3f -> %s", acc, out)
-        return str(out)
-
+    load_partition(cfg, written=written)
+    name = _pretrain_run_name(cfg)
+    run = source_pretraining.with_options(task_runner=_driver_runner(cfg), flow_run_name=lambda: name)
     try:
-        return Path(source_pretraining(**ui.pretrain_parameters(cfg)))
+        return Path(run(config=C.arrival_run(cfg), written=None if written is None else dict(written)))
     finally:
         runtime.shutdown_ray()
+
+
+def _pretrain_run_name(cfg: DictConfig) -> str:
+    return f"pretrain-{cfg.data.name}-{cfg.model.name}"
+
+
+@flow(name="source-pretraining", log_prints=True)
+def source_pretraining(config: Dict[str, Any], written: Dict[str, str] | None = None) -> str:
+    """FedAvg on the source data, a Prefect task per round; returns the saved source model's path.
+
+    ``config``: the resolved config it reads (:func:`flows.config.compose.arrival_run`)."""
+    from flows.runs.rounds import round_submit
+
+    cfg = OmegaConf.create(config)
+    logger = get_run_logger()
+    partition = load_partition(cfg, written=written)
+    run_name = _pretrain_run_name(cfg)
+    spec, pcfg = C.model_spec(cfg), C.pretrain_config(cfg)
+    tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
+    rounds_data = source_round_data(partition)
+    # One source client (the CIFAR variant's) trains on every CPU of flow.num_cpus that a node has;
+    # clients that train side by side take one each. The thread count changes the floats, so it
+    # is the stage's param flow.num_cpus, not the machine, that sets it.
+    threads = min(int(cfg.flow.num_cpus), runtime.largest_node_cpus()) if rounds_data.num_clients == 1 else 1
+    submit_round = round_submit(
+        rounds_data,
+        retries=int(cfg.flow.retries),
+        retry_delay_seconds=float(cfg.flow.retry_delay_seconds),
+        num_gpus=gpus(cfg),
+        threads=threads,
+        plugins=list(cfg.get("plugins") or []),
+    )
+
+    with tracking.start_run(run_name):
+        ui.link_runs()
+        mlflow.set_tags(
+            {
+                **tracking.lineage_tags(seed=pcfg.seed, prepared=prepared_path(cfg), partition_dir=partition_dir(cfg)),
+                "stage": "pretrain",
+            }
+        )
+        # the sweep's grid is not this run's settings (nor, left out of config, the systems' own blocks)
+        mlflow.log_params(tracking.flatten({k: v for k, v in config.items() if k != "sweep"}))
+        log = tracking.BackgroundRoundLog()  # MLflow writes overlap the next round
+
+        def on_round(record, state):
+            logger.info(
+                "round %d/%d train_loss=%.4f source_test=%.3f",
+                record["round"] + 1,
+                pcfg.rounds,
+                record["train_loss"],
+                record["acc.source_test"],
+            )
+            log(record)
+
+        try:
+            result = run_rounds(
+                rounds_data,
+                spec,
+                pcfg,
+                submit_round=submit_round,
+                on_round=on_round,
+                progress=bool(cfg.flow.progress),
+                desc="FedAvg rounds",
+            )
+        except BaseException:
+            log.close(raise_errors=False)
+            raise
+        log.close()
+        state = result.final_state
+        net = spec.build()
+        net.load_state_dict(state)
+        from fedcore.evaluate import accuracy
+
+        acc = accuracy(net, partition.source_test_x, partition.source_test_y)
+        mlflow.log_metric("source_test_acc", acc)
+        out = source_model_path(cfg)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(
+            {"state": state, "spec": asdict(spec), "pretrain": asdict(pcfg), "source_test_acc": acc},
+            out.with_suffix(".tmp"),
+        )
+        out.with_suffix(".tmp").replace(out)
+        mlflow.log_artifact(str(out), artifact_path="checkpoints")
+        logger.info("source model: clean test accuracy %.3f -> %s", acc, out)
+    return str(out)
 
 
 def _draw_plots(
@@ -298,7 +302,7 @@ def _describe_experiment_run(run, cfg: DictConfig, acfg, earlier: str | None) ->
     params = {
         k: v
         for k, v in C.to_dict(cfg).items()
-        if k not in ("sweep", "method", "aggregator", "privacy", "private", *ui.not_arrival())
+        if k not in ("sweep", "method", "aggregator", "privacy", "private", *C.not_arrival())
     }
     params.update(
         {
@@ -504,228 +508,207 @@ def arrival_pass_task(passes: ArrivalPasses, end: int) -> int:
 
 def arrival(cfg: DictConfig) -> ArrivalsResult:
     """Sequential arrival: a Prefect task per pass over the clients, each running its arrivals on one Ray
-    worker; every arrival checkpointed and logged here as it comes back."""
+    worker; every arrival checkpointed and logged here as it comes back.
 
-    partition, spec, source = load_inputs(cfg)  # before any service starts
+    Its inputs are checked here, before any service starts; :func:`sequential_arrival` runs it."""
+    load_inputs(cfg)
     model_registry.check(cfg)
-    check_checkpoints(arrival_checkpoints(cfg), resume=bool(cfg.flow.resume))  # likewise
-    params = ui.arrival_parameters(cfg)
+    check_checkpoints(arrival_checkpoints(cfg), resume=bool(cfg.flow.resume))
+    acfg = C.arrival_config(cfg)
+    name = run_label(acfg.method, acfg.aggregator, acfg.form, acfg.seed)
+    # one worker runs every arrival, in sequence: warming a second would take a core from the first
+    run = sequential_arrival.with_options(task_runner=_driver_runner(cfg, warm_workers=1), flow_run_name=lambda: name)
+    try:
+        return run(config=C.arrival_run(cfg))
+    finally:
+        runtime.shutdown_ray()
+
+
+@flow(name="sequential-arrival", log_prints=True)
+def sequential_arrival(config: Dict[str, Any]) -> ArrivalsResult:
+    """One experiment's arrivals, a pass over the clients per Prefect task; each arrival checkpointed and
+    logged to MLflow as it comes back. ``config``: the resolved config it reads
+    (:func:`flows.config.compose.arrival_run`)."""
+    cfg = OmegaConf.create(config)
+    partition, spec, source = load_inputs(cfg)
     acfg = C.arrival_config(cfg)
     ckpt = ckpt_dir(cfg, cell_name(acfg))
     schedule = acfg.schedule(len(partition.targets))
     st = initial_state(source, acfg, checkpoint_dir=ckpt, resume=bool(cfg.flow.resume))
-    # one worker runs every arrival, in sequence: warming a second would take a core from the first
-    runner = _driver_runner(cfg, warm_workers=1)  # starts Ray, or joins it
-    passes = None
+    # Arrivals are sequential: the worker running them may use every CPU of a node. Their stream starts
+    # here, so that the worker computes while the flow opens its MLflow run and its first pass task.
+    passes = ArrivalPasses(
+        st,
+        partition=partition,
+        spec=spec,
+        acfg=acfg,
+        checkpoint_dir=ckpt,
+        threads=min(int(cfg.flow.num_cpus), runtime.largest_node_cpus()),
+        num_gpus=gpus(cfg),
+        on_arrival=None,
+        faults=faults(cfg, ckpt),
+        stop_after=cfg.flow.stop_after,
+        plugins=list(cfg.get("plugins") or []),
+    )
+    bar = None
     try:
-        # Arrivals are sequential: the worker running them may use every CPU of a node. Their stream
-        # starts here, so that the worker computes while Prefect creates the flow run and the flow
-        # opens its MLflow run; the flow's pass tasks take the arrivals from it.
-        passes = ArrivalPasses(
-            st,
-            partition=partition,
-            spec=spec,
-            acfg=acfg,
-            checkpoint_dir=ckpt,
-            threads=min(int(cfg.flow.num_cpus), runtime.largest_node_cpus()),
-            num_gpus=gpus(cfg),
-            on_arrival=None,
-            faults=faults(cfg, ckpt),
-            stop_after=cfg.flow.stop_after,
-            plugins=list(cfg.get("plugins") or []),
-        )
         passes.start()
+        tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
+        if cfg.flow.progress:
+            from tqdm.auto import tqdm
 
-        @flow(
-            name="sequential-arrival",
-            task_runner=runner,
-            log_prints=True,
-            flow_run_name=lambda: run_label(params["method"], params["aggregator"], params["privacy"], params["seed"]),
-        )
-        def sequential_arrival(
-            variant: str | None,
-            system: str | None,
-            data: str,
-            model: str,
-            method: str,
-            aggregator: str,
-            privacy: str,
-            seed: int,
-            resume: bool,
-            config: Dict[str, str],
-        ) -> ArrivalsResult:  # the parameters are for the UI
-            tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
-            bar = None
-            if cfg.flow.progress:
-                from tqdm.auto import tqdm
+            bar = tqdm(
+                desc=f"{acfg.method}+{acfg.aggregator} arrivals",
+                unit="client",
+                initial=passes.st.done,
+                total=len(schedule),
+            )
 
-                bar = tqdm(
-                    desc=f"{acfg.method}+{acfg.aggregator} arrivals",
-                    unit="client",
-                    initial=passes.st.done,
-                    total=len(schedule),
-                )
-
-            def on_arrival(record, st, _):
-                logger = get_run_logger()  # the pass task's: the UI shows each arrival under its pass
-                if record.get("privacy_refused"):
-                    logger.warning(
-                        "arrival %d: client %d refused a private update: its budget of epsilon=%g is "
-                        "spent (%.3f used); it predicted with the global model, which stays as it was",
-                        record["arrival"],
-                        record["client_id"],
-                        acfg.privacy_config().budget,
-                        record["eps_client_total"],
-                    )
-                logger.info(
-                    "arrival %d (%s): online %.3f, hold-out(seen) %.3f, w=%.3f",
+        def on_arrival(record, st, _):
+            logger = get_run_logger()  # the pass task's: the UI shows each arrival under its pass
+            if record.get("privacy_refused"):
+                logger.warning(
+                    "arrival %d: client %d refused a private update: its budget of epsilon=%g is "
+                    "spent (%.3f used); it predicted with the global model, which stays as it was",
                     record["arrival"],
-                    record["corruption"],
-                    record["online_acc"],
-                    record["holdout_avg_seen"],
-                    record["weight"],
+                    record["client_id"],
+                    acfg.privacy_config().budget,
+                    record["eps_client_total"],
                 )
-                log(record)
-                if bar is not None:
-                    bar.update(1)
+            logger.info(
+                "arrival %d (%s): online %.3f, hold-out(seen) %.3f, w=%.3f",
+                record["arrival"],
+                record["corruption"],
+                record["online_acc"],
+                record["holdout_avg_seen"],
+                record["weight"],
+            )
+            log(record)
+            if bar is not None:
+                bar.update(1)
 
-            passes.on_arrival = on_arrival
+        passes.on_arrival = on_arrival
+        with _start_experiment_run(cfg, acfg, spec, checkpoint_dir=ckpt):
+            # each arrival's numbers reach the run's charts as it comes back, beside the worker's next
+            log = tracking.BackgroundArrivalLog(runs_at_end=cfg.flow.get("arrival_runs", "at_end") == "at_end")
             try:
-                with _start_experiment_run(cfg, acfg, spec, checkpoint_dir=ckpt):
-                    # each arrival's numbers reach the run's charts as it comes back, beside the worker's next
-                    log = tracking.BackgroundArrivalLog(runs_at_end=cfg.flow.get("arrival_runs", "at_end") == "at_end")
-                    try:
-                        task = arrival_pass_task.with_options(
-                            retries=int(cfg.flow.retries), retry_delay_seconds=float(cfg.flow.retry_delay_seconds)
-                        )
-                        for p, first, end in passes.blocks():
-                            signals.check()
-                            task.with_options(task_run_name=f"pass-{p}-arrivals-{first:03d}-{end - 1:03d}").submit(
-                                passes=passes, end=end
-                            ).result()
-                        if passes.st.done < len(schedule):
-                            raise RunInterrupted(f"stopped after arrival {passes.st.done} as asked; resume to continue")
-                        res = arrivals_result(passes.st, schedule)
-                        _log_experiment(cfg, acfg, res, spec=spec, partition=partition, arrivals=log)
-                        signals.check()  # a stop that landed while it was logged: the run is not finished
-                    except BaseException:
-                        # what it holds is written; the run's own error is the one to report
-                        passes.stop_accepting()
-                        log.close(raise_errors=False)
-                        raise
-            finally:
-                passes.close()
-                if bar is not None:
-                    bar.close()
-            return res
-
-        return sequential_arrival(**params)
+                task = arrival_pass_task.with_options(
+                    retries=int(cfg.flow.retries), retry_delay_seconds=float(cfg.flow.retry_delay_seconds)
+                )
+                for p, first, end in passes.blocks():
+                    signals.check()
+                    task.with_options(task_run_name=f"pass-{p}-arrivals-{first:03d}-{end - 1:03d}").submit(
+                        passes=passes, end=end
+                    ).result()
+                if passes.st.done < len(schedule):
+                    raise RunInterrupted(f"stopped after arrival {passes.st.done} as asked; resume to continue")
+                res = arrivals_result(passes.st, schedule)
+                _log_experiment(cfg, acfg, res, spec=spec, partition=partition, arrivals=log)
+                signals.check()  # a stop that landed while it was logged: the run is not finished
+            except BaseException:
+                # what it holds is written; the run's own error is the one to report
+                passes.stop_accepting()
+                log.close(raise_errors=False)
+                raise
     finally:
-        if passes is not None:
-            passes.close()  # also when the flow could not start
-        runtime.shutdown_ray()
+        passes.close()
+        if bar is not None:
+            bar.close()
+    return res
 
 
 def sweep(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> List[Dict[str, Any]]:
     """The (method x aggregator x seed) grid, cells running concurrently on Ray; logged as each ends.
 
+    Its inputs are checked here, before any service starts; :func:`sweep_flow` runs it.
     ``written``: md5s of inputs the calling flow wrote itself (:func:`flows.services.integrity.record`);
     otherwise the partition and the source model are checked against ``dvc.lock``.
     """
-
-    partition, spec, _ = load_inputs(cfg, written=written)  # before any service starts
+    load_inputs(cfg, written=written)
     model_registry.check(cfg)
-    check_checkpoints(arrival_checkpoints(cfg, sweep_cells(cfg)), resume=bool(cfg.flow.resume))  # likewise
-    params = ui.sweep_parameters(cfg)
-
-    @flow(name="sweep", task_runner=_runner(cfg), log_prints=True, flow_run_name=lambda: f"sweep-{cfg.data.name}")
-    def sweep_flow(
-        variant: str | None,
-        system: str | None,
-        data: str,
-        model: str,
-        methods: List[str],
-        aggregators: List[str],
-        privacy: List[str],
-        seeds: List[int],
-        resume: bool,
-        config: Dict[str, str],
-    ) -> List[Dict[str, Any]]:  # the parameters are for the UI
-        logger = get_run_logger()
-        tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
-        cells = sweep_cells(cfg)
-        # each cell's config by the name its run carries (fails before any work on a bad cell); a result is
-        # matched back through this, never by reading its form's name as a setting
-        acfgs = {}
-        for m, a, f, s in cells:
-            acfg = C.arrival_config(cfg, method=m, aggregator=a, seed=s, form=f)
-            acfgs[(m, a, acfg.form, s)] = acfg
-        cfg_dict = C.to_dict(cfg)
-        with runtime.task_resources(num_gpus=gpus(cfg)):
-            futures = [
-                run_cell_task.with_options(retries=int(cfg.flow.retries)).submit(
-                    cfg_dict=cfg_dict, method=m, aggregator=a, seed=s, form=f, written=written
-                )
-                for m, a, f, s in cells
-            ]
-        results = []
-        logged = tracking.finished_runs(str(cfg.flow.experiment), "adapt") if cfg.flow.resume else {}
-        done = as_completed(futures)
-        if cfg.flow.progress:
-            from tqdm.auto import tqdm
-
-            done = tqdm(done, total=len(futures), desc=f"sweep on {cfg.data.name}", unit="cell")
-        for i, fut in enumerate(done, 1):
-            res = fut.result()
-            signals.check()  # a cell that came back after a stop signal is not logged
-            acfg = acfgs[(res["method"], res["aggregator"], res["form"], res["seed"])]
-            earlier = (
-                tracking.logged_before(
-                    logged, run_name(acfg), acfg.fingerprint(), summary_metrics(res["result"].summary)
-                )
-                if res["already_finished"]
-                else None
-            )
-            if earlier is not None:  # resumed from a finished checkpoint: MLflow holds this cell's run already
-                res["seconds"] = earlier.get("run_seconds", res["seconds"])
-                logger.info("%s seed %d: finished and logged before; not logged again", acfg.method, acfg.seed)
-            else:
-                with _start_experiment_run(cfg, acfg, spec, started_ms=res["started_ms"]) as run:
-                    _log_experiment(cfg, acfg, res["result"], spec=spec, partition=partition)
-                    mlflow.log_metric("run_seconds", res["seconds"])
-                    signals.check()  # a stop that landed while it was logged (where Python may drop it): not finished
-                tracking.end_run_at(run.info.run_id, res["ended_ms"])
-            s = res["result"].summary
-            logger.info(
-                "[%d/%d] %s+%s %s seed %d: online %.3f, final hold-out %.3f, forgetting %+.3f (%.1fs)",
-                i,
-                len(cells),
-                res["method"],
-                res["aggregator"],
-                res["form"],
-                res["seed"],
-                s["avg_online_acc"],
-                s["final_avg_holdout_acc"],
-                s["forgetting"],
-                res["seconds"],
-            )
-            results.append(
-                {
-                    "method": res["method"],
-                    "aggregator": res["aggregator"],
-                    "form": res["form"],
-                    "seed": res["seed"],
-                    "summary": s,
-                    "seconds": res["seconds"],
-                }
-            )
-        order = {key: i for i, key in enumerate(acfgs)}
-        return sorted(results, key=lambda r: order[(r["method"], r["aggregator"], r["form"], r["seed"])])
-
+    check_checkpoints(arrival_checkpoints(cfg, sweep_cells(cfg)), resume=bool(cfg.flow.resume))
+    name = f"sweep-{cfg.data.name}"
+    run = sweep_flow.with_options(task_runner=_runner(cfg), flow_run_name=lambda: name)
     try:
-        return sweep_flow(**params)
+        return run(config=C.arrival_run(cfg), written=None if written is None else dict(written))
     finally:
         runtime.shutdown_ray()
+
+
+@flow(name="sweep", log_prints=True)
+def sweep_flow(config: Dict[str, Any], written: Dict[str, str] | None = None) -> List[Dict[str, Any]]:
+    """Every cell of ``sweep`` (methods x aggregators x privacy forms x seeds) as a task on a Ray worker, each
+    logged to MLflow as it ends; returns the cells' summaries in grid order. ``config``: the resolved config
+    it reads (:func:`flows.config.compose.arrival_run`)."""
+    cfg = OmegaConf.create(config)
+    partition, spec, _ = load_inputs(cfg, written=written)
+    logger = get_run_logger()
+    tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)
+    cells = sweep_cells(cfg)
+    # each cell's config by the name its run carries (fails before any work on a bad cell); a result is
+    # matched back through this, never by reading its form's name as a setting
+    acfgs = {}
+    for m, a, f, s in cells:
+        acfg = C.arrival_config(cfg, method=m, aggregator=a, seed=s, form=f)
+        acfgs[(m, a, acfg.form, s)] = acfg
+    with runtime.task_resources(num_gpus=gpus(cfg)):
+        futures = [
+            run_cell_task.with_options(retries=int(cfg.flow.retries), task_run_name=run_label(*key)).submit(
+                cfg_dict=config, acfg=acfg, written=written
+            )
+            for key, acfg in acfgs.items()
+        ]
+    results = []
+    logged = tracking.finished_runs(str(cfg.flow.experiment), "adapt") if cfg.flow.resume else {}
+    done = as_completed(futures)
+    if cfg.flow.progress:
+        from tqdm.auto import tqdm
+
+        done = tqdm(done, total=len(futures), desc=f"sweep on {cfg.data.name}", unit="cell")
+    for i, fut in enumerate(done, 1):
+        res = fut.result()
+        signals.check()  # a cell that came back after a stop signal is not logged
+        acfg = acfgs[(res["method"], res["aggregator"], res["form"], res["seed"])]
+        earlier = (
+            tracking.logged_before(logged, run_name(acfg), acfg.fingerprint(), summary_metrics(res["result"].summary))
+            if res["already_finished"]
+            else None
+        )
+        if earlier is not None:  # resumed from a finished checkpoint: MLflow holds this cell's run already
+            res["seconds"] = earlier.get("run_seconds", res["seconds"])
+            logger.info("%s seed %d: finished and logged before; not logged again", acfg.method, acfg.seed)
+        else:
+            with _start_experiment_run(cfg, acfg, spec, started_ms=res["started_ms"]) as run:
+                _log_experiment(cfg, acfg, res["result"], spec=spec, partition=partition)
+                mlflow.log_metric("run_seconds", res["seconds"])
+                signals.check()  # a stop that landed while it was logged (where Python may drop it): not finished
+            tracking.end_run_at(run.info.run_id, res["ended_ms"])
+        s = res["result"].summary
+        logger.info(
+            "[%d/%d] %s+%s %s seed %d: online %.3f, final hold-out %.3f, forgetting %+.3f (%.1fs)",
+            i,
+            len(cells),
+            res["method"],
+            res["aggregator"],
+            res["form"],
+            res["seed"],
+            s["avg_online_acc"],
+            s["final_avg_holdout_acc"],
+            s["forgetting"],
+            res["seconds"],
+        )
+        results.append(
+            {
+                "method": res["method"],
+                "aggregator": res["aggregator"],
+                "form": res["form"],
+                "seed": res["seed"],
+                "summary": s,
+                "seconds": res["seconds"],
+            }
+        )
+    order = {key: i for i, key in enumerate(acfgs)}
+    return sorted(results, key=lambda r: order[(r["method"], r["aggregator"], r["form"], r["seed"])])
 
 
 def audit(cfg: DictConfig) -> List[Dict[str, Any]]:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
 import mlflow
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from prefect import flow, get_run_logger
 from prefect.futures import as_completed
 
@@ -177,110 +177,131 @@ def grid(
 ) -> List[Dict[str, Any]]:
     """Every (method, seed) cell of the grid, concurrently on Ray; results/<system>/<grid>/ for DVC.
 
+    Its inputs are checked here, before any service starts; :func:`grid_flow` runs it.
     ``written``: md5s of the partition if the calling flow wrote it itself
     (:func:`flows.services.integrity.record`); otherwise it is checked against ``dvc.lock``.
     """
     name = str(cfg[system].grid if grid_name is None else grid_name)
-    g = C.grid(cfg, system, name)
-    part = load_domain_partition(cfg, system, name, written=written)  # before any service starts
+    part = load_domain_partition(cfg, system, name, written=written)
     evaluations.check_grid(cfg, system, name, part)  # a bad split or unknown scenario fails here, not in every cell
-    cells = [(str(m), int(s)) for s in g.seeds for m in g.methods]
-    configs = {(m, s): C.round_config(cfg, system, method=m, seed=s, grid_name=name) for m, s in cells}
     check_checkpoints(
-        {round_cell_dir(cfg, system, name, m, s): rc.fingerprint() for (m, s), rc in configs.items()},
+        {round_cell_dir(cfg, system, name, m, s): rc.fingerprint() for (m, s), rc in _cell_configs(cfg, system, name)},
         resume=bool(cfg.flow.resume),
-    )  # before any service starts, as the partition
+    )
     from flows.services import model_registry
 
     model_registry.check(cfg)
-    params = ui.round_parameters(cfg, system, name, methods=list(g.methods), seeds=list(g.seeds))
-
-    @flow(name=f"{system}-grid", task_runner=_runner(cfg), log_prints=True, flow_run_name=lambda: f"{system}-{name}")
-    def grid_flow(
-        system: str, grid: str, data: str, methods: List[str], seeds: List[int], resume: bool, config: Dict[str, str]
-    ) -> List[Dict[str, Any]]:  # the parameters are for the UI
-        logger = get_run_logger()
-        tracking.setup(C.tracking_uri(cfg), f"fedcore-{system}")
-        target = _target_method(cfg, system, g)
-        cfg_dict = C.to_dict(cfg)
-        with runtime.task_resources(num_gpus=gpus(cfg)):  # a cell on a GPU run asks Ray for its share
-            futures = [
-                run_round_cell_task.with_options(
-                    retries=int(cfg.flow.retries), task_run_name=f"{name}-{m}-s{s}"
-                ).submit(cfg_dict=cfg_dict, system=system, grid_name=name, method=m, seed=s, written=written)
-                for m, s in cells
-            ]
-        done = as_completed(futures)
-        if cfg.flow.progress:
-            from tqdm.auto import tqdm
-
-            done = tqdm(done, total=len(futures), desc=f"{system} grid {name}", unit="cell")
-        rows = []
-        logged = tracking.finished_runs(f"fedcore-{system}", f"{system}@{name}") if cfg.flow.resume else {}
-        for i, fut in enumerate(done, 1):
-            cell = fut.result()
-            signals.check()  # a cell that came back after a stop signal is not logged
-            m, s, res = cell["method"], cell["seed"], cell["result"]
-            paths = _cell_outputs(
-                res,
-                part,
-                results_dir(cfg, system, name) / "cells" / f"{m}-s{s}",
-                title=f"{system} {name}: {m} (seed {s})",
-                system=system,
-                score=_headline_score(cfg, system, m, configs[(m, s)].trainer),
-            )
-            earlier = (
-                tracking.logged_before(logged, f"{m}-s{s}", configs[(m, s)].fingerprint(), res.summary)
-                if cell["already_finished"]
-                else None
-            )
-            if earlier is not None:
-                # resumed from a finished checkpoint: MLflow holds this cell's run already
-                logger.info("[%d/%d] %s seed %d: finished and logged before; not logged again", i, len(cells), m, s)
-                rows.append(_row(m, s, res, {**cell, "seconds": earlier.get("run_seconds", cell["seconds"])}))
-                continue
-            with _start_cell_run(cfg, system, name, m, configs[(m, s)], part, started_ms=cell["started_ms"]) as run:
-                tracking.log_rounds(res.records)
-                _log_tasks(res.records)
-                _log_ledgers(res, configs[(m, s)])
-                mlflow.log_metrics(res.summary)
-                mlflow.log_metric("run_seconds", cell["seconds"])
-                tracking.log_files(paths, artifact_path="plots")
-                _register(cfg, system, name, cell, target=(target, g.seeds[0]))
-                signals.check()  # a stop that landed while it was logged (where Python may drop it): not finished
-            tracking.end_run_at(run.info.run_id, cell["ended_ms"])
-            sm = res.summary
-            opened = f", AUROC {sm['final_auroc']:.3f}" if "final_auroc" in sm else ""
-            opened += f", avg incremental {sm['avg_inc_acc']:.3f}" if "avg_inc_acc" in sm else ""
-            logger.info(
-                "[%d/%d] %s seed %d: avg %.3f, worst %.3f%s (%.0fs)",
-                i,
-                len(cells),
-                m,
-                s,
-                sm["final_avg_acc"],
-                sm["final_worst_acc"],
-                opened,
-                cell["seconds"],
-            )
-            rows.append(_row(m, s, res, cell))
-        order = {c: i for i, c in enumerate(cells)}
-        return sorted(rows, key=lambda r: order[(r["method"], r["seed"])])
-
+    run = grid_flow.with_options(
+        name=f"{system}-grid", task_runner=_runner(cfg), flow_run_name=lambda: f"{system}-{name}"
+    )
     try:
-        rows = grid_flow(**params)
+        return run(
+            config=C.round_run(cfg, system, name),
+            system=system,
+            grid=name,
+            written=None if written is None else dict(written),
+        )
     finally:
         runtime.shutdown_ray()
-    trainers = {m: configs[(m, g.seeds[0])].trainer for m in map(str, g.methods)}
+
+
+def _cell_configs(cfg: DictConfig, system: str, grid_name: str) -> List[Tuple[Tuple[str, int], RoundConfig]]:
+    """``((method, seed), its RoundConfig)`` for every cell of a grid, seed by seed."""
+    g = C.grid(cfg, system, grid_name)
+    return [
+        ((str(m), int(s)), C.round_config(cfg, system, method=str(m), seed=int(s), grid_name=grid_name))
+        for s in g.seeds
+        for m in g.methods
+    ]
+
+
+@flow(name="round-grid", log_prints=True)
+def grid_flow(
+    config: Dict[str, Any], system: str, grid: str, written: Dict[str, str] | None = None
+) -> List[Dict[str, Any]]:
+    """Every (method, seed) cell of ``grid`` as a task on a Ray worker; each cell logged to MLflow as it ends,
+    then the grid's report. ``config``: the resolved config the cells run on (:func:`flows.config.compose.round_run`).
+    Returns the rows in cell order."""
+    cfg = OmegaConf.create(config)
+    logger = get_run_logger()
+    tracking.setup(C.tracking_uri(cfg), f"fedcore-{system}")
+    g = C.grid(cfg, system, grid)
+    part = load_domain_partition(cfg, system, grid, written=written)
+    configs = dict(_cell_configs(cfg, system, grid))
+    cells = list(configs)
+    target = _target_method(cfg, system, g)
+    with runtime.task_resources(num_gpus=gpus(cfg)):  # a cell on a GPU run asks Ray for its share
+        futures = [
+            run_round_cell_task.with_options(retries=int(cfg.flow.retries), task_run_name=f"{grid}-{m}-s{s}").submit(
+                cfg_dict=config, system=system, grid_name=grid, method=m, rcfg=configs[(m, s)], written=written
+            )
+            for m, s in cells
+        ]
+    done = as_completed(futures)
+    if cfg.flow.progress:
+        from tqdm.auto import tqdm
+
+        done = tqdm(done, total=len(futures), desc=f"{system} grid {grid}", unit="cell")
+    rows = []
+    logged = tracking.finished_runs(f"fedcore-{system}", f"{system}@{grid}") if cfg.flow.resume else {}
+    for i, fut in enumerate(done, 1):
+        cell = fut.result()
+        signals.check()  # a cell that came back after a stop signal is not logged
+        m, s, res = cell["method"], cell["seed"], cell["result"]
+        paths = _cell_outputs(
+            res,
+            part,
+            results_dir(cfg, system, grid) / "cells" / f"{m}-s{s}",
+            title=f"{system} {grid}: {m} (seed {s})",
+            system=system,
+            score=_headline_score(cfg, system, m, configs[(m, s)].trainer),
+        )
+        earlier = (
+            tracking.logged_before(logged, f"{m}-s{s}", configs[(m, s)].fingerprint(), res.summary)
+            if cell["already_finished"]
+            else None
+        )
+        if earlier is not None:
+            # resumed from a finished checkpoint: MLflow holds this cell's run already
+            logger.info("[%d/%d] %s seed %d: finished and logged before; not logged again", i, len(cells), m, s)
+            rows.append(_row(m, s, res, {**cell, "seconds": earlier.get("run_seconds", cell["seconds"])}))
+            continue
+        with _start_cell_run(cfg, system, grid, m, configs[(m, s)], part, started_ms=cell["started_ms"]) as run:
+            tracking.log_rounds(res.records)
+            _log_tasks(res.records)
+            _log_ledgers(res, configs[(m, s)])
+            mlflow.log_metrics(res.summary)
+            mlflow.log_metric("run_seconds", cell["seconds"])
+            tracking.log_files(paths, artifact_path="plots")
+            _register(cfg, system, grid, cell, target=(target, g.seeds[0]))
+            signals.check()  # a stop that landed while it was logged (where Python may drop it): not finished
+        tracking.end_run_at(run.info.run_id, cell["ended_ms"])
+        sm = res.summary
+        opened = f", AUROC {sm['final_auroc']:.3f}" if "final_auroc" in sm else ""
+        opened += f", avg incremental {sm['avg_inc_acc']:.3f}" if "avg_inc_acc" in sm else ""
+        logger.info(
+            "[%d/%d] %s seed %d: avg %.3f, worst %.3f%s (%.0fs)",
+            i,
+            len(cells),
+            m,
+            s,
+            sm["final_avg_acc"],
+            sm["final_worst_acc"],
+            opened,
+            cell["seconds"],
+        )
+        rows.append(_row(m, s, res, cell))
+    order = {c: i for i, c in enumerate(cells)}
+    rows.sort(key=lambda r: order[(r["method"], r["seed"])])
     evaluations.of(system).report(
         GridRun(
             cfg=cfg,
             system=system,
-            grid_name=name,
+            grid_name=grid,
             rows=rows,
             part=part,
-            trainers=trainers,
-            out=results_dir(cfg, system, name),
+            trainers={m: configs[(m, int(g.seeds[0]))].trainer for m in map(str, g.methods)},
+            out=results_dir(cfg, system, grid),
         )
     )
     return rows
@@ -314,11 +335,10 @@ def _register(cfg: DictConfig, system: str, grid_name: str, cell: Mapping[str, A
     """
     from flows.services import model_registry
 
-    name = model_registry.model_name(cfg, system)
+    # by default a grid's own name: a grid is a protocol, its versions compare only with each other
+    name = model_registry.model_name(cfg, default=f"{system}-{grid_name}")
     if not name or not model_registry.wanted(cfg, (cell["method"], cell["seed"]), target):
         return
-    if cfg.flow.get("register_model") is None:
-        name = f"{system}-{grid_name}"  # a grid is a protocol: its versions compare only with each other
     res = cell["result"]
     metric = systems.get(system).headline
     if metric not in res.summary:
@@ -352,93 +372,103 @@ def _incremental_row(records: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 def single(cfg: DictConfig, system: str = "fedpad") -> RoundsResult:
-    """One experiment (``trainer`` x ``strategy`` groups): a Prefect task per round, its clients as Ray tasks."""
+    """One experiment (``trainer`` x ``strategy`` groups): a Prefect task per round, its clients as Ray tasks.
+
+    Its inputs are checked here, before any service starts; :func:`rounds_flow` runs it."""
     name = str(cfg[system].grid)
-    part = load_domain_partition(cfg, system, name)  # before any service starts
+    load_domain_partition(cfg, system, name)
     rcfg = C.single_round_config(cfg, system)
-    rdata, spec, evaluate = round_inputs(cfg, system, name, part, rcfg)
-    label = f"{rcfg.trainer}+{rcfg.strategy}"
-    ckpt = C.resolve_path(cfg.paths.checkpoints) / system / name / f"single-{label}-s{rcfg.seed}"
-    check_checkpoints({ckpt: rcfg.fingerprint()}, resume=bool(cfg.flow.resume))  # before any service starts
-    params = ui.round_parameters(cfg, system, name, rcfg=rcfg)
-
-    runner = runtime.make_driver_runner(address=cfg.flow.ray_address, num_cpus=int(cfg.flow.num_cpus), root=C.ROOT)
-
-    @flow(
+    check_checkpoints({_single_dir(cfg, system, name, rcfg): rcfg.fingerprint()}, resume=bool(cfg.flow.resume))
+    label = f"{rcfg.trainer}+{rcfg.strategy}-s{rcfg.seed}"
+    run = rounds_flow.with_options(
         name=f"{system}-rounds",
-        task_runner=runner,
-        log_prints=True,
-        flow_run_name=lambda: f"{system}-{name}-{label}-s{rcfg.seed}",
+        task_runner=runtime.make_driver_runner(
+            address=cfg.flow.ray_address, num_cpus=int(cfg.flow.num_cpus), root=C.ROOT
+        ),
+        flow_run_name=lambda: f"{system}-{name}-{label}",
     )
-    def rounds_flow(
-        system: str, grid: str, data: str, trainer: str, strategy: str, seed: int, resume: bool, config: Dict[str, str]
-    ) -> RoundsResult:  # the parameters are for the UI
-        logger = get_run_logger()
-        tracking.setup(C.tracking_uri(cfg), f"fedcore-{system}")
-        submit_round = round_submit(
-            rdata,
-            retries=int(cfg.flow.retries),
-            retry_delay_seconds=float(cfg.flow.retry_delay_seconds),
-            num_gpus=gpus(cfg),
-            fault=faults(cfg, ckpt),
-            plugins=list(cfg.get("plugins") or []),
-        )
-
-        def on_round(record, state):
-            logger.info(
-                "round %d/%d: avg %.3f, worst %.3f, clients %s",
-                record["round"] + 1,
-                rcfg.rounds,
-                record["avg_acc"],
-                record["worst_acc"],
-                record["clients"],
-            )
-            log(record)
-
-        with _start_cell_run(cfg, system, name, label, rcfg, part):
-            t0 = time.perf_counter()
-            log = tracking.BackgroundRoundLog()  # MLflow writes overlap the next round
-            try:
-                res = run_rounds(
-                    rdata,
-                    spec,
-                    rcfg,
-                    submit_round=submit_round,
-                    evaluate=evaluate,
-                    checkpoint_dir=ckpt,
-                    resume=bool(cfg.flow.resume),
-                    stop_after=cfg.flow.stop_after,
-                    on_round=on_round,
-                    progress=bool(cfg.flow.progress),
-                    desc=f"{label} rounds",
-                )
-            except BaseException:
-                log.close(raise_errors=False)  # the run's own error is the one to report
-                raise
-            log.close()
-            _log_tasks(res.records)
-            _log_ledgers(res, rcfg)
-            mlflow.log_metrics(res.summary)
-            mlflow.log_metric("run_seconds", time.perf_counter() - t0)
-            paths = _cell_outputs(
-                res,
-                part,
-                results_dir(cfg, system, name) / "single" / f"{label}-s{rcfg.seed}",
-                title=f"{system} {name}: {label}",
-                system=system,
-                score=_headline_score(cfg, system, None, rcfg.trainer),
-            )
-            tracking.log_files(
-                paths + [ckpt / "server_state.pt", ckpt / "server_state.sha256"], artifact_path="outputs"
-            )
-            if (ckpt / CLIENTS_DIR).is_dir():  # the clients' states the server's state names: the checkpoint whole
-                mlflow.log_artifacts(str(ckpt / CLIENTS_DIR), artifact_path=f"outputs/{CLIENTS_DIR}")
-        return res
-
     try:
-        return rounds_flow(**params)
+        return run(config=C.round_run(cfg, system, name, single=True), system=system, grid=name)
     finally:
         runtime.shutdown_ray()
+
+
+def _single_dir(cfg: DictConfig, system: str, grid_name: str, rcfg: RoundConfig) -> Path:
+    """The checkpoint folder of one run (:func:`single`)."""
+    label = f"{rcfg.trainer}+{rcfg.strategy}"
+    return C.resolve_path(cfg.paths.checkpoints) / system / grid_name / f"single-{label}-s{rcfg.seed}"
+
+
+@flow(name="round-run", log_prints=True)
+def rounds_flow(config: Dict[str, Any], system: str, grid: str) -> RoundsResult:
+    """One run of the ``trainer`` and ``strategy`` groups on ``grid``'s data: a Prefect task per round whose
+    clients run as Ray tasks, each round logged to MLflow as it ends. ``config``: the resolved config the run
+    reads (:func:`flows.config.compose.round_run` with ``single``)."""
+    cfg = OmegaConf.create(config)
+    logger = get_run_logger()
+    tracking.setup(C.tracking_uri(cfg), f"fedcore-{system}")
+    part = load_domain_partition(cfg, system, grid)
+    rcfg = C.single_round_config(cfg, system)
+    rdata, spec, evaluate = round_inputs(cfg, system, grid, part, rcfg)
+    label = f"{rcfg.trainer}+{rcfg.strategy}"
+    ckpt = _single_dir(cfg, system, grid, rcfg)
+    submit_round = round_submit(
+        rdata,
+        retries=int(cfg.flow.retries),
+        retry_delay_seconds=float(cfg.flow.retry_delay_seconds),
+        num_gpus=gpus(cfg),
+        fault=faults(cfg, ckpt),
+        plugins=list(cfg.get("plugins") or []),
+    )
+
+    def on_round(record, state):
+        logger.info(
+            "round %d/%d: avg %.3f, worst %.3f, clients %s",
+            record["round"] + 1,
+            rcfg.rounds,
+            record["avg_acc"],
+            record["worst_acc"],
+            record["clients"],
+        )
+        log(record)
+
+    with _start_cell_run(cfg, system, grid, label, rcfg, part):
+        t0 = time.perf_counter()
+        log = tracking.BackgroundRoundLog()  # MLflow writes overlap the next round
+        try:
+            res = run_rounds(
+                rdata,
+                spec,
+                rcfg,
+                submit_round=submit_round,
+                evaluate=evaluate,
+                checkpoint_dir=ckpt,
+                resume=bool(cfg.flow.resume),
+                stop_after=cfg.flow.stop_after,
+                on_round=on_round,
+                progress=bool(cfg.flow.progress),
+                desc=f"{label} rounds",
+            )
+        except BaseException:
+            log.close(raise_errors=False)  # the run's own error is the one to report
+            raise
+        log.close()
+        _log_tasks(res.records)
+        _log_ledgers(res, rcfg)
+        mlflow.log_metrics(res.summary)
+        mlflow.log_metric("run_seconds", time.perf_counter() - t0)
+        paths = _cell_outputs(
+            res,
+            part,
+            results_dir(cfg, system, grid) / "single" / f"{label}-s{rcfg.seed}",
+            title=f"{system} {grid}: {label}",
+            system=system,
+            score=_headline_score(cfg, system, None, rcfg.trainer),
+        )
+        tracking.log_files(paths + [ckpt / "server_state.pt", ckpt / "server_state.sha256"], artifact_path="outputs")
+        if (ckpt / CLIENTS_DIR).is_dir():  # the clients' states the server's state names: the checkpoint whole
+            mlflow.log_artifacts(str(ckpt / CLIENTS_DIR), artifact_path=f"outputs/{CLIENTS_DIR}")
+    return res
 
 
 def round_submit(

@@ -19,7 +19,7 @@ from prefect.cache_policies import NO_CACHE
 
 from fedcore.adapt import GRADIENT_METHODS
 from fedcore.data import Partition
-from fedcore.engine import ModelSpec, run_arrivals, run_rounds
+from fedcore.engine import ArrivalConfig, ModelSpec, RoundConfig, run_arrivals, run_rounds
 from fedcore.tensors import to_tensor
 from fedcore.types import ClientUpdate
 from flows import systems
@@ -39,27 +39,18 @@ def run_label(method: str, aggregator: str, form: str | None, seed: int) -> str:
     return f"{method}+{aggregator}{'' if form in (None, 'plain') else f'-{form}'}-s{seed}"
 
 
-def _cell_run_name(parameters: Mapping[str, Any]) -> str:
-    """A sweep cell's task run name (:func:`run_label`); Prefect passes the task's arguments."""
-    return run_label(parameters["method"], parameters["aggregator"], parameters.get("form"), parameters["seed"])
-
-
-@task(name="run-cell", cache_policy=NO_CACHE, task_run_name=_cell_run_name)
+@task(name="run-cell", cache_policy=NO_CACHE)
 def run_cell_task(
-    cfg_dict: Dict[str, Any],
-    method: str,
-    aggregator: str,
-    seed: int,
-    form: str | None = None,
-    written: Mapping[str, str] | None = None,
+    cfg_dict: Dict[str, Any], acfg: ArrivalConfig, written: Mapping[str, str] | None = None
 ) -> Dict[str, Any]:
     """One whole sweep cell, in one worker: the plain driver over the fedcore steps.
 
-    ``written``: md5s of inputs the calling flow wrote itself (:func:`flows.services.integrity.record`).
+    ``acfg``: the cell's settings as the flow built them; ``cfg_dict``: the resolved config, for the inputs,
+    the paths and the flow settings. ``written``: md5s of inputs the calling flow wrote itself
+    (:func:`flows.services.integrity.record`).
     """
     cfg = OmegaConf.create(cfg_dict)
     systems.load_plugins(cfg.get("plugins"))  # a plug-in's method or aggregator, in this worker too
-    acfg = C.arrival_config(cfg, method=method, aggregator=aggregator, seed=seed, form=form)
     partition, spec, source = load_inputs(cfg, written=written)
     ckpt = ckpt_dir(cfg, cell_name(acfg))
     before = _stamps(ckpt)
@@ -68,9 +59,9 @@ def run_cell_task(
         partition, spec, source, acfg, checkpoint_dir=ckpt, resume=bool(cfg.flow.resume), stop_after=cfg.flow.stop_after
     )
     return {
-        "method": method,
-        "aggregator": aggregator,
-        "seed": seed,
+        "method": acfg.method,
+        "aggregator": acfg.aggregator,
+        "seed": acfg.seed,
         "form": acfg.form,
         "result": res,
         "seconds": time.perf_counter() - t0,
@@ -186,14 +177,17 @@ def run_round_cell_task(
     system: str,
     grid_name: str,
     method: str,
-    seed: int,
+    rcfg: RoundConfig,
     written: Mapping[str, str] | None = None,
 ) -> Dict[str, Any]:
-    """One whole (method, seed) cell of a round-based grid, in one worker: the plain round driver."""
+    """One whole cell of a round-based grid, in one worker: the plain round driver.
+
+    ``rcfg``: the cell's settings as the flow built them (``method`` is its name in the grid; the seed is
+    ``rcfg.seed``); ``cfg_dict``: the resolved config, for the partition, the paths and the flow settings."""
     torch.set_num_threads(1)  # cells run side by side, one per CPU
     cfg = OmegaConf.create(cfg_dict)
     systems.load_plugins(cfg.get("plugins"))  # a plug-in's system, strategy or trainer, in this worker too
-    rcfg = C.round_config(cfg, system, method=method, seed=seed, grid_name=grid_name)
+    seed = rcfg.seed
     part = load_domain_partition(cfg, system, grid_name, written=written)
     data, spec, evaluate = round_inputs(cfg, system, grid_name, part, rcfg, method=method)
     ckpt = round_cell_dir(cfg, system, grid_name, method, seed)

@@ -48,19 +48,20 @@ IDENTITY_TAGS = (tracking.MODEL_SHA256_TAG + WEIGHTS_FILE, "config_fingerprint")
 _log = logging.getLogger(__name__)
 
 
-def model_name(cfg: DictConfig, system: str | None = None) -> str | None:
-    """The registered model for this config: ``flow.register_model``, or ``<system>-<data>`` when that is null.
+def model_name(cfg: DictConfig, default: str | None = None) -> str | None:
+    """The registered model for this config: ``flow.register_model``, or ``default`` when that is null
+    (a grid's is ``<system>-<grid>``; without one, ``<the variant's system>-<data>``).
 
-    ``system`` defaults to the variant's system (``bpfedctta`` or ``dptta``). An empty name, or
-    ``flow.register=none``, means nothing is registered.
+    An empty name, or ``flow.register=none``, means nothing is registered.
     """
     if str(cfg.flow.get("register", "configured")) == "none":
         return None
     name = cfg.flow.get("register_model")
     if name is not None:
         return str(name) or None
-    system = system or C.variant_system(cfg, str(cfg.get("variant", "mnist")))
-    return f"{system}-{cfg.data.name}"
+    if default is not None:
+        return default
+    return f"{C.variant_system(cfg, str(cfg.get('variant', 'mnist')))}-{cfg.data.name}"
 
 
 def check(cfg: DictConfig) -> None:

@@ -1,121 +1,16 @@
-"""What the Prefect and MLflow UIs show of a run: a flow run's parameters, and links between the two.
+"""Links between what the Prefect and MLflow UIs show of a run.
 
-The flows are closures over the config, so Prefect would record no parameters for them. They
-take these instead: JSON values (the experiment's headline settings, and the resolved config
-flattened as MLflow's params are) that the flow body does not read, so the config stays the one
-source of truth. :func:`link_runs` ties each MLflow run to the Prefect flow run that wrote it.
+:func:`link_runs` ties each MLflow run to the Prefect flow run that wrote it, both ways. A flow run's
+parameters are the resolved config it runs on (:func:`flows.config.compose.arrival_run`,
+:func:`flows.config.compose.round_run`): the UI shows exactly the settings that ran.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from typing import Any, Dict, List
 
 import mlflow
-from omegaconf import DictConfig
-
-from flows.config import compose as C
-from flows.services.tracking import flatten
-
-
-# Everything a round-based run does not read, and the round-based systems' grids an arrival run does not.
-def not_arrival() -> tuple:
-    """Config blocks an arrival run does not read: every system's own block, and the round groups."""
-    return (*C.round_systems(), *C.variant_systems(), "trainer", "strategy")
-
-
-_RUN_BLOCKS = ("seed", "device", "flow", "paths")
-
-
-def _variant(cfg: DictConfig) -> Dict[str, Any]:
-    variant = cfg.get("variant")
-    system = C.variant_system(cfg, str(variant)) if variant is not None and C.variants(cfg) else None
-    return {"variant": None if variant is None else str(variant), "system": system}
-
-
-def _model(cfg: DictConfig) -> str:
-    return f"{cfg.model.name}-{cfg.model.norm}"
-
-
-def _arrival_config(cfg: DictConfig, *, drop: tuple = ()) -> Dict[str, str]:
-    return flatten({k: v for k, v in C.to_dict(cfg).items() if k not in (*not_arrival(), *drop)})
-
-
-def arrival_parameters(cfg: DictConfig) -> Dict[str, Any]:
-    """The sequential-arrival flow's parameters: variant, data, model, method, aggregator, privacy form, seed."""
-    acfg = C.arrival_config(cfg)
-    return {
-        **_variant(cfg),
-        "data": str(cfg.data.name),
-        "model": _model(cfg),
-        "method": acfg.method,
-        "aggregator": acfg.aggregator,
-        "privacy": acfg.form,
-        "seed": acfg.seed,
-        "resume": bool(cfg.flow.resume),
-        "config": _arrival_config(cfg, drop=("sweep",)),
-    }
-
-
-def sweep_parameters(cfg: DictConfig) -> Dict[str, Any]:
-    """The sweep flow's parameters: the grid (methods, aggregators, privacy forms, seeds)."""
-    s = cfg.sweep
-    return {
-        **_variant(cfg),
-        "data": str(cfg.data.name),
-        "model": _model(cfg),
-        "methods": [str(m) for m in s.methods],
-        "aggregators": [str(a) for a in s.aggregators],
-        "privacy": [str(f) for f in (s.get("privacy", None) or ["plain"])],
-        "seeds": [int(x) for x in s.seeds],
-        "resume": bool(cfg.flow.resume),
-        "config": _arrival_config(cfg, drop=("method", "aggregator", "privacy")),
-    }
-
-
-def pretrain_parameters(cfg: DictConfig) -> Dict[str, Any]:
-    """The source-pretraining flow's parameters: variant, data, model, rounds, seed."""
-    return {
-        **_variant(cfg),
-        "data": str(cfg.data.name),
-        "model": _model(cfg),
-        "rounds": int(cfg.pretrain.rounds),
-        "seed": int(cfg.seed),
-        "config": _arrival_config(cfg, drop=("sweep", "method", "aggregator", "privacy", "adapt")),
-    }
-
-
-def round_parameters(
-    cfg: DictConfig,
-    system: str,
-    grid_name: str,
-    *,
-    methods: List[str] | None = None,
-    seeds: List[int] | None = None,
-    rcfg: Any = None,
-) -> Dict[str, Any]:
-    """A round-based flow's parameters: system, grid and its data set, then the grid's methods and seeds, or
-    (``rcfg``, one run) its trainer, strategy and seed. The config holds the system's settings and this
-    grid's, not the other grids'."""
-    d = C.to_dict(cfg)
-    block = {k: v for k, v in d[system].items() if k != "grids"}
-    block["grids"] = {grid_name: d[system]["grids"][grid_name]}
-    config = {system: block, **{k: d[k] for k in _RUN_BLOCKS if k in d}}
-    if rcfg is not None:
-        config.update({k: d[k] for k in ("trainer", "strategy") if k in d})
-        run = {"trainer": rcfg.trainer, "strategy": rcfg.strategy, "seed": int(rcfg.seed)}
-    else:
-        run = {"methods": [str(m) for m in methods or []], "seeds": [int(s) for s in seeds or []]}
-    return {
-        "system": system,
-        "grid": grid_name,
-        "data": str(C.grid(cfg, system, grid_name).set),
-        **run,
-        "resume": bool(cfg.flow.resume),
-        "config": flatten(config),
-    }
-
 
 # ------------------------------------------------------------------------------------ links
 

@@ -103,7 +103,8 @@ def test_nightly_deployment_has_cron_and_runs_through_a_worker(prefect_server, t
     assert abs((parent.info.end_time - parent.info.start_time) / 1000 - parent.data.metrics["run_seconds"]) < 0.5
     # The sweep as the UI shows it: its settings as parameters, its cell's task run named for the cell
     [sweep] = [r for r in runs if r["name"] == "sweep-digits"]
-    assert sweep["parameters"]["methods"] == ["bn"] and sweep["parameters"]["aggregators"] == ["ugsa"]
+    grid = sweep["parameters"]["config"]["sweep"]
+    assert grid["methods"] == ["bn"] and grid["aggregators"] == ["ugsa"]
     tasks = httpx.post(
         f"{env['PREFECT_API_URL']}/task_runs/filter", json={"flow_runs": {"id": {"any_": [sweep["id"]]}}}, timeout=30
     ).json()

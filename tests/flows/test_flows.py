@@ -57,14 +57,11 @@ def count_streams(monkeypatch) -> list:
 
 
 def test_arrival_flow_logs_lineage_metrics_artifacts_and_model(tiny, monkeypatch):
-    from prefect.context import FlowRunContext
-
     cfg = cfg_for(tiny, "flow.experiment=arrival-test")
     streams = count_streams(monkeypatch)
-    in_flow_run, real_start = [], F.ArrivalPasses.start
-    monkeypatch.setattr(
-        F.ArrivalPasses, "start", lambda self: in_flow_run.append(FlowRunContext.get() is not None) or real_start(self)
-    )
+    events, real_start, real_run = [], F.ArrivalPasses.start, F._start_experiment_run
+    monkeypatch.setattr(F.ArrivalPasses, "start", lambda self: events.append("stream") or real_start(self))
+    monkeypatch.setattr(F, "_start_experiment_run", lambda *a, **kw: events.append("mlflow") or real_run(*a, **kw))
     reads, real_hashes = [], tracking.dvc_lock_hashes
     monkeypatch.setattr(
         tracking, "dvc_lock_hashes", lambda paths, **kw: reads.extend(paths) or real_hashes(paths, **kw)
@@ -73,7 +70,7 @@ def test_arrival_flow_logs_lineage_metrics_artifacts_and_model(tiny, monkeypatch
     # the lineage names the data, the partition and the source model the run read
     assert {F.prepared_path(cfg), F.partition_dir(cfg), F.source_model_path(cfg)} <= set(reads)
     assert streams == [0]  # one worker runs both passes: it does not stop at a pass's end
-    assert in_flow_run[0] is False  # it starts while Prefect creates the flow run
+    assert events[:2] == ["stream", "mlflow"]  # the worker computes while the flow opens its MLflow run
     A = len(res.records)
     client, parents = runs_of(cfg, "bpa+ugsa-s0")
     run = parents[0]
@@ -120,9 +117,11 @@ def test_arrival_flow_logs_lineage_metrics_artifacts_and_model(tiny, monkeypatch
     flow_run = prefect_flow_run(run)
     ui_url = run.data.tags.get("prefect.flow_run_url") or run.data.tags["prefect.ui"]  # a server, or the temporary one
     assert flow_run.name == "bpa+ugsa-s0" and ui_url.endswith(f"/runs/flow-run/{flow_run.id}")
-    p = flow_run.parameters
-    assert (p["method"], p["aggregator"], p["privacy"], p["seed"], p["data"]) == ("bpa", "ugsa", "plain", 0, "digits")
-    assert p["config"]["adapt.passes"] == "2" and p["config"]["aggregator.params.gamma"] == "0.5"
+    c = flow_run.parameters["config"]  # what ran: the resolved config the flow was given
+    assert (c["method"]["name"], c["aggregator"]["name"], c["privacy"]["mode"], c["seed"]) == ("bpa", "ugsa", "off", 0)
+    assert (
+        c["data"]["name"] == cfg.data.name and c["adapt"]["passes"] == 2 and c["aggregator"]["params"]["gamma"] == 0.5
+    )
     K, A = len(tiny["partition"].targets), len(res.records)
     names = {f"pass-{p}-arrivals-{p * K:03d}-{min(p * K + K, A) - 1:03d}" for p in range(-(-A // K))}
     assert set(prefect_task_runs(flow_run.id)) == names
@@ -139,11 +138,9 @@ def test_arrival_flow_logs_lineage_metrics_artifacts_and_model(tiny, monkeypatch
     assert link.type == "markdown" and run.info.run_id in link.data and "mlflow ui --backend-store-uri" in link.data
 
 
-def test_the_arrivals_stream_is_stopped_when_the_flow_cannot_start(tiny, monkeypatch):
-    """The worker starts on the arrivals before Prefect has created the flow run; if that fails (an
-    unreachable API, say), the stream is cancelled, not left computing."""
-    from prefect.flows import Flow
-
+def test_the_arrivals_stream_is_stopped_when_the_run_cannot_open(tiny, monkeypatch):
+    """The worker starts on the arrivals before the flow opens its MLflow run; if that fails (an unreachable
+    tracking server, say), the stream is cancelled, not left computing."""
     from flows.services import runtime
 
     cfg = cfg_for(tiny, "flow.experiment=no-start")
@@ -151,10 +148,10 @@ def test_the_arrivals_stream_is_stopped_when_the_flow_cannot_start(tiny, monkeyp
     cancelled, real_cancel = [], runtime.ray_cancel
     monkeypatch.setattr(runtime, "ray_cancel", lambda refs: cancelled.extend(refs) or real_cancel(refs))
 
-    def unreachable(self, *a, **kw):
-        raise RuntimeError("the Prefect API is unreachable")
+    def unreachable(*a, **kw):
+        raise RuntimeError("the tracking server is unreachable")
 
-    monkeypatch.setattr(Flow, "__call__", unreachable)
+    monkeypatch.setattr(F, "_start_experiment_run", unreachable)
     with pytest.raises(RuntimeError, match="unreachable"):
         F.arrival(cfg)
     assert streams == [0] and len(cancelled) == 1
@@ -202,7 +199,8 @@ def test_pretrain_flow_writes_model_and_rounds(tiny, tmp_path):
     assert "source_test_acc" in run.data.metrics
     assert len(client.get_metric_history(run.info.run_id, "train_loss")) == 2
     flow_run = prefect_flow_run(run)
-    assert flow_run.parameters["rounds"] == 2 and flow_run.parameters["model"] == "cnn-batch"
+    config = flow_run.parameters["config"]
+    assert config["pretrain"]["rounds"] == 2 and (config["model"]["name"], config["model"]["norm"]) == ("cnn", "batch")
     assert sorted(n[: len("round-000-")] for n in prefect_task_runs(flow_run.id)) == ["round-000-", "round-001-"]
 
 

@@ -12,6 +12,7 @@ import re
 import time
 
 import pytest
+from omegaconf import OmegaConf
 
 from fedcore.engine.checkpoint import CheckpointError
 from flows.config import compose as C
@@ -60,35 +61,33 @@ def test_a_corrupt_checkpoint_fails_before_ray_or_prefect_start(tiny, tmp_path, 
     assert started == [] and seconds < 30, (started, seconds)
 
 
-def test_flow_parameters_are_the_experiments_settings_as_json():
+def test_a_flows_config_parameter_is_json_that_rebuilds_the_same_run():
     # Prepare
     cfg = C.compose(["variant=private", "method=tent", "privacy=dp", "sweep.seeds=[0,1]"])
 
-    # Execute
-    arrival, sweep, pretrain = ui.arrival_parameters(cfg), ui.sweep_parameters(cfg), ui.pretrain_parameters(cfg)
-    rounds = {
-        system: ui.round_parameters(cfg, system, str(cfg[system].grid), methods=["fedavg"], seeds=[0])
-        for system in C.round_systems()
-    }
-    single = ui.round_parameters(cfg, "fedpad", "quick", rcfg=C.single_round_config(cfg, "fedpad"))
+    # Execute: what each flow receives, as the Prefect API stores it, and the config the flow builds from it
+    def received(d):
+        assert json.loads(json.dumps(d)) == d  # JSON values: what the API stores and the UI shows
+        return OmegaConf.create(d)
 
-    # Assert: JSON values (what the API stores), the headline settings, and the resolved config flattened
-    for params in (arrival, sweep, pretrain, single, *rounds.values()):
-        assert json.loads(json.dumps(params)) == params
-        assert all(isinstance(v, str) for v in params["config"].values())
-    assert {k: arrival[k] for k in ("variant", "system", "method", "aggregator", "seed")} == {
-        "variant": "private",
-        "system": "dptta",
-        "method": "tent",
-        "aggregator": "ugsa",
-        "seed": 0,
-    }
-    assert arrival["privacy"].startswith("dp") and arrival["model"] == "cnn-group"
-    assert arrival["config"]["adapt.passes"] == str(cfg.adapt.passes)
-    assert sweep["seeds"] == [0, 1] and sweep["privacy"] == [str(f) for f in cfg.sweep.privacy]
-    assert not any(k.startswith(("fedpad.", "sweep.")) for k in arrival["config"])  # not this run's settings
-    assert single["trainer"] == "sgd" and single["config"]["fedpad.grids.quick.set"] == single["data"]
-    assert not any(k.startswith("fedpad.grids.digits.") for k in rounds["fedpad"]["config"])
+    arrival = received(C.arrival_run(cfg))
+    grids = {s: received(C.round_run(cfg, s, str(cfg[s].grid))) for s in C.round_systems()}
+    single = received(C.round_run(cfg, "fedpad", "quick", single=True))
+
+    # Assert: the same run, setting for setting (the typed configs' fingerprints cover every setting)
+    assert C.arrival_config(arrival).fingerprint() == C.arrival_config(cfg).fingerprint()
+    assert [c for c in sweep_cells(arrival)] == [c for c in sweep_cells(cfg)]
+    for system, g in grids.items():
+        name = str(cfg[system].grid)
+        for method in cfg[system].grids[name].methods:
+            ours = C.round_config(g, system, method=str(method), seed=1, grid_name=name)
+            assert ours.fingerprint() == C.round_config(cfg, system, method=str(method), seed=1).fingerprint()
+    assert C.single_round_config(single, "fedpad") == C.single_round_config(cfg, "fedpad")
+    # ...and nothing a run does not read: no round-based system for an arrival run, no other grid for a grid
+    assert not {*C.round_systems(), "trainer", "strategy"} & set(arrival)
+    assert set(grids["fedpad"]["fedpad"]["grids"]) == {str(cfg.fedpad.grid)}
+    assert not {"fedpd", "ppfcil", "trainer", "strategy", "data", "sweep"} & set(grids["fedpad"])
+    assert {"trainer", "strategy"} <= set(single)
 
 
 def test_logs_reach_the_api_at_info_unless_the_user_chose_a_level(monkeypatch):

@@ -52,6 +52,28 @@ def quick(tmp_path_factory):
     return {"tmp": tmp, "cfg": cfg}
 
 
+def plain_run(quick):
+    """The quick grid's single run on the plain driver, once per module (the flows must equal it)."""
+    if "plain" not in quick:
+        from fedcore.engine import run_rounds
+        from flows.reports.evaluations import round_data
+        from flows.runs.tasks import load_domain_partition
+
+        cfg = quick["cfg"]
+        part = load_domain_partition(cfg, "fedpad")
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # each client task runs on one Ray CPU; bit-identity needs the same thread count
+        try:
+            quick["plain"] = run_rounds(
+                round_data(part),
+                C.grid_model_spec(cfg, "fedpad", num_classes=part.num_classes),
+                C.single_round_config(cfg, "fedpad"),
+            )
+        finally:
+            torch.set_num_threads(threads)
+    return quick["plain"]
+
+
 def test_missing_partition_names_the_stage_that_builds_it(tmp_path, capsys):
     from flows.stages import main
 
@@ -94,23 +116,10 @@ def test_a_corrupt_round_checkpoint_fails_before_ray_or_prefect_start(quick, tmp
 @pytest.mark.slow
 def test_round_flow_equals_the_plain_driver_and_logs_every_round(quick):
     """The same run_rounds loop, driven by a Prefect task per client per round on Ray: identical metrics."""
-    from fedcore.engine import run_rounds
-    from flows.reports.evaluations import round_data
     from flows.runs.rounds import single
-    from flows.runs.tasks import load_domain_partition
 
     cfg = quick["cfg"]
-    part = load_domain_partition(cfg, "fedpad")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # each client task runs on one Ray CPU; bit-identity needs the same thread count
-    try:
-        plain = run_rounds(
-            round_data(part),
-            C.grid_model_spec(cfg, "fedpad", num_classes=part.num_classes),
-            C.single_round_config(cfg, "fedpad"),
-        )
-    finally:
-        torch.set_num_threads(threads)
+    plain = plain_run(quick)
     flowed = single(cfg, "fedpad")
     assert strip(flowed.records) == strip(plain.records)
     for k in plain.final_state:
@@ -124,17 +133,16 @@ def test_round_flow_equals_the_plain_driver_and_logs_every_round(quick):
     children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
     assert sorted(c.info.run_name for c in children) == ["round-000", "round-001"]
     flow_run = prefect_flow_run(run)  # the same run in the Prefect UI
-    assert {k: flow_run.parameters[k] for k in ("system", "grid", "trainer", "strategy", "seed")} == {
-        "system": "fedpad",
-        "grid": "quick",
-        "trainer": "proto",
-        "strategy": "fedpad",
-        "seed": 0,
-    }
+    p = flow_run.parameters  # what ran: the flow's own parameters, the resolved config among them
+    assert (flow_run.name, p["system"], p["grid"]) == ("fedpad-quick-proto+fedpad-s0", "fedpad", "quick")
+    assert (p["config"]["trainer"]["name"], p["config"]["strategy"]["name"], p["config"]["seed"]) == (
+        "proto",
+        "fedpad",
+        0,
+    )
     n = len(plain.records[0]["clients"])
     assert sorted(prefect_task_runs(flow_run.id)) == [f"round-000-{n}-clients", f"round-001-{n}-clients"]
     assert run.info.run_id in prefect_artifacts(flow_run.id)[0].data
-    quick["plain"] = plain
 
 
 @pytest.mark.slow
@@ -150,7 +158,7 @@ def test_failed_and_killed_client_tasks_are_rerun_with_unchanged_results(quick):
     res = single(cfg, "fedpad")
     assert list((quick["tmp"] / "ckpt2").rglob("fault-round1.marker")), "the injected fault never fired"
     assert list((quick["tmp"] / "ckpt2").rglob("crash-round0.marker")), "the worker was never killed"
-    assert strip(res.records) == strip(quick["plain"].records)
+    assert strip(res.records) == strip(plain_run(quick).records)
     # Prefect saw round 0's task complete once: the warning on it says Ray reran client 0's step
     client = MlflowClient(C.tracking_uri(cfg))
     exp = client.get_experiment_by_name("fedcore-fedpad")
@@ -180,7 +188,7 @@ def test_a_round_flow_stopped_after_a_round_resumes_from_its_checkpoint_with_unc
         single(C.compose(rounds_overrides(quick["tmp"], "flow.stop_after=1", *extra)), "fedpad")
     cfg = C.compose(rounds_overrides(quick["tmp"], "flow.resume=true", *extra))
     res = single(cfg, "fedpad")
-    assert strip(res.records) == strip(quick["plain"].records)
+    assert strip(res.records) == strip(plain_run(quick).records)
     client = MlflowClient(C.tracking_uri(cfg))
     [resumed, interrupted] = client.search_runs(
         [client.get_experiment_by_name("fedcore-fedpad").experiment_id],
@@ -188,7 +196,7 @@ def test_a_round_flow_stopped_after_a_round_resumes_from_its_checkpoint_with_unc
         order_by=["attributes.start_time DESC"],
         max_results=2,
     )
-    n = len(quick["plain"].records[0]["clients"])
+    n = len(plain_run(quick).records[0]["clients"])
     assert [list(prefect_task_runs(prefect_flow_run(r).id)) for r in (interrupted, resumed)] == [
         [f"round-000-{n}-clients"],
         [f"round-001-{n}-clients"],
@@ -221,7 +229,8 @@ def test_grid_flow_writes_the_table_statistics_plots_and_one_run_per_cell(quick)
     ][:2]
     assert sorted(r.info.run_name for r in cells) == ["fedavg-s0", "fedpad-s0"]
     flow_run = prefect_flow_run(cells[0])  # the grid in the Prefect UI: one task run and one MLflow link per cell
-    assert flow_run.parameters["methods"] == ["fedavg", "fedpad"] and flow_run.parameters["seeds"] == [0]
+    grid = flow_run.parameters["config"]["fedpad"]["grids"]["quick"]
+    assert grid["methods"] == ["fedavg", "fedpad"] and grid["seeds"] == [0]
     assert set(prefect_task_runs(flow_run.id)) == {"quick-fedavg-s0", "quick-fedpad-s0"}
     links = " ".join(a.data for a in prefect_artifacts(flow_run.id))
     assert all(r.info.run_id in links for r in cells)
