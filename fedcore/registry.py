@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Dict, Generic, List, TypeVar, cast
+from typing import Any, Callable, Dict, Generic, List, TypeVar, cast
 
 T = TypeVar("T")
+
+
+def signature_defaults(fn: Callable[..., Any]) -> Dict[str, Any]:
+    """Each keyword argument of ``fn`` that has a default, with the default."""
+    return {
+        p.name: p.default
+        for p in inspect.signature(fn).parameters.values()
+        if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is not p.empty and p.name != "self"
+    }
 
 
 def check_choice(what: str, value: str, choices) -> str:
@@ -46,20 +55,19 @@ class Registry(Generic[T]):
         except KeyError:
             raise ValueError(f"unknown {self.kind} {name!r}; valid names are: {', '.join(self.names())}") from None
 
+    def _inits(self, name: str) -> List[Callable[..., Any]]:
+        """What building ``name`` calls with its settings: the factory, or a class's ``__init__`` and, where it
+        passes ``**kwargs`` up, its parents' (nearest first)."""
+        factory = self.get(name)
+        if not inspect.isclass(factory):
+            return [factory]
+        return [
+            c.__dict__["__init__"] for c in cast(type, factory).__mro__ if "__init__" in c.__dict__ and c is not object
+        ]
+
     def settings(self, name: str) -> List[str] | None:
         """The keyword settings ``name`` accepts; ``None`` when its factory takes any (``**kwargs``)."""
-        factory = self.get(name)
-        # A class whose __init__ passes **kwargs up takes its parents' settings too.
-        is_class = inspect.isclass(factory)
-        inits = (
-            [
-                c.__dict__["__init__"]
-                for c in cast(type, factory).__mro__
-                if "__init__" in c.__dict__ and c is not object
-            ]
-            if is_class
-            else [factory]
-        )
+        inits = self._inits(name)
         names: set[str] = set()
         for fn in inits:
             params = list(inspect.signature(fn).parameters.values())
@@ -69,6 +77,17 @@ class Registry(Generic[T]):
             if not any(p.kind is p.VAR_KEYWORD for p in params):
                 return sorted(names)
         return None if inits else []  # every __init__ passed **kwargs on (or there is none: no settings)
+
+    def defaults(self, name: str) -> Dict[str, Any]:
+        """Each setting of ``name`` that has a default, with it (a class's own default before its parents'):
+        the one place a library default is written, which the config names rather than repeats."""
+        out: Dict[str, Any] = {}
+        for fn in self._inits(name):
+            for key, value in signature_defaults(fn).items():
+                out.setdefault(key, value)
+            if not any(p.kind is p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values()):
+                break
+        return out
 
     def create(self, name: str, **kwargs) -> T:
         """Build ``name`` with ``kwargs``; a setting it does not take is an error naming the valid ones."""

@@ -99,104 +99,46 @@ def _tent(*, model: nn.Module, num_classes: int | None = None, **hp) -> TTAMetho
     return _gradient_method(Tent, model=model, **hp)
 
 
+# The factories below pass each method's own settings on to its class, whose signature holds their
+# defaults (the one place they are written: method_settings reads them from there).
+
+
 @METHODS.register("bpa")
-def _bpa(
-    *, model: nn.Module, num_classes: int, sigma0: float = 1.0, precision_mode: str = "confidence", **hp
-) -> TTAMethod:
+def _bpa(*, model: nn.Module, num_classes: int, **hp) -> TTAMethod:
     if hp.get("privacy") is not None and hp["privacy"].private and hp["privacy"].backend == "opacus":
         raise ValueError(
             "private bpa puts the prior inside each sample's loss, which Opacus' layer hooks cannot "
             "see; use privacy.backend=functorch"
         )
-    return _gradient_method(
-        BPA, model=model, num_classes=num_classes, sigma0=sigma0, precision_mode=precision_mode, **hp
-    )
+    return _gradient_method(BPA, model=model, num_classes=num_classes, **hp)
 
 
 @METHODS.register("eata")
-def _eata(
-    *,
-    model: nn.Module,
-    num_classes: int,
-    e_margin_coeff: float = 0.4,
-    d_margin: float = 0.05,
-    fisher_alpha: float = 2000.0,
-    fisher_size: int = 2000,
-    source_x: torch.Tensor | None = None,
-    **hp,
-) -> TTAMethod:
-    method = _gradient_method(
-        EATA,
-        model=model,
-        num_classes=num_classes,
-        e_margin_coeff=e_margin_coeff,
-        d_margin=d_margin,
-        fisher_alpha=fisher_alpha,
-        **hp,
-    )
-    if fisher_alpha > 0:
+def _eata(*, model: nn.Module, num_classes: int, source_x: torch.Tensor | None = None, **hp) -> TTAMethod:
+    method = _gradient_method(EATA, model=model, num_classes=num_classes, **hp)
+    if method.fisher_alpha > 0:
         if source_x is None or len(source_x) == 0:
             raise ValueError(
                 "EATA's Fisher regulariser needs source samples (source_x); pass them, "
                 "or set fisher_alpha: 0 to run without it"
             )
-        method.fisher = fisher_information(model, method.params, source_x[:fisher_size])
+        method.fisher = fisher_information(model, method.params, source_x[: method.fisher_size])
     return method
 
 
 @METHODS.register("sar")
-def _sar(
-    *,
-    model: nn.Module,
-    num_classes: int,
-    e_margin_coeff: float = 0.4,
-    rho: float = 0.05,
-    reset_constant: float = 0.2,
-    ema_momentum: float = 0.9,
-    **hp,
-) -> TTAMethod:
-    return _gradient_method(
-        SAR,
-        model=model,
-        num_classes=num_classes,
-        e_margin_coeff=e_margin_coeff,
-        rho=rho,
-        reset_constant=reset_constant,
-        ema_momentum=ema_momentum,
-        **hp,
-    )
+def _sar(*, model: nn.Module, num_classes: int, **hp) -> TTAMethod:
+    return _gradient_method(SAR, model=model, num_classes=num_classes, **hp)
 
 
 @METHODS.register("deyo")
-def _deyo(
-    *,
-    model: nn.Module,
-    num_classes: int,
-    deyo_margin_coeff: float = 0.5,
-    e_margin_coeff: float = 0.4,
-    plpd_threshold: float = 0.2,
-    patch_len: int = 4,
-    reweight_ent: float = 1.0,
-    reweight_plpd: float = 1.0,
-    **hp,
-) -> TTAMethod:
-    return _gradient_method(
-        DeYO,
-        model=model,
-        num_classes=num_classes,
-        deyo_margin_coeff=deyo_margin_coeff,
-        e_margin_coeff=e_margin_coeff,
-        plpd_threshold=plpd_threshold,
-        patch_len=patch_len,
-        reweight_ent=reweight_ent,
-        reweight_plpd=reweight_plpd,
-        **hp,
-    )
+def _deyo(*, model: nn.Module, num_classes: int, **hp) -> TTAMethod:
+    return _gradient_method(DeYO, model=model, num_classes=num_classes, **hp)
 
 
 @METHODS.register("come")
-def _come(*, model: nn.Module, num_classes: int, prior_weight: float | None = None, **hp) -> TTAMethod:
-    return _gradient_method(COME, model=model, num_classes=num_classes, prior_weight=prior_weight, **hp)
+def _come(*, model: nn.Module, num_classes: int, **hp) -> TTAMethod:
+    return _gradient_method(COME, model=model, num_classes=num_classes, **hp)
 
 
 # Methods that normalise with test-batch statistics; their models are scored the same way.

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedcore.adapt.base import GradientMethod, softmax_entropy
+from fedcore.registry import signature_defaults
 from fedcore.tensors import batches
 
 
@@ -66,7 +67,9 @@ class EATA(GradientMethod):
     @classmethod
     def source_samples(cls, params):
         """The Fisher regulariser's source samples (none when ``fisher_alpha`` is 0)."""
-        return int(params.get("fisher_size", 2000)) if float(params.get("fisher_alpha", 2000.0)) > 0 else 0
+        default = signature_defaults(cls.__init__)
+        wanted = float(params.get("fisher_alpha", default["fisher_alpha"])) > 0
+        return int(params.get("fisher_size", default["fisher_size"])) if wanted else 0
 
     def __init__(
         self,
@@ -78,6 +81,7 @@ class EATA(GradientMethod):
         e_margin_coeff: float = 0.4,
         d_margin: float = 0.05,
         fisher_alpha: float = 2000.0,
+        fisher_size: int = 2000,
         fisher: Dict[str, torch.Tensor] | None = None,
         steps: int = 1,
         private=None,
@@ -89,7 +93,9 @@ class EATA(GradientMethod):
         if fisher_alpha < 0 or d_margin < 0:
             raise ValueError(f"fisher_alpha and d_margin must be >= 0, got {fisher_alpha}, {d_margin}")
         self.e_margin = e_margin_coeff * math.log(num_classes)
-        self.d_margin, self.fisher_alpha = d_margin, fisher_alpha
+        if fisher_size < 1:
+            raise ValueError(f"fisher_size (source samples for the Fisher) must be >= 1, got {fisher_size}")
+        self.d_margin, self.fisher_alpha, self.fisher_size = d_margin, fisher_alpha, fisher_size
         self.fisher = fisher
         self.anchor = {k: p.detach().clone() for k, p in params.items()}
         self.mean_probs: torch.Tensor | None = None

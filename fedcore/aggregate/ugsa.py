@@ -17,7 +17,7 @@ from fedcore.types import MergeHistory, State
 UGSA_NORMALIZERS = ("history", "mean", "none")
 
 
-def ugsa_weight(sigmas: Sequence[float], *, beta: float, normalizer: str = "history") -> float:
+def ugsa_weight(sigmas: Sequence[float], *, beta: float, normalizer: str) -> float:
     """The gate weight w_k of the newest client from the entropies σ_1..σ_k merged so far.
 
     ``history`` (the paper's rule): w_k = exp(−β σ_k) / Σ_{j≤k} exp(−β σ_j).

@@ -24,16 +24,18 @@ from fedcore.data.domains import DOMAIN_SETS
 from fedcore.engine import ArrivalConfig, ModelSpec, RoundConfig
 from fedcore.privacy import NOISE_SOURCES, PrivacyConfig
 from flows import systems
-from flows.config import schema
+from flows.config import defaults, schema
 
 ROOT = Path(__file__).resolve().parents[2]
+defaults.register()  # before conf/ is composed: its groups name the library's defaults
 CONF_DIR = ROOT / "conf"
 PARAMS = ROOT / "params.yaml"
 
 
-def compose(overrides: List[str] | None = None, *, lay_variant: bool = True) -> DictConfig:
+def compose(overrides: List[str] | None = None, *, lay_variant: bool = True, system: str | None = None) -> DictConfig:
     """conf/config.yaml composed with Hydra ``overrides`` (e.g. ``["method=tent", "seed=1"]``), the selected
-    variant laid over it; ``lay_variant=False`` gives the composition itself (what params.yaml holds)."""
+    variant laid over it; ``lay_variant=False`` gives the composition itself (what params.yaml holds).
+    ``system``: the system a stage runs, whose settings alone are checked (:func:`validate`)."""
     overrides = list(overrides or [])
     late = _plugin_block_overrides(overrides)  # a plug-in's own block is composed after Hydra, so set it then
     overrides = [o for o in overrides if o not in late]
@@ -46,7 +48,7 @@ def compose(overrides: List[str] | None = None, *, lay_variant: bool = True) -> 
         base = cfg
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([o.lstrip("+") for o in late]))
         check_overrides(base, cfg, late, source="the plug-in's config")
-    validate(cfg)
+    validate(cfg, system)
     if lay_variant:
         check_not_replaced(cfg, overrides)
     return with_variant(cfg) if lay_variant else cfg
@@ -72,18 +74,22 @@ def _hydra(overrides: List[str]) -> DictConfig:
         from hydra import initialize_config_dir
 
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            _COMPOSED[key] = hydra_compose(config_name="config", overrides=list(overrides))
+            composed = hydra_compose(config_name="config", overrides=list(overrides))
+        OmegaConf.resolve(composed)  # ${default:...} becomes the library's value (flows/config/defaults.py)
+        _COMPOSED[key] = composed
         while len(_COMPOSED) > _COMPOSED_KEEP:
             _COMPOSED.popitem(last=False)
     _COMPOSED.move_to_end(key)
     return copy.deepcopy(_COMPOSED[key])
 
 
-def load(params_file: str | Path | None = None, overrides: List[str] | None = None) -> DictConfig:
+def load(
+    params_file: str | Path | None = None, overrides: List[str] | None = None, *, system: str | None = None
+) -> DictConfig:
     """``params.yaml`` (what DVC tracks) plus dot-list overrides, the selected variant laid over it;
-    without a file, compose conf/."""
+    without a file, compose conf/. ``system``: the system a stage runs, whose settings alone are checked."""
     if params_file is None:
-        return compose(overrides)
+        return compose(overrides, system=system)
     path = Path(params_file)
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; regenerate it with `make params`")
@@ -100,7 +106,7 @@ def load(params_file: str | Path | None = None, overrides: List[str] | None = No
         base = cfg
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([o.lstrip("+") for o in overrides]))
         check_overrides(base, cfg, list(overrides), source=path.name)
-    validate(cfg)
+    validate(cfg, system)
     check_not_replaced(cfg, list(overrides or []))
     return with_variant(cfg)
 
@@ -124,6 +130,7 @@ def with_plugins(cfg: DictConfig) -> DictConfig:
         with open_dict(cfg):
             for s in missing:
                 cfg[s.name] = OmegaConf.load(s.config)
+                OmegaConf.resolve(cfg[s.name])
     return cfg
 
 
@@ -131,7 +138,7 @@ GROUPS = tuple(sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir()))  # meth
 # Blocks whose settings are all listed in conf/: a key added to them (Hydra's `+key=value`, or any new key
 # with --params) can only be a misspelling, which would otherwise be read by nothing. The round-based
 # systems' blocks take optional keys (a grid's norm, a trainer's settings); their validators check those.
-CLOSED_BLOCKS = ("adapt", "data", "flow", "paths", "sweep")
+CLOSED_BLOCKS = ("adapt", "data", "flow", "model", "paths", "sweep")
 
 
 def _override_key(override: str) -> str:
@@ -312,18 +319,21 @@ def round_run(cfg: DictConfig, system: str, grid_name: str, *, single: bool = Fa
     return {system: block, **{k: d[k] for k in keep if k in d}}
 
 
-def validate(cfg: DictConfig) -> None:
-    """Reject impossible values with a message that says what would be valid."""
-    for system in systems.all_systems():
-        if system.name in cfg:
-            schema.check(cfg[system.name], system.schema(), system.name)
+def validate(cfg: DictConfig, system: str | None = None) -> None:
+    """Reject impossible values with a message that says what would be valid: every system's block, or only
+    the block of the ``system`` a stage runs (``"arrivals"``: the arrival pipeline, whose variants belong to
+    every arrival-engine system). The blocks every run reads (device, flow, model, data) are always checked."""
+    arrivals = system is None or system not in round_systems()  # the arrival pipeline, or a variant system's step
+    for s in systems.all_systems():
+        if s.name in cfg and (system is None or s.name == system or (arrivals and s.engine == "arrivals")):
+            schema.check(cfg[s.name], s.schema(), s.name)
     _validate_run(cfg)
-    for system in round_systems():
-        if system in cfg:
-            validate_rounds(cfg, system)
-    if any(system in cfg for system in variant_systems()):
+    for s in round_systems():
+        if s in cfg and (system is None or s == system):
+            validate_rounds(cfg, s)
+    if arrivals and any(s in cfg for s in variant_systems()):
         validate_variants(cfg)
-    if "dptta" in cfg and "audit" in cfg.dptta:
+    if arrivals and "dptta" in cfg and "audit" in cfg.dptta:
         validate_audit(cfg)  # once: _validate_run, above, runs again for every variant
 
 
@@ -368,6 +378,8 @@ def _validate_run(cfg: DictConfig) -> None:
         )
     forms = list(cfg.sweep.get("privacy", None) or []) if "sweep" in cfg else []
     check_forms(cfg, forms)  # a bad sweep form fails here, before any stage starts work
+    if "sweep" in cfg:
+        _check_sweep_settings(cfg)
     runs = cfg.flow.get("arrival_runs", "at_end") if "flow" in cfg else "at_end"
     if runs not in ARRIVAL_RUNS:
         raise ValueError(
@@ -451,6 +463,11 @@ def pretrain_config(cfg: DictConfig) -> RoundConfig:
 def privacy_form(cfg: DictConfig, form: str | None) -> Dict[str, Any]:
     """The privacy settings of a form: ``<mode>[-eps<e>][-c<C>]``.
 
+    Why a name and not Hydra: a sweep runs all its forms in one stage (one DVC output, its cells side by side
+    on Ray), so they are a list of values in ``sweep.privacy``. Hydra can choose one ``privacy`` group per
+    composition, or launch a process per choice (``-m``), but cannot put several group choices, each with its
+    own epsilon or clip norm, in one list.
+
     ``<mode>`` is ``plain``, ``clip``, ``dp0`` or ``dp``; ``-eps<e>`` sets dp's epsilon (``dp-eps5``);
     ``-c<C>`` sets the clip norm of any form that clips (``clip-c5``, ``dp-eps10-c0.3``), the axis
     the DP-TTA paper cross-validates. ``None`` means the selected ``privacy`` group as configured. A
@@ -524,9 +541,28 @@ def _form_name(privacy: DictConfig) -> str:
     return {"off": "plain"}.get(str(privacy.mode), str(privacy.mode))
 
 
+def _check_sweep_settings(cfg: DictConfig) -> None:
+    """``sweep.method_params`` (``aggregator_params``) sets only settings some swept method (aggregator) has:
+    one that none has would reach no cell, so it is a misspelling."""
+    for key, group, names in (
+        ("method_params", "method", cfg.sweep.methods),
+        ("aggregator_params", "aggregator", cfg.sweep.aggregators),
+    ):
+        shared = cfg.sweep.get(key, None) or {}
+        have = {str(k) for n in names for k in (_group(group, str(n)).get("params") or {})}
+        unknown = sorted(set(map(str, shared)) - have)
+        if unknown:
+            raise ValueError(
+                f"sweep.{key} sets {', '.join(map(repr, unknown))}, which no swept {group} "
+                f"({', '.join(map(str, names))}) has, so it would reach no cell; their settings are: "
+                f"{', '.join(sorted(have)) or '(none)'}"
+            )
+
+
 def _with_sweep_settings(cfg: DictConfig, params: DictConfig, key: str) -> Dict[str, Any]:
     """A method's (aggregator's) params with ``sweep.<key>`` laid over the settings it has: ``{lr: 0.1}``
-    reaches every swept method with an lr, ``{beta: 0}`` every aggregator with a beta."""
+    reaches every swept method with an lr, ``{beta: 0}`` every aggregator with a beta. (Hydra's overrides set
+    the one ``method`` group composed; a sweep builds every swept method's config from its group file here.)"""
     out = dict(OmegaConf.to_container(params, resolve=True))
     shared = cfg.sweep.get(key, None) if "sweep" in cfg else None
     shared = OmegaConf.to_container(shared, resolve=True) if shared is not None else {}
@@ -577,6 +613,12 @@ def variant_system(cfg: DictConfig, name: str) -> str:
     return known[name]
 
 
+# Why variants are laid over the root here and are not a Hydra config group: DVC runs one stage per variant
+# (dvc.yaml `foreach`) from one params.yaml and tracks each stage's params by key. As a group, params.yaml would
+# hold the selected variant's values only, so the other variants' stages would have no params to track and
+# `dvc exp run -S` could not change them. Kept as blocks of the system's own file, every variant is in
+# params.yaml at once, and `variant=<name>` picks one. Stress cells (flows/runs/stress.py) are kept the same
+# way, for the same reason.
 def with_variant(cfg: DictConfig, name: str | None = None) -> DictConfig:
     """``cfg`` with a variant laid over it (default: the selected one, ``cfg.variant``): a key the variant
     sets replaces the root's, a key it leaves out keeps the root's. ``cfg`` itself is left as it was."""

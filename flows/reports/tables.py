@@ -467,13 +467,23 @@ SAME_DATA = (
 
 def _privacy_label(tp: Mapping[str, Any]) -> str:
     """A private method's curve: its form, and the variant of its account where it is not the default."""
-    form = str(tp.get("privacy", "none"))
+    default = _fcil_defaults()
+    tp = {**default, **tp}
+    form = str(tp["privacy"])
     label = PRIVACY_LABELS.get(form, form)
-    if form == "lbdp" and tp.get("bdp_estimator", "mean") != "mean":
+    if form == "lbdp" and tp["bdp_estimator"] != default["bdp_estimator"]:
         label += f" ({tp['bdp_estimator']})"
-    if form == "nbafl" and tp.get("nbafl_sensitivity", "average") != "average":
+    if form == "nbafl" and tp["nbafl_sensitivity"] != default["nbafl_sensitivity"]:
         label += f" ({tp['nbafl_sensitivity']}-case ΔS)"
-    return f"{label}, C = {float(tp.get('clip_norm', 1.0)):g}"
+    return f"{label}, C = {float(tp['clip_norm']):g}"
+
+
+def _fcil_defaults() -> Dict[str, Any]:
+    """PP-FCIL's trainer settings as the library defaults them (its privacy form, its account's variants)."""
+    import fedcore.train  # noqa: F401 - registers the trainers
+    from fedcore.train.base import TRAINERS
+
+    return TRAINERS.defaults("fcil")
 
 
 def ppfcil_privacy(cfg) -> None:
@@ -511,13 +521,14 @@ def ppfcil_privacy(cfg) -> None:
                 )
             vals = scores[str(m)]
             point = (float(np.mean(vals)), float(np.std(vals)))
-            form = tp.get("privacy", "none")
+            tp = {**_fcil_defaults(), **tp}
+            form = tp["privacy"]
             if form == "none":
                 reference = point
                 continue
             if form == "clip":  # DP-SGD's mechanics without noise: no ε, a diagnostic (see the privacy-clip grid)
                 continue
-            eps, clip, label = float(tp["epsilon"]), float(tp.get("clip_norm", 1.0)), _privacy_label(tp)
+            eps, clip, label = float(tp["epsilon"]), float(tp["clip_norm"]), _privacy_label(tp)
             curves.setdefault(label, []).append((eps, *point))
             rows.append((label, eps, str(m), g, point, len(vals)))
             if label.split(",")[0] in ("LBDP", "classic DP"):

@@ -44,14 +44,18 @@ def test_ugsa_is_the_published_rule():
 def test_ugsa_weight_normalisers():
     sig = [0.5, 1.0, 2.0]
     e = [math.exp(-0.2 * s) for s in sig]
-    assert ugsa_weight(sig, beta=0.2) == pytest.approx(e[-1] / sum(e))
+    assert ugsa_weight(sig, beta=0.2, normalizer="history") == pytest.approx(e[-1] / sum(e))
     assert ugsa_weight(sig, beta=0.2, normalizer="mean") == pytest.approx(e[-1] / (sum(e) / 3))
     assert ugsa_weight(sig, beta=0.2, normalizer="none") == pytest.approx(e[-1])
-    assert ugsa_weight([0.7], beta=0.2) == pytest.approx(1.0), "the first client gets the whole gate"
+    assert ugsa_weight([0.7], beta=0.2, normalizer="history") == pytest.approx(1.0), (
+        "the first client gets the whole gate"
+    )
 
 
 def test_more_uncertain_client_gets_less_weight():
-    assert ugsa_weight([0.1, 2.0], beta=1.0) < ugsa_weight([2.0, 0.1], beta=1.0)
+    assert ugsa_weight([0.1, 2.0], beta=1.0, normalizer="history") < ugsa_weight(
+        [2.0, 0.1], beta=1.0, normalizer="history"
+    )
 
 
 def test_fedavg_running_average_equals_mean_of_all_models():

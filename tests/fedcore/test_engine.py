@@ -178,7 +178,8 @@ def test_method_settings_accepted(method, params):
 
 
 def test_every_configured_method_setting_is_accepted():
-    """conf/method/*.yaml holds only settings the methods take, of the kinds they take."""
+    """conf/method/*.yaml holds only settings the methods take, of the kinds they take; a setting it names as
+    the library's default (``${default:method}``) has one."""
     import yaml
 
     from fedcore.adapt import check_method_settings, method_settings
@@ -187,8 +188,11 @@ def test_every_configured_method_setting_is_accepted():
     assert len(files) == 8
     for f in files:
         m = yaml.safe_load(f.read_text())
-        check_method_settings(m["name"], m["params"])
-        assert set(m["params"]) <= set(method_settings(m["name"]))
+        own = method_settings(m["name"])
+        named = {k for k, v in m["params"].items() if str(v).startswith("${default:")}
+        assert all(own[k].default is not own[k].empty for k in named), (f.name, named)
+        check_method_settings(m["name"], {k: own[k].default if k in named else v for k, v in m["params"].items()})
+        assert set(m["params"]) <= set(own)
 
 
 def test_order_naming_missing_client(tiny):

@@ -66,6 +66,56 @@ def test_every_round_system_grid_and_method_builds(system):
             C.round_config(cfg, system, method=str(m), seed=0, grid_name=str(name))
 
 
+def _group_files():
+    """(file, kind, the component it configures, its settings) for every conf/ group file with settings, and
+    the pretraining block (the sgd trainer's)."""
+    import yaml
+
+    for kind in ("trainer", "strategy", "aggregator", "method"):
+        for path in sorted((C.CONF_DIR / kind).glob("*.yaml")):
+            raw = yaml.safe_load(path.read_text())
+            yield path.name, kind, raw["name"], raw.get("params") or {}
+    for path in sorted((C.CONF_DIR / "privacy").glob("*.yaml")):
+        yield path.name, "privacy", None, {k: v for k, v in yaml.safe_load(path.read_text()).items() if k != "mode"}
+    pretrain = yaml.safe_load((C.CONF_DIR / "config.yaml").read_text())["pretrain"]
+    yield "config.yaml (pretrain)", "trainer", "sgd", {k: v for k, v in pretrain.items() if k != "rounds"}
+
+
+def test_every_library_default_is_written_once_on_its_class():
+    from flows.config.defaults import KINDS
+
+    # Prepare / Execute: each setting a group file writes as a value, against the library's default
+    repeated = [
+        f"{file}: {key}: {value!r}"
+        for file, kind, name, settings in _group_files()
+        for key, value in settings.items()
+        if not (isinstance(value, str) and value.startswith("${default:"))
+        and key in (defaults := KINDS[kind](name))
+        and value == defaults[key]
+        and isinstance(value, bool) == isinstance(defaults[key], bool)
+    ]
+
+    # Assert: a value is written only where it differs (a choice, with its reason beside it)
+    assert not repeated, "these repeat the library's default; write ${default:<kind>} instead: " + "; ".join(repeated)
+    cfg = C.compose(["trainer=proser"])
+    assert cfg.trainer.params.beta == 1.0 and cfg.trainer.params.importance == "dpi"  # named, and chosen
+    assert cfg.pretrain.lr == 0.05 and cfg.pretrain.rounds == 20
+
+
+def test_a_named_default_that_is_no_setting_is_refused_with_the_valid_ones():
+    from flows.config.defaults import library_default
+
+    cfg = OmegaConf.create(
+        {"trainer": {"name": "prox", "params": {"mu": "${default:trainer}", "muu": "${default:trainer}"}}}
+    )
+    assert cfg.trainer.params.mu == 0.01
+    with pytest.raises(Exception, match="trainer prox has no default for 'muu'; write a value. Its defaults are:.*mu"):
+        OmegaConf.resolve(cfg)
+    with pytest.raises(Exception, match="unknown kind 'trainr'; valid kinds are: trainer, strategy"):
+        OmegaConf.resolve(OmegaConf.create({"x": {"name": "sgd", "params": {"lr": "${default:trainr}"}}}))
+    assert library_default is not None
+
+
 def test_params_yaml_is_conf_composed():
     assert C.PARAMS.read_text() == render(), "params.yaml is stale: run `make params`"
 
@@ -124,6 +174,10 @@ def test_invalid_values_are_rejected(override, match):
         (["+adapt.pases=1"], r"adapt has no setting 'pases'; its settings are: passes, "),
         (["+flow.num_cpu=2"], r"flow has no setting 'num_cpu'.*num_cpus"),
         (["+seeed=1"], r"the root config has no setting 'seeed'"),
+        (["+model.nrm=group"], r"model has no setting 'nrm'; its settings are: name, norm"),
+        # a sweep-wide setting that no swept method (aggregator) has would reach no cell
+        (["+sweep.method_params.lrr=0.1"], r"sweep.method_params sets 'lrr', which no swept method .* has.*: adapt_"),
+        (["+sweep.aggregator_params.bta=0"], r"sweep.aggregator_params sets 'bta', which no swept aggregator"),
         # what would run nothing, or something else than asked
         (["sweep.methods=[]"], r"sweep.methods is empty, so the sweep would run nothing.*sweep.methods=\[tent,bpa\]"),
         (["fedpad.grids.quick.methods=[]"], r"fedpad grid 'quick': methods is empty"),
