@@ -69,6 +69,20 @@ def _resolve(target: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module), name)
 
 
+def stage_system(step: str) -> str | None:
+    """The system a step runs (its config block is the one checked), ``"arrivals"`` for the arrival
+    pipeline's steps, ``None`` for a step no system declares."""
+    if step in ARRIVAL_STEPS:
+        return "arrivals"
+    for system in systems.all_systems():
+        own = (
+            {str(system.partition_stage), system.name, f"rounds_{system.name}"} if system.engine == "rounds" else set()
+        )
+        if step in own or step in system.extra_steps:
+            return system.name
+    return None
+
+
 def stage_steps() -> Dict[str, Callable[[Any], Any]]:
     """Every step of the command line: the arrival pipeline's (the selected variant's), and for each registered
     round-based system ``<partition_stage>``, ``<name>`` (its grid) and ``rounds_<name>`` (one run), plus what
@@ -146,7 +160,7 @@ def main(argv=None) -> int:
 
     signals.install()
     try:
-        cfg = C.load(args.params, args.overrides)
+        cfg = C.load(args.params, args.overrides, system=stage_system(args.stage))  # that system's settings checked
         known[args.stage](cfg)
     except (ValueError, FileNotFoundError, CheckpointError, HydraException, OmegaConfBaseException) as exc:
         if not signals.STOP.is_set():

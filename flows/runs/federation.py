@@ -719,7 +719,7 @@ def audit(cfg: DictConfig) -> List[Dict[str, Any]]:
     from fedcore.privacy.audit import canary_audit
     from fedcore.tensors import to_tensor
 
-    a, dp = cfg.audit, C.privacy_form(cfg, "dp")
+    a, dp = cfg.dptta.audit, C.privacy_form(cfg, "dp")
     partition, spec, source = load_inputs(cfg)
     pool = to_tensor(partition.targets[int(a.client)].stream_x)
 
@@ -760,7 +760,9 @@ def audit(cfg: DictConfig) -> List[Dict[str, Any]]:
                 "source_model": source_model_path(cfg).name,
             }
         )
-        mlflow.log_params(tracking.flatten({"audit": C.to_dict(cfg)["audit"], "delta": dp["delta"], "clip_norm": clip}))
+        mlflow.log_params(
+            tracking.flatten({"audit": C.to_dict(cfg.dptta)["audit"], "delta": dp["delta"], "clip_norm": clip})
+        )
         for i, (form, pspec) in enumerate(settings):
             res = canary_audit(
                 build,

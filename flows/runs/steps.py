@@ -118,11 +118,9 @@ def audit(cfg) -> None:
             f"the canary audit runs on a DP-TTA variant's private model, not on variant {cfg.variant!r}; "
             f"add variant=<{'|'.join(sorted(cfg.dptta.variants))}> (conf/experiment/dptta.yaml)"
         )
-    from omegaconf import OmegaConf
-
     from flows.runs.federation import audit
 
-    rows = audit(OmegaConf.merge({"audit": cfg.dptta.audit}, cfg))  # flows.runs.federation.audit reads cfg.audit
+    rows = audit(cfg)
     out = C.resolve_path(cfg.paths.results)
     out.mkdir(parents=True, exist_ok=True)
     (out / "audit.json").write_text(json.dumps(rows, indent=1) + "\n")

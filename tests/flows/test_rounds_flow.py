@@ -82,6 +82,19 @@ def test_missing_partition_names_the_stage_that_builds_it(tmp_path, capsys):
     assert "dvc repro partition_domains@digits" in err
 
 
+def test_a_stage_checks_the_settings_of_the_system_it_runs_and_no_other(tmp_path, capsys):
+    from flows.stages import main
+
+    # Execute: the same impossible FedPD++ setting, given to a FedPD++ stage and to a FedPAD stage
+    bad = ["fedpd.grids.quick.participation=0", f"paths.domains={tmp_path}/none"]
+    fedpd, fedpd_err = main(["fedpd", *bad]), capsys.readouterr().err
+    fedpad, fedpad_err = main(["fedpad", *bad]), capsys.readouterr().err
+
+    # Assert: refused where it would run; the FedPAD stage goes on to its own inputs (missing here)
+    assert fedpd == 2 and "participation must be in (0, 1], got 0.0" in fedpd_err
+    assert fedpad == 2 and "participation" not in fedpad_err and "dvc repro partition_domains@quick" in fedpad_err
+
+
 def test_unknown_grid_and_method_are_refused_with_the_valid_names():
     with pytest.raises(ValueError, match="unknown fedpad grid 'digit'; valid names are:.*digits"):
         C.grid(C.compose([]), "fedpad", "digit")

@@ -51,6 +51,17 @@ def test_bad_cells_name_the_fix(cfg):
         S.run_cell(cfg)
 
 
+def test_a_cell_under_another_protocols_variant_is_refused_not_mixed():
+    # Prepare: the CIFAR-10 variant selected, then an MNIST stress cell asked for
+    cifar = C.compose(["variant=cifar10"])
+
+    # Execute / Assert: refused (laying mnist over it would keep cifar10's data and model in mnist's folder)
+    with pytest.raises(ValueError, match="the bpfedctta stress cells run on variant 'mnist'.*drop variant=cifar10"):
+        S.cell_config(cifar, "lr1e-1-p3")
+    # ...while the root variant, whose overlay sets nothing, still takes any protocol's
+    assert S.cell_config(C.compose([]), "lr1e-1-p3").variant == "mnist"
+
+
 def _write_cell(folder, gaps):
     """A fake cell: bpa+ugsa beats tent+sequential by ``gaps[seed]`` on final hold-out accuracy."""
     summary = {}
