@@ -13,7 +13,7 @@ from flows.config.compose import ROOT
 
 # What the stages import or DVC hashes. Copied, not linked: DVC hashes a dependency's content, and a
 # stage run in the copy must import the copy's code (python -m puts the working directory first).
-CODE = ("fedcore", "flows", "conf")
+CODE = ("fedcore", "flows", "conf", "hydra_plugins")
 GITIGNORE = "__pycache__/\n*.pyc\n/mlruns.db\n/mlruns.db-wal\n/mlruns.db-shm\n/mlartifacts/\n/checkpoints/\n"
 DVC_CONFIG = "[core]\n    autostage = false\n    analytics = false\n[hydra]\n    enabled = true\n"
 

@@ -305,6 +305,14 @@ def arrival_run(cfg: DictConfig) -> Dict[str, Any]:
     return {k: v for k, v in to_dict(cfg).items() if k not in drop}
 
 
+def from_run(config: Dict[str, Any]) -> DictConfig:
+    """The config a flow was given (:func:`arrival_run`, :func:`round_run`), with the plug-ins it names imported
+    (their systems, strategies and trainers), as the flow reads it."""
+    cfg = OmegaConf.create(config)
+    systems.load_plugins(cfg.get("plugins") or [])
+    return cfg
+
+
 RUN_BLOCKS = ("seed", "device", "flow", "paths", "plugins")  # what every run reads beside its system's block
 
 
@@ -324,8 +332,8 @@ def validate(cfg: DictConfig, system: str | None = None) -> None:
     the block of the ``system`` a stage runs (``"arrivals"``: the arrival pipeline, whose variants belong to
     every arrival-engine system). The blocks every run reads (device, flow, model, data) are always checked."""
     arrivals = system is None or system not in round_systems()  # the arrival pipeline, or a variant system's step
-    for s in systems.all_systems():
-        if s.name in cfg and (system is None or s.name == system or (arrivals and s.engine == "arrivals")):
+    for s in systems.all_systems():  # every block's keys, so that a misspelling is refused whichever stage runs
+        if s.name in cfg:
             schema.check(cfg[s.name], s.schema(), s.name)
     _validate_run(cfg)
     for s in round_systems():
@@ -335,6 +343,8 @@ def validate(cfg: DictConfig, system: str | None = None) -> None:
         validate_variants(cfg)
     if arrivals and "dptta" in cfg and "audit" in cfg.dptta:
         validate_audit(cfg)  # once: _validate_run, above, runs again for every variant
+    if arrivals:
+        _check_sweep_settings(cfg)  # after the variants' own checks: it reads each variant's run
 
 
 def _validate_run(cfg: DictConfig) -> None:
@@ -378,9 +388,7 @@ def _validate_run(cfg: DictConfig) -> None:
         )
     forms = list(cfg.sweep.get("privacy", None) or []) if "sweep" in cfg else []
     check_forms(cfg, forms)  # a bad sweep form fails here, before any stage starts work
-    if "sweep" in cfg:
-        _check_sweep_settings(cfg)
-    runs = cfg.flow.get("arrival_runs", "at_end") if "flow" in cfg else "at_end"
+    runs = cfg.flow.arrival_runs
     if runs not in ARRIVAL_RUNS:
         raise ValueError(
             f"flow.arrival_runs={runs!r}; valid values are: {', '.join(ARRIVAL_RUNS)} (when each "
@@ -542,19 +550,26 @@ def _form_name(privacy: DictConfig) -> str:
 
 
 def _check_sweep_settings(cfg: DictConfig) -> None:
-    """``sweep.method_params`` (``aggregator_params``) sets only settings some swept method (aggregator) has:
-    one that none has would reach no cell, so it is a misspelling."""
-    for key, group, names in (
-        ("method_params", "method", cfg.sweep.methods),
-        ("aggregator_params", "aggregator", cfg.sweep.aggregators),
+    """``sweep.method_params`` (``aggregator_params``) sets only settings that some method (aggregator) it
+    reaches has: one swept by the root or a variant, or the one configured for a single run. A setting none
+    of them has would reach no run, so it is a misspelling."""
+    if "sweep" not in cfg:
+        return
+    views = [cfg, *(run_view(cfg, v) for v in variants(cfg))]
+    for key, group, listed in (
+        ("method_params", "method", "methods"),
+        ("aggregator_params", "aggregator", "aggregators"),
     ):
         shared = cfg.sweep.get(key, None) or {}
-        have = {str(k) for n in names for k in (_group(group, str(n)).get("params") or {})}
+        if not shared:
+            continue
+        names = sorted({str(n) for view in views for n in [*view.sweep[listed], view[group].name]})
+        have = {str(k) for n in names for k in (_group(group, n).get("params") or {})}
         unknown = sorted(set(map(str, shared)) - have)
         if unknown:
             raise ValueError(
-                f"sweep.{key} sets {', '.join(map(repr, unknown))}, which no swept {group} "
-                f"({', '.join(map(str, names))}) has, so it would reach no cell; their settings are: "
+                f"sweep.{key} sets {', '.join(map(repr, unknown))}, which no {group} it reaches "
+                f"({', '.join(names)}) has, so it would change no run; their settings are: "
                 f"{', '.join(sorted(have)) or '(none)'}"
             )
 
@@ -595,7 +610,7 @@ def arrival_config(
         seed=int(cfg.seed if seed is None else seed),
         device=str(cfg.device),
         privacy=privacy_form(cfg, form),
-        stream=str(a.get("stream", "shuffled")),
+        stream=str(a.stream),
     )
 
 

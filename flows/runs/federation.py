@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 import mlflow
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import as_completed
@@ -99,7 +99,7 @@ def source_pretraining(config: Dict[str, Any], written: Dict[str, str] | None = 
     ``config``: the resolved config it reads (:func:`flows.config.compose.arrival_run`)."""
     from flows.runs.rounds import round_submit
 
-    cfg = OmegaConf.create(config)
+    cfg = C.from_run(config)
     logger = get_run_logger()
     partition = load_partition(cfg, written=written)
     run_name = _pretrain_run_name(cfg)
@@ -127,8 +127,8 @@ def source_pretraining(config: Dict[str, Any], written: Dict[str, str] | None = 
                 "stage": "pretrain",
             }
         )
-        # the sweep's grid is not this run's settings (nor, left out of config, the systems' own blocks)
-        mlflow.log_params(tracking.flatten({k: v for k, v in config.items() if k != "sweep"}))
+        # this run's settings: not the sweep's grid, nor the variants' definitions (the chosen one is laid over)
+        mlflow.log_params(tracking.flatten({k: v for k, v in config.items() if k not in ("sweep", *C.not_arrival())}))
         log = tracking.BackgroundRoundLog()  # MLflow writes overlap the next round
 
         def on_round(record, state):
@@ -241,7 +241,7 @@ def _log_experiment(
                 run_id=mlflow.active_run().info.run_id,
                 summary=summary_metrics(res.summary),
                 metric=metric,
-                aliases=list(cfg.flow.get("aliases") or []),
+                aliases=list(cfg.flow.aliases),
                 description=model_registry.describe(
                     f"{acfg.method}+{acfg.aggregator} ({acfg.form}), seed {acfg.seed}, on {cfg.data.name}",
                     summary_metrics(res.summary),
@@ -529,7 +529,7 @@ def sequential_arrival(config: Dict[str, Any]) -> ArrivalsResult:
     """One experiment's arrivals, a pass over the clients per Prefect task; each arrival checkpointed and
     logged to MLflow as it comes back. ``config``: the resolved config it reads
     (:func:`flows.config.compose.arrival_run`)."""
-    cfg = OmegaConf.create(config)
+    cfg = C.from_run(config)
     partition, spec, source = load_inputs(cfg)
     acfg = C.arrival_config(cfg)
     ckpt = ckpt_dir(cfg, cell_name(acfg))
@@ -590,7 +590,7 @@ def sequential_arrival(config: Dict[str, Any]) -> ArrivalsResult:
         passes.on_arrival = on_arrival
         with _start_experiment_run(cfg, acfg, spec, checkpoint_dir=ckpt):
             # each arrival's numbers reach the run's charts as it comes back, beside the worker's next
-            log = tracking.BackgroundArrivalLog(runs_at_end=cfg.flow.get("arrival_runs", "at_end") == "at_end")
+            log = tracking.BackgroundArrivalLog(runs_at_end=cfg.flow.arrival_runs == "at_end")
             try:
                 task = arrival_pass_task.with_options(
                     retries=int(cfg.flow.retries), retry_delay_seconds=float(cfg.flow.retry_delay_seconds)
@@ -640,7 +640,7 @@ def sweep_flow(config: Dict[str, Any], written: Dict[str, str] | None = None) ->
     """Every cell of ``sweep`` (methods x aggregators x privacy forms x seeds) as a task on a Ray worker, each
     logged to MLflow as it ends; returns the cells' summaries in grid order. ``config``: the resolved config
     it reads (:func:`flows.config.compose.arrival_run`)."""
-    cfg = OmegaConf.create(config)
+    cfg = C.from_run(config)
     partition, spec, _ = load_inputs(cfg, written=written)
     logger = get_run_logger()
     tracking.setup(C.tracking_uri(cfg), cfg.flow.experiment)

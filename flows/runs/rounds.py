@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
 import mlflow
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from prefect import flow, get_run_logger
 from prefect.futures import as_completed
 
@@ -222,7 +222,7 @@ def grid_flow(
     """Every (method, seed) cell of ``grid`` as a task on a Ray worker; each cell logged to MLflow as it ends,
     then the grid's report. ``config``: the resolved config the cells run on (:func:`flows.config.compose.round_run`).
     Returns the rows in cell order."""
-    cfg = OmegaConf.create(config)
+    cfg = C.from_run(config)
     logger = get_run_logger()
     tracking.setup(C.tracking_uri(cfg), f"fedcore-{system}")
     g = C.grid(cfg, system, grid)
@@ -353,7 +353,7 @@ def _register(cfg: DictConfig, system: str, grid_name: str, cell: Mapping[str, A
         run_id=mlflow.active_run().info.run_id,
         summary=res.summary,
         metric=metric,
-        aliases=list(cfg.flow.get("aliases") or []),
+        aliases=list(cfg.flow.aliases),
         description=model_registry.describe(
             f"{cell['method']}, seed {cell['seed']}, {system} grid {grid_name}", res.summary, metric
         ),
@@ -404,7 +404,7 @@ def rounds_flow(config: Dict[str, Any], system: str, grid: str) -> RoundsResult:
     """One run of the ``trainer`` and ``strategy`` groups on ``grid``'s data: a Prefect task per round whose
     clients run as Ray tasks, each round logged to MLflow as it ends. ``config``: the resolved config the run
     reads (:func:`flows.config.compose.round_run` with ``single``)."""
-    cfg = OmegaConf.create(config)
+    cfg = C.from_run(config)
     logger = get_run_logger()
     tracking.setup(C.tracking_uri(cfg), f"fedcore-{system}")
     part = load_domain_partition(cfg, system, grid)

@@ -120,7 +120,7 @@ def cell_config(cfg: DictConfig, cell: str, name: str = "bpfedctta") -> DictConf
         raise ValueError(f"stress cell {cell!r} sets {unknown}; a cell may set: {', '.join(schema.STRESS_CELL)}")
     chosen = str(cfg.get("variant", proto.variant))
     overlay = cfg[C.variant_system(cfg, chosen)].variants[chosen]
-    if chosen != proto.variant and any(OmegaConf.to_container(block) for block in overlay.values()):
+    if chosen != proto.variant and any((OmegaConf.to_container(overlay) or {}).values()):
         # its settings are already laid over cfg: the protocol's variant on top would keep some of them
         raise ValueError(
             f"variant={chosen}: the {name} stress cells run on variant {proto.variant!r} (its inputs and its "

@@ -54,9 +54,9 @@ def model_name(cfg: DictConfig, default: str | None = None) -> str | None:
 
     An empty name, or ``flow.register=none``, means nothing is registered.
     """
-    if str(cfg.flow.get("register", "configured")) == "none":
+    if str(cfg.flow.register) == "none":
         return None
-    name = cfg.flow.get("register_model")
+    name = cfg.flow.register_model
     if name is not None:
         return str(name) or None
     if default is not None:
@@ -66,13 +66,13 @@ def model_name(cfg: DictConfig, default: str | None = None) -> str | None:
 
 def check(cfg: DictConfig) -> None:
     """Fail before any work on a registry setting that cannot work."""
-    check_choice("flow.register", str(cfg.flow.get("register", "configured")), REGISTER_CHOICES)
-    check_choice("flow.champion_metric", str(cfg.flow.get("champion_metric", CHAMPION_METRICS[0])), CHAMPION_METRICS)
+    check_choice("flow.register", str(cfg.flow.register), REGISTER_CHOICES)
+    check_choice("flow.champion_metric", str(cfg.flow.champion_metric), CHAMPION_METRICS)
 
 
 def wanted(cfg: DictConfig, cell: tuple, configured: tuple) -> bool:
     """Whether a cell becomes a version: every cell (``all``), or the configured one (``configured``)."""
-    mode = str(cfg.flow.get("register", "configured"))
+    mode = str(cfg.flow.register)
     return mode == "all" or (mode == "configured" and tuple(cell) == tuple(configured))
 
 

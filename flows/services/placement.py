@@ -25,6 +25,6 @@ def faults(cfg: DictConfig, folder: Path) -> Dict[str, Any]:
     out = {}
     if cfg.flow.inject_fault is not None:
         out["fault"] = (int(cfg.flow.inject_fault), folder)
-    if cfg.flow.get("inject_crash") is not None:
+    if cfg.flow.inject_crash is not None:
         out["crash"] = (int(cfg.flow.inject_crash), folder)
     return out

@@ -116,6 +116,27 @@ def test_a_named_default_that_is_no_setting_is_refused_with_the_valid_ones():
     assert library_default is not None
 
 
+def test_dvc_composes_conf_with_the_library_defaults_in_its_own_process(tmp_path):
+    """`dvc exp run -S` writes params.yaml from its own composition of conf/, in a process that never imports
+    fedcore's config code: the ``${default:...}`` resolver reaches it through hydra_plugins/."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    # Execute: DVC's composition, as `dvc exp run -S adapt.passes=1` runs it, in a fresh interpreter
+    out = tmp_path / "params.yaml"
+    code = (
+        "from dvc.utils.hydra import compose_and_dump; "
+        f"compose_and_dump({str(out)!r}, {str(C.CONF_DIR)!r}, None, 'config', {str(C.ROOT)!r}, ['adapt.passes=1'])"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True, timeout=120)
+
+    # Assert: what ours composes, value for value
+    ours = C.to_dict(C.compose(["adapt.passes=1"], lay_variant=False))
+    assert yaml.safe_load(out.read_text()) == ours
+
+
 def test_params_yaml_is_conf_composed():
     assert C.PARAMS.read_text() == render(), "params.yaml is stale: run `make params`"
 
@@ -176,8 +197,11 @@ def test_invalid_values_are_rejected(override, match):
         (["+seeed=1"], r"the root config has no setting 'seeed'"),
         (["+model.nrm=group"], r"model has no setting 'nrm'; its settings are: name, norm"),
         # a sweep-wide setting that no swept method (aggregator) has would reach no cell
-        (["+sweep.method_params.lrr=0.1"], r"sweep.method_params sets 'lrr', which no swept method .* has.*: adapt_"),
-        (["+sweep.aggregator_params.bta=0"], r"sweep.aggregator_params sets 'bta', which no swept aggregator"),
+        (
+            ["+sweep.method_params.lrr=0.1"],
+            r"sweep.method_params sets .lrr., which no method it reaches .* has.*: adapt_",
+        ),
+        (["+sweep.aggregator_params.bta=0"], r"sweep.aggregator_params sets .bta., which no aggregator it reaches"),
         # what would run nothing, or something else than asked
         (["sweep.methods=[]"], r"sweep.methods is empty, so the sweep would run nothing.*sweep.methods=\[tent,bpa\]"),
         (["fedpad.grids.quick.methods=[]"], r"fedpad grid 'quick': methods is empty"),
