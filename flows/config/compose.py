@@ -72,15 +72,38 @@ def _hydra(overrides: List[str]) -> DictConfig:
     if key not in _COMPOSED:
         from hydra import compose as hydra_compose
         from hydra import initialize_config_dir
+        from hydra.errors import ConfigCompositionException
 
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            composed = hydra_compose(config_name="config", overrides=list(overrides))
+        try:
+            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+                composed = hydra_compose(config_name="config", overrides=list(overrides))
+        except ConfigCompositionException as exc:
+            raise _unknown_key(exc, overrides) from None
         OmegaConf.resolve(composed)  # ${default:...} becomes the library's value (flows/config/defaults.py)
         _COMPOSED[key] = composed
         while len(_COMPOSED) > _COMPOSED_KEEP:
             _COMPOSED.popitem(last=False)
     _COMPOSED.move_to_end(key)
     return copy.deepcopy(_COMPOSED[key])
+
+
+def _unknown_key(exc: Exception, overrides: List[str]) -> Exception:
+    """Hydra's "Could not override 'a.b'" for a key conf/ does not have, said as every other misspelling is:
+    the valid settings where the key was meant to go (Hydra's own hint, ``+a.b=...``, adds the misspelt key)."""
+    found = re.match(r"Could not override '([^']+)'", str(exc))
+    if not found:
+        return exc
+    key = found.group(1)
+    parent, _, leaf = key.rpartition(".")
+    rest = [o for o in overrides if _override_key(o) != key]
+    try:
+        node = OmegaConf.select(_hydra(rest), parent) if parent else _hydra(rest)
+    except Exception:  # the others do not compose either: Hydra's message stands
+        return exc
+    if not isinstance(node, DictConfig):
+        return exc
+    where = parent or "the root config"
+    return ValueError(f"{key}: {where} has no setting {leaf!r}; its settings are: {', '.join(map(str, node))}")
 
 
 def load(

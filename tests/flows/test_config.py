@@ -193,6 +193,8 @@ def test_invalid_values_are_rejected(override, match):
         (["fedpd.grids.quick.known=abc"], r"fedpd.grids.quick.known takes a number"),
         # a key added to a block that lists all its settings is a misspelling (Hydra's `+` hint leads there)
         (["+adapt.pases=1"], r"adapt has no setting 'pases'; its settings are: passes, "),
+        (["adapt.pases=1"], r"adapt.pases: adapt has no setting 'pases'; its settings are: passes, "),  # no +: Hydra's
+        (["method.params.lrr=1"], r"method.params has no setting 'lrr'; its settings are: optimizer, lr, "),
         (["+flow.num_cpu=2"], r"flow has no setting 'num_cpu'.*num_cpus"),
         (["+seeed=1"], r"the root config has no setting 'seeed'"),
         (["+model.nrm=group"], r"model has no setting 'nrm'; its settings are: name, norm"),
