@@ -117,12 +117,3 @@ def plugin_sandbox(monkeypatch):
     monkeypatch.delitem(sys.modules, PLUGIN, raising=False)
     yield PLUGIN
     sys.modules.pop(PLUGIN, None)
-
-
-def pytest_collection_modifyitems(config, items):
-    """The modules that hold slow end-to-end runs first, each kept whole (its fixtures are built once), then the
-    rest in their usual order: the two workers of `make test` end on short tests, instead of one waiting idle
-    while the other finishes a run of a minute or two."""
-    slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
-    position = {item.nodeid: i for i, item in enumerate(items)}
-    items.sort(key=lambda item: (item.nodeid.split("::")[0] not in slow, position[item.nodeid]))
