@@ -578,7 +578,7 @@ def _check_sweep_settings(cfg: DictConfig) -> None:
     of them has would reach no run, so it is a misspelling."""
     if "sweep" not in cfg:
         return
-    views = [cfg, *(run_view(cfg, v) for v in variants(cfg))]
+    views: List[DictConfig] = []
     for key, group, listed in (
         ("method_params", "method", "methods"),
         ("aggregator_params", "aggregator", "aggregators"),
@@ -586,6 +586,7 @@ def _check_sweep_settings(cfg: DictConfig) -> None:
         shared = cfg.sweep.get(key, None) or {}
         if not shared:
             continue
+        views = views or [cfg, *(run_view(cfg, v) for v in variants(cfg))]
         names = sorted({str(n) for view in views for n in [*view.sweep[listed], view[group].name]})
         have = {str(k) for n in names for k in (_group(group, n).get("params") or {})}
         unknown = sorted(set(map(str, shared)) - have)
