@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Tuple
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -49,8 +49,7 @@ def run_cell_task(
     the paths and the flow settings. ``written``: md5s of inputs the calling flow wrote itself
     (:func:`flows.services.integrity.record`).
     """
-    cfg = OmegaConf.create(cfg_dict)
-    systems.load_plugins(cfg.get("plugins"))  # a plug-in's method or aggregator, in this worker too
+    cfg = C.from_run(cfg_dict)  # with its plug-ins' methods and aggregators, in this worker too
     partition, spec, source = load_inputs(cfg, written=written)
     ckpt = ckpt_dir(cfg, cell_name(acfg))
     before = _stamps(ckpt)
@@ -185,8 +184,7 @@ def run_round_cell_task(
     ``rcfg``: the cell's settings as the flow built them (``method`` is its name in the grid; the seed is
     ``rcfg.seed``); ``cfg_dict``: the resolved config, for the partition, the paths and the flow settings."""
     torch.set_num_threads(1)  # cells run side by side, one per CPU
-    cfg = OmegaConf.create(cfg_dict)
-    systems.load_plugins(cfg.get("plugins"))  # a plug-in's system, strategy or trainer, in this worker too
+    cfg = C.from_run(cfg_dict)  # with its plug-ins' systems, strategies and trainers, in this worker too
     seed = rcfg.seed
     part = load_domain_partition(cfg, system, grid_name, written=written)
     data, spec, evaluate = round_inputs(cfg, system, grid_name, part, rcfg, method=method)
