@@ -7,8 +7,13 @@ Settings, each switchable for the paper's ablations:
 * ``align``: ``sinkhorn`` (entropic OT), ``hungarian`` (exact assignment), ``none``;
 * ``part_cost``: how a part's units are compared: ``weighted`` (on the coordinates both parts
   hold) or ``masked`` (the masked weights, the literal Eq. 19–21; see :func:`~fedcore.openset.align.align_chain`);
-* ``sba``: add the distance between the clients' BatchNorm-statistics histories to each BatchNorm
-  layer's cost, with ``sba_weight`` (see :func:`~fedcore.openset.sba.bank_cost` for why added);
+* ``sba``: use the clients' BatchNorm-statistics histories in each BatchNorm layer's matching;
+  ``sba_mode``: ``added`` (their distance is added to the weights' cost, with ``sba_weight``) or
+  ``compose`` (§4.3's order: reorder by history, then match the reordered weights);
+* ``part_transport``: ``own`` (each part its own chain of transports, Eq. 19–21) or ``whole`` (every
+  part follows the whole-model transport, so a fused unit never mixes parts of different source units);
+* ``hard``: round Sinkhorn's plan to a permutation, so alignment only reorders units (Hungarian's
+  always does); ``cost_dtype``: the cost matrices' precision (``float64``, or ``float32``: half the time);
 * ``reg``, ``max_iter``, ``tol``: Sinkhorn's relative entropy, iteration cap and stopping tolerance
   on the marginals (1e-6; 1e-3 halves the three parts' alignment time on a ResNet-18, ``benchmarks/fedpd_align.py``);
 * ``quality``: also solve every layer exactly, to log Sinkhorn's cost over Hungarian's (slower);
@@ -28,8 +33,8 @@ import torch
 
 from fedcore.aggregate.base import STRATEGIES, Aggregated, Strategy, Updates
 from fedcore.aggregate.functions import State
-from fedcore.openset.align import ALIGN_METHODS, PART_COSTS, layer_plan
-from fedcore.openset.gdca import fuse
+from fedcore.openset.align import ALIGN_METHODS, COST_DTYPES, PART_COSTS, SBA_MODES, layer_plan
+from fedcore.openset.gdca import PART_TRANSPORTS, fuse
 from fedcore.openset.masks import PART_MODES, split_parts
 from fedcore.registry import check_choice
 
@@ -50,6 +55,10 @@ class FedPD(Strategy):
         part_cost: str = "weighted",
         sba: bool = True,
         sba_weight: float = 1.0,
+        sba_mode: str = "added",
+        part_transport: str = "own",
+        hard: bool = False,
+        cost_dtype: str = "float64",
         reg: float = 0.05,
         max_iter: int = 200,
         tol: float = 1e-6,
@@ -64,6 +73,9 @@ class FedPD(Strategy):
             ("reference", reference, REFERENCES),
             ("client_weights", client_weights, CLIENT_WEIGHTS),
             ("part_cost", part_cost, PART_COSTS),
+            ("sba_mode", sba_mode, SBA_MODES),
+            ("part_transport", part_transport, PART_TRANSPORTS),
+            ("cost_dtype", cost_dtype, tuple(COST_DTYPES)),
         ):
             check_choice(what, value, choices)
         if reg <= 0 or max_iter < 1 or sba_window < 1 or sba_weight < 0 or not 0 < tol < 5e-2:
@@ -78,6 +90,12 @@ class FedPD(Strategy):
             part_cost,
             float(sba_weight),
             float(tol),
+        )
+        self.sba_mode, self.part_transport, self.hard, self.cost_dtype = (
+            sba_mode,
+            part_transport,
+            bool(hard),
+            cost_dtype,
         )
 
     def bind_model(self, model: torch.nn.Module) -> None:
@@ -110,6 +128,10 @@ class FedPD(Strategy):
             tol=self.tol,
             part_cost=self.part_cost,
             sba_weight=self.sba_weight,
+            sba_mode=self.sba_mode,
+            part_transport=self.part_transport,
+            hard=self.hard,
+            cost_dtype=self.cost_dtype,
             banks=[self.bank.get(i) for i in ids] if self.sba and self.align != "none" else None,
             quality=self.quality and self.align == "sinkhorn",
             names=ids,

@@ -19,8 +19,10 @@ import torch
 
 from fedcore.openset.align import Layer, align_chain, apply_chain, identity_chain
 from fedcore.openset.sba import sba_costs
+from fedcore.registry import check_choice
 
 State = Dict[str, torch.Tensor]
+PART_TRANSPORTS = ("own", "whole")
 
 
 @dataclass
@@ -44,6 +46,10 @@ def fuse(
     part_cost: str = "weighted",
     banks: Optional[Sequence[Optional[Mapping[str, torch.Tensor]]]] = None,
     sba_weight: float = 1.0,
+    sba_mode: str = "added",
+    part_transport: str = "own",
+    hard: bool = False,
+    cost_dtype: str = "float64",
     quality: bool = False,
     names: Optional[Sequence[int]] = None,
 ) -> Fused:
@@ -63,6 +69,11 @@ def fuse(
     banks:
         Per client, ``{"rounds": (t,), layer name: (t, C) BatchNorm running means}`` (SBA,
         :func:`~fedcore.openset.sba.sba_costs`), or ``None`` for a client with none yet; ``None`` turns SBA off.
+    sba_mode, hard, cost_dtype:
+        As :func:`fedcore.openset.align.align_chain` takes them.
+    part_transport:
+        ``own``: each part is aligned with its own chain (Eq. 19–21); ``whole``: every part follows the
+        whole-model transport, so each unit of the fused model comes whole from one unit of each client.
     names:
         Client ids for ``per_client`` (default: positions).
     """
@@ -70,7 +81,12 @@ def fuse(
         raise ValueError("fuse needs at least one client model")
     if not len(states) == len(weights) == len(parts):
         raise ValueError("states, weights and parts need one entry per client")
+    check_choice("part_transport", part_transport, PART_TRANSPORTS)
     names = list(range(len(states))) if names is None else list(names)
+    settings: Dict[str, Any] = dict(
+        method=method, reg=reg, max_iter=max_iter, tol=tol, hard=hard, cost_dtype=cost_dtype
+    )
+    ref_units: Dict[str, torch.Tensor] = {}  # the reference's unit rows, built once for every client's chain
     param_keys = list(next(iter(parts[0].values())).keys())
     others = [k for k in states[0] if k not in param_keys]
     total = float(sum(weights))
@@ -91,35 +107,32 @@ def fuse(
             chains = {p: whole for p in cut}
         else:
             sba: Dict[str, Any] = (
-                dict(bank_costs=sba_costs(banks[k], banks[ref], plan), sba_weight=sba_weight) if banks else {}
+                dict(bank_costs=sba_costs(banks[k], banks[ref], plan), sba_weight=sba_weight, sba_mode=sba_mode)
+                if banks
+                else {}
             )
             whole = align_chain(
                 state,
                 states[ref],
                 plan,
-                method=method,
-                reg=reg,
-                max_iter=max_iter,
-                tol=tol,
                 quality=quality,
                 where=f"client {names[k]}",
+                ref_units=ref_units,
+                **settings,
                 **sba,
             )
             chains = {
                 p: whole
-                if p in ("rest", "whole")
+                if p in ("rest", "whole") or part_transport == "whole"
                 else align_chain(
                     state,
                     states[ref],
                     plan,
-                    method=method,
-                    reg=reg,
-                    max_iter=max_iter,
-                    tol=tol,
                     mask=cut[p],
                     ref_mask=parts[ref][p],
                     part_cost=part_cost,
                     where=f"client {names[k]} {p}",
+                    **settings,
                     **sba,
                 )
                 for p in cut

@@ -15,9 +15,17 @@ from fedcore.engine import RoundConfig, RoundData, run_rounds
 from fedcore.engine.checkpoint import RunInterrupted
 from fedcore.engine.spec import ModelSpec
 from fedcore.models import create_model, mix_split
-from fedcore.openset.align import align_chain, apply_chain, layer_plan, shuffled_chain, transport
+from fedcore.openset.align import (
+    align_chain,
+    apply_chain,
+    layer_plan,
+    permutation_source,
+    shuffled_chain,
+    transport,
+)
 from fedcore.openset.gdca import fuse
 from fedcore.openset.masks import delta_soft, make_mask, masks_from_scores, normalise, split_parts
+from fedcore.openset.sba import sba_costs
 from fedcore.train import ClientUpdate, create_trainer
 
 
@@ -385,6 +393,175 @@ def test_sba_history_changes_the_match_where_the_weights_cannot_tell():
     sba = transport(a, a, method="hungarian", extra=bank_cost(bank_a, bank_b))
     assert torch.equal(plain.P, torch.eye(3, dtype=torch.float64))
     assert torch.equal(sba.P, torch.tensor([[0.0, 1, 0], [1, 0, 0], [0, 0, 1]], dtype=torch.float64))
+
+
+HARD = dict(method="hungarian", hard=True, cost_dtype="float32", sba_mode="compose")  # hard alignment
+
+
+def _banks(n_clients, plan, seed=0, rounds=4):
+    """Random BatchNorm histories per client, as SBA's bank keeps them: statistics say nothing about units."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        {"rounds": torch.arange(rounds)}
+        | {layer.name: torch.randn(rounds, layer.out, generator=g) for layer in plan if len(layer.bn) > 2}
+        for _ in range(n_clients)
+    ]
+
+
+def test_a_permutation_is_applied_as_a_gather_bit_for_bit_equal_to_the_product():
+    a = lenet(name="resnet20")
+    plan = layer_plan(a)
+    chain = shuffled_chain(plan, torch.Generator().manual_seed(5))
+    state = {k: v.double() if v.is_floating_point() else v for k, v in a.state_dict().items()}
+    fast = apply_chain(state, plan, chain)
+    for layer, P in zip(plan, chain.P):  # the dense product, written out
+        w = state[layer.weight]
+        if layer.src is not None and chain.P[layer.src] is not None:
+            Q = chain.P[layer.src].double()
+            w = torch.einsum("oikl,ij->ojkl", w, Q) if w.dim() == 4 else w @ Q
+        if P is not None:
+            w = (P.double().t() @ w.reshape(layer.out, -1)).reshape(w.shape)
+            for key in ((layer.bias,) if layer.bias else ()) + layer.bn:
+                assert torch.equal(fast[key], P.double().t() @ state[key]), key
+        assert torch.equal(fast[layer.weight], w), layer.name
+    assert permutation_source(torch.full((3, 3), 1 / 3)) is None  # a soft plan is multiplied, not gathered
+
+
+@pytest.mark.parametrize("name", ["lenet", "resnet20"])
+def test_a_shuffled_trained_model_is_aligned_back_to_bit_identical_outputs(name):
+    # Prepare: a model trained a few steps, and a copy of it with every hidden layer's units shuffled
+    torch.manual_seed(0)
+    model = lenet(name=name).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(32, 1, 28, 28), torch.randint(0, 7, (32,))
+    for _ in range(5):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    model.eval()
+    shuffled, _ = permuted(model, seed=11)
+    plan = layer_plan(model)
+    held_out = torch.randn(8, 1, 28, 28)
+    build = lambda: create_model(name, in_channels=1, num_classes=7)  # noqa: E731
+
+    # Execute: align the shuffled copy to the original with the hard settings
+    chain = align_chain(shuffled, model.state_dict(), plan, **HARD)
+    back = apply_chain(shuffled, plan, chain)
+
+    # Assert: the original weights and outputs, bit for bit
+    for k, v in model.state_dict().items():
+        assert torch.equal(back[k], v), k
+    assert torch.equal(outputs(build, back, held_out), model(held_out))
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [HARD, dict(HARD, method="sinkhorn", reg=0.05), dict(HARD, sba_mode="added")],
+    ids=["hungarian", "sinkhorn-rounded", "sba-added"],
+)
+def test_hard_alignment_never_blends_units(settings):
+    # Prepare: noisy, shuffled clients and histories that disagree with the weights
+    base, states, parts = _clients(n=4, seed=2)
+    plan = layer_plan(base)
+    states = [states[0]] + [
+        apply_chain(s, plan, shuffled_chain(plan, torch.Generator().manual_seed(k))) for k, s in enumerate(states[1:])
+    ]
+    banks = _banks(4, plan)
+    soft = {k: v for k, v in settings.items() if k not in ("hard", "sba_mode", "cost_dtype")}
+
+    # Execute
+    hard_chains = [
+        align_chain(s, states[0], plan, bank_costs=sba_costs(b, banks[0], plan), **settings)
+        for s, b in zip(states[1:], banks[1:])
+    ]
+    soft_chain = align_chain(states[1], states[0], plan, **dict(soft, method="sinkhorn", reg=0.5))
+
+    # Assert: every transport of every chain is a permutation, and the fused model's units are whole units
+    for chain in hard_chains:
+        for layer, P in zip(plan, chain.P):
+            assert layer.last or permutation_source(P) is not None, layer.name
+    assert any(P is not None and permutation_source(P) is None for P in soft_chain.P)  # what hard prevents
+
+
+def test_identical_clients_give_the_identity_and_the_plain_average():
+    # Prepare: three copies of one model with their own masks and their own BatchNorm histories
+    base, states, parts = _clients(n=3, seed=4)
+    plan = layer_plan(base)
+    same = [states[0]] * 3
+    w = [10.0, 20.0, 30.0]
+
+    # Execute
+    for part_transport in ("whole", "own"):
+        fused = fuse(
+            same, w, plan=plan, parts=parts, ref=0, banks=_banks(3, plan, seed=1), part_transport=part_transport, **HARD
+        )
+        for k, v in states[0].items():
+            if v.is_floating_point():
+                assert torch.allclose(fused.state[k].float(), v.float(), atol=1e-6), (part_transport, k)
+    chain = align_chain(states[0], states[0], plan, bank_costs=sba_costs(*_banks(2, plan, seed=3), plan), **HARD)
+    assert all(P is None or torch.equal(P, torch.eye(P.shape[0], dtype=P.dtype)) for P in chain.P)
+
+
+def test_sba_composed_with_an_exact_match_is_the_match_and_breaks_only_ties():
+    # Prepare: units with distinct weights, and histories that point elsewhere
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(6, 5, generator=g, dtype=torch.float64)
+    b = a[torch.tensor([3, 0, 5, 1, 2, 4])] + 0.01 * torch.randn(6, 5, generator=g, dtype=torch.float64)
+    history = torch.rand(6, 6, generator=g, dtype=torch.float64)
+    plain = transport(a, b, method="hungarian")
+    from fedcore.openset.align import couple
+
+    first, _ = couple(history, method="hungarian")
+    refined = transport(first.t() @ a, b, method="hungarian")
+    # Assert: §4.3's composition lands on the weights' own match ...
+    assert torch.equal(first @ refined.P, plain.P)
+    # ... and where two units' weights tie, the history decides (as the added cost does)
+    tie = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    bank_a = torch.tensor([[5.0, -5.0, 0.0]] * 3)
+    bank_b = torch.tensor([[-5.0, 5.0, 0.0]] * 3)
+    from fedcore.openset.sba import bank_cost
+
+    swap, _ = couple(bank_cost(bank_a, bank_b), method="hungarian")
+    composed = swap @ transport(swap.t() @ tie, tie, method="hungarian").P
+    assert torch.equal(composed, torch.tensor([[0.0, 1, 0], [1, 0, 0], [0, 0, 1]], dtype=torch.float64))
+
+
+def test_float32_costs_are_the_euclidean_distances():
+    from fedcore.openset.align import unit_distance
+
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(40, 300, generator=g), torch.randn(30, 300, generator=g)
+    exact = torch.cdist(a.double(), b.double())
+    fast = unit_distance(a, b)
+    assert fast.dtype == torch.float32 and torch.allclose(fast.double(), exact, rtol=1e-5, atol=1e-4)
+    # a unit's distance to itself is float32's rounding of |a|^2 + |a|^2 - 2 a.a, far below any other distance
+    self_distance = unit_distance(a, a)
+    assert float(self_distance.diagonal().max()) < 1e-3 * float(self_distance.mean())
+
+
+def test_the_identity_shortcut_gives_the_solvers_answer():
+    g = torch.Generator().manual_seed(1)
+    from fedcore.openset.align import _assignment, couple
+
+    for trial in range(20):
+        n = 12
+        C = torch.rand(n, n, generator=g, dtype=torch.float64) + 0.5
+        C.diagonal().mul_(0.1 if trial % 2 else 1.0)  # half the trials: the identity is the match
+        P, _ = couple(C, method="hungarian")
+        assert torch.equal(P, _assignment(C))
+    near = torch.rand(n, n, generator=g, dtype=torch.float64) + 0.5
+    near.diagonal().zero_()
+    assert torch.equal(couple(near, method="sinkhorn", hard=True)[0], torch.eye(n, dtype=torch.float64))
+
+
+def test_fedpd_alignment_settings_are_checked_with_the_choices():
+    for bad, match in (
+        (dict(sba_mode="after"), "sba_mode.*compose.*added"),
+        (dict(part_transport="each"), "part_transport.*own.*whole"),
+        (dict(cost_dtype="float16"), "cost_dtype.*float64.*float32"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            FedPD(**bad)
 
 
 # ---------------------------------------------------------------------------------------------- trainer
