@@ -5,6 +5,8 @@
 # Environment: MLFLOW_DB_URI (e.g. postgresql://mlflow:secret@127.0.0.1:5432/mlflow, needs psycopg2),
 #              MLFLOW_ARTIFACTS (a folder or an object-store URI), MLFLOW_PORT.
 set -euo pipefail
+# MLflow 3's job runner (a pool of huey consumers) serves GenAI jobs that fedcore never submits
+export MLFLOW_SERVER_ENABLE_JOB_EXECUTION="${MLFLOW_SERVER_ENABLE_JOB_EXECUTION:-false}"
 : "${MLFLOW_DB_URI:=sqlite:///$(pwd)/mlruns.db}"
 : "${MLFLOW_ARTIFACTS:=$(pwd)/mlartifacts}"
 : "${MLFLOW_PORT:=5000}"

@@ -43,12 +43,64 @@ def rng():
     return np.random.default_rng(0)
 
 
+class SharedRay:
+    """One local Ray per test process, started before the first flow test and joined by every flow run in it.
+
+    A flow that finds Ray running in its process uses it and leaves it up (``flows.services.runtime.start_ray``),
+    as a notebook or a long-lived driver would. Its task workers stay warm from one test to the next:
+    ``tests/flows/test_rounds_flow.py`` takes 43 s with it against 126 s with a Ray started and stopped per
+    flow. Flows a test starts as subprocesses (``python -m flows.stages``, ``dvc repro``) join it through
+    ``RAY_ADDRESS`` and report to the same Prefect server (``PREFECT_API_URL``), as they would join a
+    team's cluster; a test of what a user's own process does (``tests/e2e/test_signals.py``) clears both.
+    Tests marked ``own_ray`` get a process without it (they start, join or check Ray themselves).
+    """
+
+    started = False
+
+    @classmethod
+    def up(cls) -> None:
+        import ray
+
+        from flows.services import runtime
+
+        if ray.is_initialized():
+            return
+        url = runtime.ensure_prefect_api()  # the workers report to it; every flow of this process uses it
+        with runtime.loopback_ray():
+            ray.init(**runtime.ray_init_kwargs(num_cpus=2, prefect_api_url=url, root=Path(__file__).parents[1]))
+        os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+        cls.started = True
+
+    @classmethod
+    def down(cls) -> None:
+        if not cls.started:
+            return
+        import ray
+
+        from flows.services import runtime
+
+        os.environ.pop("RAY_ADDRESS", None)
+        if ray.is_initialized():
+            runtime.stop_ray()
+        cls.started = False
+
+
+@pytest.fixture(autouse=True)
+def _shared_ray(request):
+    """The shared Ray for flow and end-to-end tests (:class:`SharedRay`); none for the library's tests."""
+    layer = Path(request.node.path).parent.name
+    if layer in ("flows", "e2e"):
+        (SharedRay.down if request.node.get_closest_marker("own_ray") else SharedRay.up)()
+    yield
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _stop_services():
-    """Stop the temporary Prefect server the flows started, while pytest still owns stdout."""
+    """Stop the shared Ray and the temporary Prefect server the flows started, while pytest still owns stdout."""
     yield
     import sys
 
+    SharedRay.down()
     if "flows.services.runtime" in sys.modules:  # a library-only run (tests/fedcore) never started one
         sys.modules["flows.services.runtime"].stop_prefect_api()
     if WORKER:  # this worker's own Prefect home, its server stopped: its database is of no further use

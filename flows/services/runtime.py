@@ -451,20 +451,25 @@ def start_ray(
     import ray
 
     _register_exit_hook()
+    _check_joined_cluster(address)
     url, wait = _prefect_api()
+
+    # ray.init(address=None) joins the cluster RAY_ADDRESS names, as "auto" does
+    target = os.environ.get("RAY_ADDRESS") if address in (None, "auto") else address
+    joining = bool(target) and target != "local"
 
     def init_kwargs(api_url: str) -> Dict[str, Any]:
         kwargs = ray_init_kwargs(num_cpus=num_cpus, prefect_api_url=api_url, root=root)
-        if address:
+        if joining or address == "auto":  # a cluster that exists has its own resources
             kwargs.pop("num_cpus")
             kwargs.pop("include_dashboard")
         return kwargs
 
     global _OWN_RAY
     kwargs = init_kwargs(url)
-    # ray.init(address=None) joins the cluster RAY_ADDRESS names; only a Ray it starts is kept on loopback
-    local = (not address or address == "local") and not os.environ.get("RAY_ADDRESS")
-    own_node = loopback_ray if local else contextlib.nullcontext
+    # A Ray started here, or joined on this host's loopback, stays on loopback: Ray would otherwise map
+    # 127.0.0.1 to the address the host routes outward (see loopback_ray)
+    own_node = loopback_ray if not joining or _on_loopback(str(target)) else contextlib.nullcontext
     try:
         if not ray.is_initialized():  # the runner then uses this Ray; shutdown_ray() stops it
             with own_node():
@@ -489,6 +494,31 @@ def start_ray(
             wait()  # the server's boot thread finishes, so that stop_prefect_api() finds the server it made
         raise
     return kwargs
+
+
+def _on_loopback(address: str) -> bool:
+    """Whether a Ray address (``host:port``, or a ``ray://`` client URL) names this host's loopback."""
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return host == "localhost" or host.startswith("127.") or host == "::1"
+
+
+def _check_joined_cluster(address: str | None) -> None:
+    """Refuse a ``flow.ray_address`` other than the cluster this process is already connected to.
+
+    A Ray that is already up in the process is used as it is (and left running): a flow run from a
+    notebook or a long-lived driver joins it. Were ``address`` another cluster, the run would
+    silently go to the wrong one.
+    """
+    import ray
+
+    if not ray.is_initialized() or not address or address in ("auto", "local") or "://" in address:
+        return
+    current = ray.get_runtime_context().gcs_address
+    if current != address:
+        raise RuntimeError(
+            f"this process is already connected to the Ray cluster at {current}, but flow.ray_address is "
+            f"{address}: call ray.shutdown() first, or set flow.ray_address={current} (or null to use it)"
+        )
 
 
 _WARMING: List[Any] = []

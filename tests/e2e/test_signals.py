@@ -2,7 +2,8 @@
 gives the uninterrupted run's metrics (flows/services/signals.py).
 
 SIGTERM goes to the driver by pid, as systemd, Kubernetes and ``timeout`` send it; SIGINT to the whole process
-group, as a terminal sends Ctrl-C (the temporary Prefect server and Ray's processes get it too).
+group, as a terminal sends Ctrl-C (the temporary Prefect server and Ray's processes get it too). Only the run
+that is stopped starts as a user starts it; the uninterrupted reference and the resume run in the test's process.
 ``benchmarks/stop.py`` repeats both at random moments and reports the times to exit.
 """
 
@@ -31,11 +32,14 @@ PARENT = "where run_uuid in (select run_uuid from runs where name = 'bpa+ugsa-s0
 
 
 def _start(step: str, overrides: list[str], log: Path) -> subprocess.Popen:
+    """The run to stop, as a user starts it: its own temporary Prefect server and its own Ray, in its group."""
     log.parent.mkdir(parents=True, exist_ok=True)
+    own = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "RAY_ADDRESS")}
     with log.open("w") as out:  # a file, not a pipe: nothing blocks on a full pipe while the test waits
         return subprocess.Popen(
             [sys.executable, "-m", "flows.stages", step, *overrides],
             cwd=ROOT,
+            env=own,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group, as a terminal's job: Ctrl-C reaches all of it
@@ -74,15 +78,19 @@ def _summary(stdout: str) -> dict:
     return json.loads(stdout[stdout.rfind("\n{") + 1 :])
 
 
-def _finish(step: str, overrides: list[str]) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "flows.stages", step, *overrides], cwd=ROOT, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+def _finish(step: str, overrides: list[str], capsys) -> str:
+    """A run to its end (the reference, the resume) in this process, on the tests' shared Ray and Prefect server;
+    returns what it printed."""
+    from flows.stages import main
+
+    capsys.readouterr()
+    code = main([step, *overrides])
+    out, err = capsys.readouterr()
+    assert code == 0, err[-3000:]
+    return out
 
 
-def test_sigterm_stops_an_arrival_run_and_resume_continues_it(tiny, tmp_path):
+def test_sigterm_stops_an_arrival_run_and_resume_continues_it(tiny, tmp_path, capsys):
     # Prepare: the session's tiny federation; the uninterrupted run in a folder of its own
     def overrides(folder: Path, *extra: str) -> list[str]:
         return tiny_overrides(tiny["tmp"]) + [
@@ -93,7 +101,7 @@ def test_sigterm_stops_an_arrival_run_and_resume_continues_it(tiny, tmp_path):
             *extra,
         ]
 
-    clean = _summary(_finish("arrival", overrides(tmp_path / "clean")))
+    clean = _summary(_finish("arrival", overrides(tmp_path / "clean"), capsys))
     db = tmp_path / "stopped" / "mlruns.db"
 
     def logged() -> int:
@@ -105,7 +113,7 @@ def test_sigterm_stops_an_arrival_run_and_resume_continues_it(tiny, tmp_path):
     _, seconds = _stop_when(proc, lambda: logged() >= 2, signal.SIGTERM)
     at_signal_upper = logged()
     err = (tmp_path / "stopped.log").read_text()
-    resumed = _summary(_finish("arrival", overrides(tmp_path / "stopped", "flow.resume=true")))
+    resumed = _summary(_finish("arrival", overrides(tmp_path / "stopped", "flow.resume=true"), capsys))
 
     # Assert: exit 143 within the bound; no arrival began after the signal (the two in flight may land);
     # the run was marked failed, not left running; the resume is one run with the clean run's numbers
@@ -121,7 +129,7 @@ def test_sigterm_stops_an_arrival_run_and_resume_continues_it(tiny, tmp_path):
     assert steps == list(range(total)), "each arrival on the charts once, from arrival 0"
 
 
-def test_ctrl_c_stops_a_grid_at_once_and_logs_no_cell_after(tmp_path):
+def test_ctrl_c_stops_a_grid_at_once_and_logs_no_cell_after(tmp_path, capsys):
     # Prepare: a four-cell FedPAD grid on tiny digit domains, and its uninterrupted run
     def overrides(folder: Path, *extra: str) -> list[str]:
         return [
@@ -138,8 +146,8 @@ def test_ctrl_c_stops_a_grid_at_once_and_logs_no_cell_after(tmp_path):
             *extra,
         ]
 
-    _finish("partition_domains", overrides(tmp_path / "clean"))
-    _finish("fedpad", overrides(tmp_path / "clean"))
+    _finish("partition_domains", overrides(tmp_path / "clean"), capsys)
+    _finish("fedpad", overrides(tmp_path / "clean"), capsys)
     db = tmp_path / "stopped" / "mlruns.db"
 
     def cells() -> list:
@@ -150,7 +158,7 @@ def test_ctrl_c_stops_a_grid_at_once_and_logs_no_cell_after(tmp_path):
     at_signal, seconds = _stop_when(proc, lambda: len(cells()) >= 1, signal.SIGINT, seen=cells)
     err = (tmp_path / "stopped.log").read_text()
     stopped = cells()
-    _finish("fedpad", overrides(tmp_path / "stopped", "flow.resume=true"))
+    _finish("fedpad", overrides(tmp_path / "stopped", "flow.resume=true"), capsys)
 
     # Assert: exit 130 within the bound; no cell run created after the signal, none left running; resumed,
     # every cell logged once and the same table as the uninterrupted grid's (timings aside)

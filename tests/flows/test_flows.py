@@ -310,6 +310,7 @@ def _stop_our_ray(temp_dir: str) -> None:
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+@pytest.mark.own_ray  # joins the cluster it starts
 def test_flow_on_a_multi_process_ray_cluster(tiny, tmp_path, monkeypatch):
     import tempfile
 

@@ -8,6 +8,9 @@ import pytest
 from flows.config import compose as C
 from flows.services.runtime import ray_init_kwargs
 
+# these tests start, join, stop or patch Ray in their own process
+pytestmark = pytest.mark.own_ray
+
 
 def test_gpus_are_requested_only_for_cuda():
     from flows.services.placement import gpus
@@ -312,6 +315,11 @@ def test_a_ray_the_caller_started_is_left_running_and_ours_binds_loopback():
         assert runtime.largest_node_cpus() == 1  # a 2-thread task would never be scheduled here
         runtime.shutdown_ray()
         assert ray.is_initialized()
+        # a flow asking for another cluster than the one this process is connected to is refused, with the fix
+        here = ray.get_runtime_context().gcs_address
+        with pytest.raises(RuntimeError, match=f"connected to the Ray cluster at {here}.*flow.ray_address={here}"):
+            runtime.start_ray(address="127.0.0.1:1", num_cpus=1, root=C.ROOT)
+        runtime._check_joined_cluster(here)  # the cluster it is connected to, named: joined as it is
     finally:
         ray.shutdown()
 
@@ -730,3 +738,12 @@ def test_tensors_travel_to_and_from_workers_as_arrays_with_the_same_bits():
         assert a.dtype == b.dtype and torch.equal(a, b)
     assert back.num_examples == 40 and back.metrics == {"train_loss": 0.25}
     assert isinstance(back.payload["counts"], tuple) and back.state["w"].numpy().flags.writeable
+
+
+def test_a_ray_address_on_this_hosts_loopback_is_told_from_one_elsewhere():
+    from flows.services.runtime import _on_loopback
+
+    for here in ("127.0.0.1:6379", "127.0.1.1:6379", "localhost:6379", "ray://127.0.0.1:10001", "[::1]:6379"):
+        assert _on_loopback(here), here
+    for elsewhere in ("10.0.0.5:6379", "head.example.org:6379", "ray://192.0.2.7:10001"):
+        assert not _on_loopback(elsewhere), elsewhere
