@@ -65,6 +65,7 @@ class SharedRay:
 
         if ray.is_initialized():
             return
+        os.environ.pop("RAY_ADDRESS", None)  # a cluster named from outside the tests is not theirs to join
         url = runtime.ensure_prefect_api()  # the workers report to it; every flow of this process uses it
         with runtime.loopback_ray():
             ray.init(**runtime.ray_init_kwargs(num_cpus=2, prefect_api_url=url, root=Path(__file__).parents[1]))

@@ -519,7 +519,7 @@ def _sinkhorn(Cn: torch.Tensor, *, reg: float, max_iter: int, tol: float, where:
             f"{where}Sinkhorn returned non-finite values; this layer keeps its order. Increase reg "
             f"(now {reg}) or use align=hungarian",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
         return torch.eye(n, dtype=torch.float64), False
     converged = err <= 5e-2  # warn when more than 5 % of a unit's mass is misplaced
@@ -529,7 +529,7 @@ def _sinkhorn(Cn: torch.Tensor, *, reg: float, max_iter: int, tol: float, where:
             f"{err:.2g}); "
             f"increase max_iter or reg (now {reg}), or use align=hungarian",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
     return P, converged
 

@@ -17,10 +17,10 @@ def bank_cost(bank: torch.Tensor, ref_bank: torch.Tensor) -> torch.Tensor:
     """SBA: the distance between channels' BatchNorm histories over the rounds both clients kept.
 
     ``bank`` and ``ref_bank`` are ``(rounds, C)`` running means; a channel is described by its
-    history (a column). The paper applies this matching first and then aligns the refined layer;
-    with a transport that does not depend on the order of A's units (Sinkhorn with uniform
-    marginals, or an exact assignment) that composition gives back exactly the transport of the
-    weights alone, so SBA would change nothing. We add this cost to the weights' cost instead.
+    history (a column). The paper applies this matching first and then aligns the refined layer
+    (``sba_mode: compose``); with an exact assignment that composition gives back the weights' own
+    match, and the history decides only between units whose weights tie. ``sba_mode: added`` adds
+    this cost to the weights' cost instead (:func:`fedcore.openset.align.align_chain`).
     """
     return torch.cdist(bank.double().t(), ref_bank.double().t())
 

@@ -454,13 +454,13 @@ def start_ray(
     _check_joined_cluster(address)
     url, wait = _prefect_api()
 
-    # ray.init(address=None) joins the cluster RAY_ADDRESS names, as "auto" does
+    # ray.init(address=None) joins the cluster RAY_ADDRESS names; "auto" joins that or the last one started here
     target = os.environ.get("RAY_ADDRESS") if address in (None, "auto") else address
-    joining = bool(target) and target != "local"
+    joining = address == "auto" or (bool(target) and target != "local")
 
     def init_kwargs(api_url: str) -> Dict[str, Any]:
         kwargs = ray_init_kwargs(num_cpus=num_cpus, prefect_api_url=api_url, root=root)
-        if joining or address == "auto":  # a cluster that exists has its own resources
+        if joining:  # a cluster that exists has its own resources
             kwargs.pop("num_cpus")
             kwargs.pop("include_dashboard")
         return kwargs
@@ -469,13 +469,13 @@ def start_ray(
     kwargs = init_kwargs(url)
     # A Ray started here, or joined on this host's loopback, stays on loopback: Ray would otherwise map
     # 127.0.0.1 to the address the host routes outward (see loopback_ray)
-    own_node = loopback_ray if not joining or _on_loopback(str(target)) else contextlib.nullcontext
+    own_node = loopback_ray if not joining or (target and _on_loopback(target)) else contextlib.nullcontext
     try:
         if not ray.is_initialized():  # the runner then uses this Ray; shutdown_ray() stops it
             with own_node():
                 ray.init(address=address, **kwargs)
             _OWN_RAY = True
-            if not address:
+            if not joining:
                 _prewarm_workers(num_cpus if warm_workers is None else warm_workers, warm_module)
         moved = wait()
         if moved != url:  # the server had to move: tell the workers
@@ -514,7 +514,9 @@ def _check_joined_cluster(address: str | None) -> None:
     if not ray.is_initialized() or not address or address in ("auto", "local") or "://" in address:
         return
     current = ray.get_runtime_context().gcs_address
-    if current != address:
+    # Ray records the address it resolved (127.0.0.1 may become the host's outward one, a name its IP):
+    # two addresses of one cluster share the port, so only a different port is surely another cluster
+    if current.rpartition(":")[2] != address.rpartition(":")[2]:
         raise RuntimeError(
             f"this process is already connected to the Ray cluster at {current}, but flow.ray_address is "
             f"{address}: call ray.shutdown() first, or set flow.ray_address={current} (or null to use it)"

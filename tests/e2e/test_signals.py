@@ -35,6 +35,7 @@ def _start(step: str, overrides: list[str], log: Path) -> subprocess.Popen:
     """The run to stop, as a user starts it: its own temporary Prefect server and its own Ray, in its group."""
     log.parent.mkdir(parents=True, exist_ok=True)
     own = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "RAY_ADDRESS")}
+    own["PREFECT_HOME"] = str(log.parent / "prefect-home")  # its server's database, not the shared server's
     with log.open("w") as out:  # a file, not a pipe: nothing blocks on a full pipe while the test waits
         return subprocess.Popen(
             [sys.executable, "-m", "flows.stages", step, *overrides],

@@ -476,7 +476,7 @@ def test_hard_alignment_never_blends_units(settings):
     ]
     soft_chain = align_chain(states[1], states[0], plan, **dict(soft, method="sinkhorn", reg=0.5))
 
-    # Assert: every transport of every chain is a permutation, and the fused model's units are whole units
+    # Assert: every transport of every chain is a permutation (the fused units follow these transports)
     for chain in hard_chains:
         for layer, P in zip(plan, chain.P):
             assert layer.last or permutation_source(P) is not None, layer.name
@@ -543,15 +543,49 @@ def test_the_identity_shortcut_gives_the_solvers_answer():
     g = torch.Generator().manual_seed(1)
     from fedcore.openset.align import _assignment, couple
 
-    for trial in range(20):
-        n = 12
+    n = 12
+    for trial in range(30):
         C = torch.rand(n, n, generator=g, dtype=torch.float64) + 0.5
-        C.diagonal().mul_(0.1 if trial % 2 else 1.0)  # half the trials: the identity is the match
+        rows = torch.arange(n)
+        C[rows, rows] = C.min(1).values * (0.5 if trial % 3 == 0 else 1.0)  # the identity is optimal (ties: % 3 != 0)
+        if trial % 3 == 2:  # ... or all but one row: the identity is not optimal, the solver must run
+            other = (trial // 3) % (n - 1) + 1
+            C[0, 0], C[0, other] = 1.0, 0.1
         P, _ = couple(C, method="hungarian")
-        assert torch.equal(P, _assignment(C))
+        best = _assignment(C)
+        assert float((P * C).sum()) == pytest.approx(float((best * C).sum()), abs=1e-12)  # an optimal assignment
+        if trial % 3 == 0:
+            assert torch.equal(P, best)  # a unique optimum: the same one
+        if trial % 3 == 2:
+            assert not torch.equal(P, torch.eye(n, dtype=P.dtype))
     near = torch.rand(n, n, generator=g, dtype=torch.float64) + 0.5
     near.diagonal().zero_()
     assert torch.equal(couple(near, method="sinkhorn", hard=True)[0], torch.eye(n, dtype=torch.float64))
+
+
+def test_sba_composed_in_a_chain_gives_the_exact_chain_of_the_weights():
+    # Prepare: noisy, shuffled clients of a residual network, BatchNorm histories that say nothing, part masks
+    base = lenet(name="resnet20")
+    plan = layer_plan(base)
+    g = torch.Generator().manual_seed(3)
+    keys = [k for k, _ in base.named_parameters()]
+    ref = base.state_dict()
+    client = {k: v + 0.05 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v for k, v in ref.items()}
+    client = apply_chain(client, plan, shuffled_chain(plan, torch.Generator().manual_seed(8)))
+    mask = {k: torch.rand(client[k].shape, generator=g) for k in keys}
+    ref_mask = {k: torch.rand(ref[k].shape, generator=g) for k in keys}
+    banks = _banks(2, plan, seed=5)
+    exact = dict(method="hungarian", hard=True, cost_dtype="float64")
+
+    for masks in ({}, dict(mask=mask, ref_mask=ref_mask)):
+        # Execute: SBA composed, against the weights' own exact chain
+        composed = align_chain(
+            client, ref, plan, bank_costs=sba_costs(banks[0], banks[1], plan), sba_mode="compose", **exact, **masks
+        )
+        plain = align_chain(client, ref, plan, **exact, **masks)
+        # Assert: the history's reordering is undone by the match of the reordered weights, layer by layer
+        for layer, P, Q in zip(plan, composed.P, plain.P):
+            assert (P is None and Q is None) or torch.equal(P, Q), (layer.name, bool(masks))
 
 
 def test_fedpd_alignment_settings_are_checked_with_the_choices():
