@@ -2,7 +2,7 @@
 
 Each client model is cut into parts by its masks (:func:`fedcore.openset.masks.split_parts`).
 Each part is aligned to the same part of a reference client with its own chain of transports
-(Eq. 19–21), and the aligned parts are averaged (Eq. 22). Eq. 22 divides by K; where the parts
+(Eq. 19–21; ``part_transport="whole"`` puts every part on the whole-model transport), and the aligned parts are averaged (Eq. 22). Eq. 22 divides by K; where the parts
 do not cover a parameter fully that would shrink it, so we divide by the aligned mask mass
 instead: ``G = Σ_k w_k Σ_p T_kp(S_k ⊙ P_kp) / Σ_k w_k Σ_p T_kp(P_kp)``. When the parts sum to 1
 and nothing is aligned, this is exactly FedAvg; the tests hold it to that. BatchNorm running
