@@ -12,6 +12,8 @@ laid over the root config.
 from __future__ import annotations
 
 import copy
+import functools
+import os
 import re
 from collections import OrderedDict
 from pathlib import Path
@@ -157,7 +159,13 @@ def with_plugins(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
-GROUPS = tuple(sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir()))  # method, aggregator, privacy, ...
+@functools.lru_cache(maxsize=1)
+def groups() -> Tuple[str, ...]:
+    """conf/'s config groups (method, aggregator, privacy, ...). Read when first asked, not at import: a Ray
+    worker that was shipped the code has no conf/ (:func:`from_run` needs none)."""
+    return tuple(sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir()))
+
+
 # Blocks whose settings are all listed in conf/: a key added to them (Hydra's `+key=value`, or any new key
 # with --params) can only be a misspelling, which would otherwise be read by nothing. The round-based
 # systems' blocks take optional keys (a grid's norm, a trainer's settings); their validators check those.
@@ -171,7 +179,7 @@ def _override_key(override: str) -> str:
 def _is_group_choice(override: str) -> bool:
     """``method=tent`` (a config group chosen), as opposed to a setting (``method.params.lr=0.1``, ``seed=1``)."""
     key = _override_key(override)
-    return key.split("@", 1)[0] in GROUPS and "=" in override
+    return key.split("@", 1)[0] in groups() and "=" in override
 
 
 # Settings that count something: a fraction (``adapt.passes=2.5``) would be cut down by int() without a word,
@@ -933,10 +941,29 @@ def _group(group: str, name: str) -> DictConfig:
     return OmegaConf.load(path)
 
 
+PROJECT_ENV = "FEDCORE_PROJECT_ROOT"
+
+
+def project_root() -> Path:
+    """The folder relative paths of the config are resolved against: the driver's checkout.
+
+    A Ray worker on a node without a checkout imports this module from the code Ray shipped to it
+    (``runtime_env``), so its own location says nothing about where the inputs are; the driver passes
+    its checkout in ``$FEDCORE_PROJECT_ROOT`` (:func:`flows.services.runtime.ray_init_kwargs`)."""
+    return Path(os.environ.get(PROJECT_ENV) or ROOT)
+
+
 def resolve_path(p: str | Path) -> Path:
     p = Path(p)
-    return p if p.is_absolute() else ROOT / p
+    return p if p.is_absolute() else project_root() / p
+
+
+TRACKING_ENV = "FEDCORE_TRACKING_URI"
 
 
 def tracking_uri(cfg: DictConfig) -> str:
-    return cfg.flow.tracking_uri or f"sqlite:///{ROOT / 'mlruns.db'}"
+    """Where a run is tracked: ``flow.tracking_uri``, else ``$FEDCORE_TRACKING_URI`` (a deployment's MLflow
+    server, set in the worker's environment so that its runs stay what dvc.yaml records), else the
+    project's SQLite file. ``MLFLOW_TRACKING_URI`` is not read: a shell that has it for another project
+    must not send fedcore's runs there."""
+    return cfg.flow.tracking_uri or os.environ.get(TRACKING_ENV) or f"sqlite:///{project_root() / 'mlruns.db'}"

@@ -681,6 +681,7 @@ def sweep_flow(config: Dict[str, Any], written: Dict[str, str] | None = None) ->
             with _start_experiment_run(cfg, acfg, spec, started_ms=res["started_ms"]) as run:
                 _log_experiment(cfg, acfg, res["result"], spec=spec, partition=partition)
                 mlflow.log_metric("run_seconds", res["seconds"])
+                mlflow.set_tags(res.get("placement", {}))
                 signals.check()  # a stop that landed while it was logged (where Python may drop it): not finished
             tracking.end_run_at(run.info.run_id, res["ended_ms"])
         s = res["result"].summary

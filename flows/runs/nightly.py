@@ -14,7 +14,8 @@ A run without overrides writes exactly what the DVC stages declare,
 so after it succeeds the flow records those stages (``dvc commit``: dvc.lock and the DVC cache) and
 pushes them to the DVC remote (``flows/services/remote.py``). Another machine then gets the run with
 ``make pull`` once it has this dvc.lock. A run with overrides is not what dvc.yaml describes, so it
-is neither recorded nor pushed; ``push=False`` turns sharing off.
+is neither recorded nor pushed; ``push=False`` turns sharing off. A remote that is still unreachable after
+the push's retries does not fail the run: the error is logged with the command that pushes later.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def _share_run_name(parameters) -> str:
     return "share-" + "+".join(parameters["stages"])
 
 
-@task(retries=2, retry_delay_seconds=60, task_run_name=_share_run_name)
+@task(retries=2, retry_delay_seconds=30, task_run_name=_share_run_name)
 def share(stages: List[str], root: str = str(C.ROOT)) -> str:
     """Record what the run wrote as ``stages`` in dvc.lock and the cache, then push them.
 
@@ -53,7 +54,21 @@ def _share(stages: List[str], overrides: Optional[List[str]], push: bool, root: 
             "not pushed to the DVC remote: a run with overrides is not what dvc.yaml records "
             f"(overrides: {' '.join(overrides)})"
         )
-    return share(stages, root)
+    from flows.services.remote import RemoteError
+
+    try:
+        return share(stages, root)
+    except RemoteError as exc:  # the remote is down: the run itself succeeded, and what it built is kept
+        fix = f"python -m flows.services.remote push {' '.join(stages)}"
+        get_run_logger().error(
+            "the run finished, but pushing it to the DVC remote failed after retries: %s\n"
+            "Its outputs are recorded in dvc.lock and the DVC cache of %s; once the remote is reachable, "
+            "send them with `%s` (or `make push`).",
+            exc,
+            root,
+            fix,
+        )
+        return f"NOT pushed to the DVC remote (it failed; push later with `{fix}`)"
 
 
 @flow(name="nightly-federation")

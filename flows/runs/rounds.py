@@ -267,6 +267,7 @@ def grid_flow(
             rows.append(_row(m, s, res, {**cell, "seconds": earlier.get("run_seconds", cell["seconds"])}))
             continue
         with _start_cell_run(cfg, system, grid, m, configs[(m, s)], part, started_ms=cell["started_ms"]) as run:
+            mlflow.set_tags(cell.get("placement", {}))
             tracking.log_rounds(res.records)
             _log_tasks(res.records)
             _log_ledgers(res, configs[(m, s)])

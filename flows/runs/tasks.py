@@ -26,7 +26,7 @@ from flows import systems
 from flows.config import compose as C
 from flows.reports.evaluations import round_inputs
 from flows.runs.worker import train_step_or_fail, unpack, update_summary
-from flows.services import integrity
+from flows.services import integrity, runtime
 
 # ------------------------------------------------------------------------------------ tasks
 
@@ -50,6 +50,7 @@ def run_cell_task(
     (:func:`flows.services.integrity.record`).
     """
     cfg = C.from_run(cfg_dict)  # with its plug-ins' methods and aggregators, in this worker too
+    where = _placed(cfg)
     partition, spec, source = load_inputs(cfg, written=written)
     ckpt = ckpt_dir(cfg, cell_name(acfg))
     before = _stamps(ckpt)
@@ -66,6 +67,7 @@ def run_cell_task(
         "seconds": time.perf_counter() - t0,
         "started_ms": started_ms,
         "ended_ms": int(time.time() * 1000),
+        "placement": where,
         # resumed from a checkpoint that already held every arrival: none ran, none was saved
         "already_finished": bool(cfg.flow.resume) and bool(before) and _stamps(ckpt) == before,
     }
@@ -185,6 +187,7 @@ def run_round_cell_task(
     ``rcfg.seed``); ``cfg_dict``: the resolved config, for the partition, the paths and the flow settings."""
     torch.set_num_threads(1)  # cells run side by side, one per CPU
     cfg = C.from_run(cfg_dict)  # with its plug-ins' systems, strategies and trainers, in this worker too
+    where = _placed(cfg)
     seed = rcfg.seed
     part = load_domain_partition(cfg, system, grid_name, written=written)
     data, spec, evaluate = round_inputs(cfg, system, grid_name, part, rcfg, method=method)
@@ -209,9 +212,21 @@ def run_round_cell_task(
         "ended_ms": int(time.time() * 1000),
         "spec": spec,
         "example": to_tensor(data.client_x[0][:2]).numpy(),  # the registered model's signature
+        "placement": where,
         # resumed from a checkpoint that already held every round: no round ran, none was saved
         "already_finished": bool(cfg.flow.resume) and bool(before) and _stamps(ckpt) == before,
     }
+
+
+def _placed(cfg: DictConfig) -> Dict[str, str]:
+    """Where this cell runs (tags for its MLflow run); a GPU that torch cannot use is said in the task's log."""
+    from prefect import get_run_logger
+
+    where = runtime.placement()
+    note = runtime.cpu_fallback_note(cfg.device, where)
+    if note:
+        get_run_logger().warning(note)
+    return where
 
 
 def _stamps(folder: Path) -> Dict[str, int]:
@@ -353,12 +368,12 @@ def build_hint(cfg: DictConfig, step: str) -> str:
 
     path = _WRITES[step](cfg)
     try:
-        stages = yaml.safe_load((C.ROOT / "dvc.yaml").read_text())["stages"]
+        stages = yaml.safe_load((C.project_root() / "dvc.yaml").read_text())["stages"]
     except (OSError, KeyError, TypeError, yaml.YAMLError):  # no pipeline here (an installed deployment)
         stages = {}
     for name in stages.get(step, {}).get("foreach") or {}:  # the variants with a stage of their own for the step
         try:
-            if _WRITES[step](C.load(C.PARAMS, [f"variant={name}"])) == path:
+            if _WRITES[step](C.load(C.project_root() / "params.yaml", [f"variant={name}"])) == path:
                 return f"`dvc repro {step}@{name}` (or `python -m flows.stages {step} variant={name}`)"
         except (FileNotFoundError, ValueError):
             break  # no params.yaml, or one that no longer composes: say what always works

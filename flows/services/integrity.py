@@ -64,7 +64,7 @@ def lock_outs(root: Path | None = None) -> List[LockedOut]:
     the lock holds every stage of every system, and the pure-Python parser took 0.3-0.7 s per read,
     paid before a flow's first task and again for its lineage tags.
     """
-    lock = (root or C.ROOT) / "dvc.lock"
+    lock = (root or C.project_root()) / "dvc.lock"
     if not lock.is_file():
         return []
     st = lock.stat()
@@ -119,7 +119,7 @@ def verify(path: str | Path, *, written: Mapping[str, str] | None = None, root: 
     IntegrityError
         A file differs from the md5 recorded for it; the message names the fix.
     """
-    root = _absolute(root or C.ROOT)
+    root = _absolute(root or C.project_root())
     outs: List[LockedOut] | None = None  # the lock is parsed once, and only if some file needs it
     listings: Dict[LockedOut, Dict[str, str]] = {}
     checked = 0

@@ -12,12 +12,20 @@ from omegaconf import DictConfig
 
 def gpus(cfg: DictConfig) -> float:
     """GPUs each client step asks Ray for: ``flow.gpus_per_task`` when the run is on a GPU (``device=cuda...``,
-    or ``auto`` with CUDA present), else 0, so that CPU runs never wait for a GPU that is not there."""
-    return (
-        float(cfg.flow.gpus_per_task)
-        if str(cfg.device).startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
-        else 0.0
+    or ``auto`` with CUDA here or GPUs in the Ray cluster the run joined), else 0, so that CPU runs never
+    wait for a GPU that is not there. With ``auto`` a task that lands on a node whose torch sees no CUDA
+    keeps its model on the CPU and says so (:func:`flows.services.runtime.cpu_fallback_note`)."""
+    on_gpu = str(cfg.device).startswith("cuda") or (
+        cfg.device == "auto" and (torch.cuda.is_available() or _cluster_gpus() > 0)
     )
+    return float(cfg.flow.gpus_per_task) if on_gpu else 0.0
+
+
+def _cluster_gpus() -> float:
+    """The GPUs of the Ray cluster this process is connected to (0 when it is not)."""
+    import ray
+
+    return float(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0.0
 
 
 def faults(cfg: DictConfig, folder: Path) -> Dict[str, Any]:

@@ -6,8 +6,9 @@
 
 ``make push`` and ``make pull`` run the first two. The remote is ``fedcore`` in ``.dvc/config``: a
 folder beside the clone (``../fedcore-dvc-remote``), so a fresh clone knows it and the first push
-needs no set-up. ``FEDCORE_DVC_REMOTE`` (a folder, or ``s3://bucket/path`` with the ``s3`` extra)
-points this clone elsewhere. It is written to ``.dvc/config.local``, which git ignores, so plain
+needs no set-up. ``FEDCORE_DVC_REMOTE`` (a folder, ``s3://bucket/path`` with the ``s3`` extra, or
+``ssh://user@host:port/path`` with the ``deploy`` extra and the key in ``FEDCORE_DVC_REMOTE_KEYFILE``)
+points this clone elsewhere. Both are written to ``.dvc/config.local``, which git ignores, so plain
 ``dvc push`` and ``dvc pull`` agree with ``make`` afterwards.
 
 Why pull does more than ``dvc pull``: DVC trusts the remote by default, and in DVC 3.67 a corrupt
@@ -34,6 +35,7 @@ import yaml
 
 REMOTE = "fedcore"
 ENV = "FEDCORE_DVC_REMOTE"
+KEYFILE_ENV = "FEDCORE_DVC_REMOTE_KEYFILE"  # the private key of an ssh:// remote (the ``ssh`` extra)
 HOW_TO_SET = (
     f"Set the remote with {ENV}=<folder or s3://bucket/path> (for example "
     f"`{ENV}=/mnt/team/fedcore-dvc make push`), or with `dvc remote modify --local {REMOTE} url <url>`. "
@@ -152,6 +154,13 @@ def _setup(root: Path) -> Tuple[Remote, Path]:
             if proc.returncode != 0:
                 raise RemoteError(f"Could not point remote '{name}' at {ENV}={wanted}:\n{_errors(proc)}")
         url, origin = wanted, f"{ENV}, saved in .dvc/config.local"
+    keyfile = os.environ.get(KEYFILE_ENV, "").strip()
+    if keyfile:  # an SSH remote's private key
+        keyfile = str(Path(keyfile).expanduser().resolve())
+        if settings.get(f"remote.{name}.keyfile", ("", ""))[0] != keyfile:
+            proc = _dvc(root, "remote", "modify", "--local", name, "keyfile", keyfile)
+            if proc.returncode != 0:
+                raise RemoteError(f"Could not give remote '{name}' the key {KEYFILE_ENV}={keyfile}:\n{_errors(proc)}")
     if not url:
         raise RemoteError(f"The default DVC remote '{name}' has no URL. {HOW_TO_SET}")
     cache = settings.get("cache.dir", (str(root / ".dvc" / "cache"), ""))[0]
@@ -162,6 +171,8 @@ def _plugin_hint(proc: subprocess.CompletedProcess) -> str:
     """How to install the DVC plugin an object-store URL needs, when DVC says one is missing."""
     if "requires 'dvc-s3'" in proc.stderr:
         return "Install S3 support with `pip install -c constraints.txt -e '.[s3]'`. "
+    if "requires 'dvc-ssh'" in proc.stderr:
+        return "Install SSH support with `pip install -c constraints.txt -e '.[deploy]'`. "
     return (
         "Install the DVC plugin it names (`pip install 'dvc[<scheme>]'`). " if "to be installed" in proc.stderr else ""
     )

@@ -19,7 +19,7 @@ import socket
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Tuple
 
 if TYPE_CHECKING:
     from prefect.server.api.server import SubprocessASGIServer
@@ -204,17 +204,76 @@ def loopback_ray() -> Iterator[None]:
         ray_constants.ENABLE_RAY_CLUSTER = before
 
 
-def ray_init_kwargs(*, num_cpus: int, prefect_api_url: str, root: Path) -> Dict[str, Any]:
+def ray_init_kwargs(*, num_cpus: int, prefect_api_url: str, root: Path, ship_code: bool = False) -> Dict[str, Any]:
+    """``ray.init``'s arguments: the environment every worker gets, and with ``ship_code`` the code itself.
+
+    ``ship_code`` (a flow that joins a cluster): ``fedcore`` and ``flows`` go to the workers as Ray
+    ``py_modules``, uploaded once per version of the code, ahead of anything on the node's own path, so
+    a node needs the Python dependencies but no checkout. Relative paths of the config still name the
+    driver's checkout (``FEDCORE_PROJECT_ROOT``): the inputs are read at the same paths on every node.
+    """
     # OMP_NUM_THREADS is left to Ray (it sets it from each task's num_cpus); tasks that get
     # several CPUs call torch.set_num_threads themselves.
     env = {
         "PREFECT_API_URL": prefect_api_url,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH", "")])),
+        "FEDCORE_PROJECT_ROOT": str(root),
     }
     for key in ("MLFLOW_TRACKING_URI", "PREFECT_LOGGING_LEVEL", "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL"):
         if key in os.environ:
             env[key] = os.environ[key]
-    return {"num_cpus": num_cpus, "include_dashboard": False, "log_to_driver": True, "runtime_env": {"env_vars": env}}
+    runtime_env: Dict[str, Any] = {"env_vars": env}
+    if ship_code:
+        import fedcore
+        import flows
+
+        runtime_env["py_modules"] = [str(Path(fedcore.__file__).parent), str(Path(flows.__file__).parent)]
+        runtime_env["excludes"] = ["__pycache__", "*.pyc"]
+        # A working_dir of its own, holding nothing: without one Ray puts the driver's current folder (the
+        # checkout) first on every worker's path, on the assumption that each node has it at that path
+        runtime_env["working_dir"] = str(_empty_job_dir())
+    return {"num_cpus": num_cpus, "include_dashboard": False, "log_to_driver": True, "runtime_env": runtime_env}
+
+
+@functools.lru_cache(maxsize=1)
+def _empty_job_dir() -> Path:
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="fedcore-job-"))
+    (folder / "README").write_text(
+        "The working folder of a fedcore flow's Ray workers: the code comes as py_modules.\n"
+    )
+    return folder
+
+
+def placement() -> Dict[str, str]:
+    """Where the calling Ray task runs, as tags for its MLflow run: the node, the GPUs Ray gave it, and the
+    folder its fedcore was imported from (a Ray ``runtime_resources`` folder when the code was shipped)."""
+    import fedcore
+
+    out = {"ray.node_id": "", "ray.gpu_ids": "", "code.fedcore": str(Path(fedcore.__file__).parent)}
+    try:
+        import ray
+
+        if ray.is_initialized():
+            out["ray.node_id"] = ray.get_runtime_context().get_node_id()
+            out["ray.gpu_ids"] = ",".join(str(g) for g in ray.get_gpu_ids())
+    except Exception:  # noqa: BLE001 - outside Ray: no node to name
+        pass
+    return out
+
+
+def cpu_fallback_note(device: str, where: Mapping[str, str]) -> str | None:
+    """What to log when Ray gave a task a GPU that torch cannot use (``device=auto`` on a node whose GPU
+    count was declared, or whose CUDA is missing): the model then trains on the CPU."""
+    import torch
+
+    if where.get("ray.gpu_ids") and str(device) == "auto" and not torch.cuda.is_available():
+        return (
+            f"Ray placed this task on GPU {where['ray.gpu_ids']} of node {where['ray.node_id'][:12]}, but torch "
+            "sees no CUDA here: the model runs on the CPU (device=auto)"
+        )
+    return None
 
 
 def make_task_runner(*, address: str | None, num_cpus: int, root: Path):
@@ -459,7 +518,7 @@ def start_ray(
     joining = address == "auto" or (bool(target) and target != "local")
 
     def init_kwargs(api_url: str) -> Dict[str, Any]:
-        kwargs = ray_init_kwargs(num_cpus=num_cpus, prefect_api_url=api_url, root=root)
+        kwargs = ray_init_kwargs(num_cpus=num_cpus, prefect_api_url=api_url, root=root, ship_code=joining)
         if joining:  # a cluster that exists has its own resources
             kwargs.pop("num_cpus")
             kwargs.pop("include_dashboard")

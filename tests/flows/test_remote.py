@@ -237,6 +237,39 @@ def test_the_remote_variable_is_kept_out_of_git(pushed, tmp_path, monkeypatch):
     assert str(other) in (a / ".dvc" / "config.local").read_text()
 
 
+def test_an_ssh_key_is_written_beside_the_url(pushed, tmp_path, monkeypatch):
+    a = copy_of_a(pushed, tmp_path / "a")
+    key = tmp_path / "keys" / "client_key"
+    monkeypatch.setenv(R.ENV, "ssh://fedcore@127.0.0.1:2299/srv/dvc")
+    monkeypatch.setenv(R.KEYFILE_ENV, str(key))
+
+    remote = R.configure(a)
+
+    local = (a / ".dvc" / "config.local").read_text()
+    assert remote.url == "ssh://fedcore@127.0.0.1:2299/srv/dvc" and f"keyfile = {key}" in local
+    assert git("status", "--porcelain", cwd=a).stdout == ""
+
+
+def test_a_nightly_whose_push_fails_completes_and_names_the_command_that_pushes_later(monkeypatch, caplog):
+    from prefect import flow
+
+    from flows.runs import nightly as N
+
+    def down(stages, root):
+        raise R.RemoteError("remote 'fedcore' (ssh://...) is not reachable")
+
+    monkeypatch.setattr(N, "share", down)
+
+    @flow
+    def run() -> str:
+        return N._share(["fedpad@quick"], None, True, root="/srv/fedcore")
+
+    said = run()
+
+    assert said.startswith("NOT pushed") and "python -m flows.services.remote push fedpad@quick" in said
+    assert "pushing it to the DVC remote failed after retries" in caplog.text and "not reachable" in caplog.text
+
+
 def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -20,6 +20,56 @@ def test_gpus_are_requested_only_for_cuda():
     assert gpus(C.compose(["device=cuda", "flow.gpus_per_task=0.5"])) == 0.5
 
 
+def test_auto_asks_for_gpus_when_the_joined_cluster_has_them(monkeypatch):
+    from flows.services import placement
+
+    cfg = C.compose(["device=auto", "flow.gpus_per_task=0.5"])
+    monkeypatch.setattr(placement.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(placement, "_cluster_gpus", lambda: 0.0)
+    assert placement.gpus(cfg) == 0.0
+    monkeypatch.setattr(placement, "_cluster_gpus", lambda: 1.0)
+    assert placement.gpus(cfg) == 0.5
+
+
+def test_a_gpu_torch_cannot_use_is_said_only_for_auto(monkeypatch):
+    import torch
+
+    from flows.services import runtime
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    placed = {"ray.gpu_ids": "0", "ray.node_id": "abcdef0123456789"}
+    assert "the model runs on the CPU" in runtime.cpu_fallback_note("auto", placed)
+    assert runtime.cpu_fallback_note("cpu", placed) is None
+    assert runtime.cpu_fallback_note("auto", {**placed, "ray.gpu_ids": ""}) is None
+
+
+def test_a_flow_that_joins_a_cluster_ships_its_code_and_names_its_checkout(tmp_path):
+    import fedcore
+    import flows
+
+    local = ray_init_kwargs(num_cpus=2, prefect_api_url="http://127.0.0.1:1234/api", root=tmp_path)
+    assert "py_modules" not in local["runtime_env"] and "working_dir" not in local["runtime_env"]
+    kw = ray_init_kwargs(num_cpus=2, prefect_api_url="http://127.0.0.1:1234/api", root=tmp_path, ship_code=True)
+    env = kw["runtime_env"]
+    assert env["py_modules"] == [os.path.dirname(fedcore.__file__), os.path.dirname(flows.__file__)]
+    # an empty working folder: Ray would otherwise put the driver's own folder first on the workers' path
+    assert os.listdir(env["working_dir"]) == ["README"]
+    assert env["env_vars"]["FEDCORE_PROJECT_ROOT"] == str(tmp_path)
+
+
+def test_relative_paths_and_the_default_store_follow_the_project_root(monkeypatch, tmp_path):
+    cfg = C.compose([])
+    monkeypatch.delenv(C.PROJECT_ENV, raising=False)
+    monkeypatch.delenv(C.TRACKING_ENV, raising=False)
+    assert C.resolve_path("data/x") == C.ROOT / "data" / "x"
+    assert C.tracking_uri(cfg) == f"sqlite:///{C.ROOT / 'mlruns.db'}"
+    monkeypatch.setenv(C.PROJECT_ENV, str(tmp_path))  # a worker that was shipped the code
+    assert C.resolve_path("data/x") == tmp_path / "data" / "x"
+    monkeypatch.setenv(C.TRACKING_ENV, "http://127.0.0.1:5055")  # a deployment's server
+    assert C.tracking_uri(cfg) == "http://127.0.0.1:5055"
+    assert C.tracking_uri(C.compose(["flow.tracking_uri=sqlite:////tmp/elsewhere.db"])) == "sqlite:////tmp/elsewhere.db"
+
+
 def test_workers_get_the_driver_prefect_url(tmp_path):
     kw = ray_init_kwargs(num_cpus=2, prefect_api_url="http://127.0.0.1:1234/api", root=tmp_path)
     env = kw["runtime_env"]["env_vars"]
