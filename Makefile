@@ -22,7 +22,7 @@ export MLFLOW_ENABLE_TELEMETRY ?= false
 export DO_NOT_TRACK ?= 1
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup browser lint run private stress stress-private stress-cifar fedpad fedpd ppfcil push pull exp plots test test-fast params bench clean
+.PHONY: setup browser lint run private stress stress-private stress-cifar fedpad fedpd ppfcil push pull exp plots test test-fast params bench clean deploy-setup services-up services-down deploy-check
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -116,6 +116,24 @@ browser:
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium \
 	      >/dev/null) || echo "could not install chromium: tests/e2e/test_ui.py will be skipped"; \
 	  else echo "no chromium, and not root: tests/e2e/test_ui.py will be skipped (apt-get install chromium)"; fi; }
+
+# A real deployment on this machine's loopback (docs/deployment.md): PostgreSQL, MLflow and Prefect servers, a
+# two-node Ray cluster, an SSH DVC remote and a Prefect worker running the nightly deployments.
+$(BIN)/.deploy-installed: $(BIN)/.installed infra/deploy-setup.sh
+	infra/deploy-setup.sh
+	@touch $@
+
+deploy-setup: $(BIN)/.deploy-installed
+
+services-up: setup deploy-setup
+	$(BIN)/python infra/stack.py up
+
+services-down:
+	$(BIN)/python infra/stack.py down
+
+# The end-to-end check of that deployment: every nightly run through the worker, then the faults (about N minutes).
+deploy-check: setup deploy-setup
+	$(BIN)/python -m pytest -q tests/deploy
 
 lint: setup
 	$(BIN)/ruff check .
