@@ -75,16 +75,21 @@ class Stack:
         self.state_file = self.dir / "stack.json"
         self.state: Dict[str, Any] = json.loads(self.state_file.read_text()) if self.state_file.is_file() else {}
         saved = self.state.get("ports", {})
-        self.ports = {k: int(os.environ.get(k) or saved.get(k) or v) for k, v in PORTS.items()}
-        self.gpus = int(os.environ.get("FEDCORE_RAY_WORKER_GPUS", self.state.get("gpus", 1)))
+        # while any service is recorded, the settings it was started with win over the environment's
+        live = any(name in self.state for name in SERVICES)
+        self.ports = {k: int((saved.get(k) if live else None) or os.environ.get(k) or v) for k, v in PORTS.items()}
+        gpus = self.state.get("gpus") if live else None
+        self.gpus = int(gpus if gpus is not None else os.environ.get("FEDCORE_RAY_WORKER_GPUS", 1))
         self.user = getpass.getuser()
         self.root_user = os.geteuid() == 0
         # Ray's nodes listen on every interface of their network (and map 127.0.0.1 to the address the host
         # routes outward): as root they run, with the worker and its flow runs, in a network namespace of
         # their own whose only interface is loopback (FEDCORE_STACK_NETNS=0 turns it off)
-        wanted = os.environ.get("FEDCORE_STACK_NETNS", self.state.get("netns_wanted", "auto"))
-        self.netns = (
-            f"fedcore-{self.ports['FEDCORE_RAY_PORT']}"
+        wanted = self.state.get("netns_wanted") if live else os.environ.get("FEDCORE_STACK_NETNS", "auto")
+        self.netns: Optional[str] = (
+            self.state.get("netns_name")
+            if live
+            else f"fedcore-{self.ports['FEDCORE_RAY_PORT']}"
             if wanted != "0" and self.root_user and shutil.which("ip")
             else None
         )
@@ -98,8 +103,7 @@ class Stack:
     def _pg_password(self) -> str:
         f = self.dir / "postgres.password"
         if not f.is_file():
-            f.write_text(secrets.token_hex(16))
-            f.chmod(0o600)
+            _write_secret(f, secrets.token_hex(16))
         return f.read_text().strip()
 
     def db_uri(self, db: str, driver: str = "postgresql") -> str:
@@ -162,8 +166,7 @@ class Stack:
         f = self.dir / "ray_auth_token"
         if not f.is_file():
             self.dir.mkdir(parents=True, exist_ok=True)
-            f.write_text(secrets.token_hex(32))
-            f.chmod(0o600)
+            _write_secret(f, secrets.token_hex(32))
         return f
 
     # ---------- process bookkeeping
@@ -178,15 +181,25 @@ class Stack:
         (self.dir / "env").write_text("".join(f"export {k}={v}\n" for k, v in self.env().items()))
 
     def running(self, name: str) -> bool:
+        """Whether the service's recorded processes are alive and still this stack's (a pid can be reused)."""
         pids = self.state.get(name, {}).get("pids", [])
-        return bool(pids) and all(_alive(p) for p in pids)
+        return bool(pids) and all(_alive(p) and self._ours(name, p) for p in pids)
+
+    def _ours(self, name: str, pid: int) -> bool:
+        """Whether ``pid`` is still the process the stack recorded for ``name`` (same start time), or one
+        that carries the stack's mark; a recorded pid may belong to another process after a reboot."""
+        started = self.state.get(name, {}).get("started", {}).get(str(pid))
+        return _start_time(pid) == started if started is not None else _is_marked(pid, self.dir)
+
+    def _record(self, name: str, pids: List[int], **extra: Any) -> None:
+        self.state[name] = {"pids": pids, "started": {str(p): _start_time(p) for p in pids}, **extra}
+        self._save()
 
     def _spawn(self, name: str, cmd: List[str], *, env: Dict[str, str], cwd: Path = ROOT) -> int:
         self.logs.mkdir(parents=True, exist_ok=True)
         log = (self.logs / f"{name}.log").open("ab")
         proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.state[name] = {"pids": [proc.pid], "group": True}
-        self._save()
+        self._record(name, [proc.pid], group=True)
         return proc.pid
 
     def _wait(self, name: str, ready: Callable[[], bool], timeout: float = 180) -> None:
@@ -216,14 +229,14 @@ class Stack:
             _run(["ip", "netns", "add", self.netns], "ip netns add", self.logs)
         _run(["ip", "netns", "exec", self.netns, "ip", "link", "set", "lo", "up"], "loopback up", self.logs)
         ports = [self.ports[k] for k in ("FEDCORE_MLFLOW_PORT", "FEDCORE_PREFECT_PORT", "FEDCORE_SSH_PORT")]
+        log = self.logs / "netns.log"
+        seen = log.stat().st_size if log.is_file() else 0
         self._spawn(
             "netns",
             [sys.executable, str(Path(__file__).resolve()), "forward", self.netns, *map(str, ports)],
             env=self._base_env(),
         )
-        self._wait(
-            "netns", lambda: (self.logs / "netns.log").is_file() and "listening" in _tail(self.logs / "netns.log")
-        )
+        self._wait("netns", lambda: log.is_file() and b"listening in" in log.read_bytes()[seen:], timeout=30)
 
     def _as_postgres(self, cmd: List[str]) -> List[str]:
         return ["runuser", "-u", "postgres", "--", *cmd] if self.root_user else cmd
@@ -241,14 +254,16 @@ class Stack:
         if not (data / "PG_VERSION").is_file():
             data.mkdir(parents=True, exist_ok=True)
             pwfile = self.dir / "postgres.pwfile"
-            pwfile.write_text(self._pg_password() + "\n")
-            if self.root_user:
-                shutil.chown(data, "postgres")
-                shutil.chown(pwfile, "postgres")
-            cmd = [str(pg_bin / "initdb"), "-D", str(data), "-U", "fedcore", f"--pwfile={pwfile}"]
-            cmd += ["--auth-local=scram-sha-256", "--auth-host=scram-sha-256", "--encoding=UTF8", "--locale=C"]
-            _run(self._as_postgres(cmd), "initdb", self.logs)
-            pwfile.unlink()
+            _write_secret(pwfile, self._pg_password() + "\n")
+            try:
+                if self.root_user:
+                    shutil.chown(data, "postgres")
+                    shutil.chown(pwfile, "postgres")
+                cmd = [str(pg_bin / "initdb"), "-D", str(data), "-U", "fedcore", f"--pwfile={pwfile}"]
+                cmd += ["--auth-local=scram-sha-256", "--auth-host=scram-sha-256", "--encoding=UTF8", "--locale=C"]
+                _run(self._as_postgres(cmd), "initdb", self.logs)
+            finally:
+                pwfile.unlink(missing_ok=True)
         sock = self.dir / "postgres-run"
         sock.mkdir(exist_ok=True)
         if self.root_user:
@@ -260,10 +275,9 @@ class Stack:
         if self.root_user:
             shutil.chown(log, "postgres")
         start = [str(pg_bin / "pg_ctl"), "-D", str(data), "-l", str(log), "-o", opts, "-w", "-t", "120", "start"]
-        _run(self._as_postgres(start), "pg_ctl start", self.logs)
+        _run(self._as_postgres(start), "pg_ctl start", self.logs, self._base_env())
         pid = int((data / "postmaster.pid").read_text().split()[0])
-        self.state["postgres"] = {"pids": [pid], "group": False, "data": str(data)}
-        self._save()
+        self._record("postgres", [pid], group=False, data=str(data))
         env = {**self._base_env(), "PGPASSWORD": self._pg_password()}
         for db in ("mlflow", "prefect"):
             psql = [str(pg_bin / "psql"), "-h", "127.0.0.1", "-p", str(self.ports["FEDCORE_PG_PORT"]), "-U", "fedcore"]
@@ -302,14 +316,17 @@ class Stack:
         node.append(f"--object-store-memory={int(os.environ.get('FEDCORE_RAY_OBJECT_STORE_MB', 1024)) << 20}")
         before = set(_marked(self.dir))
         _run(self.in_netns([str(BIN / "ray"), "start", *args, *node]), f"ray start ({name})", self.logs, env, cwd=cwd)
-        pids = sorted(set(_marked(self.dir)) - before)
+        # what this `ray start` left running: the daemons it detached (adopted by a process outside the stack:
+        # init, or a subreaper), and theirs; not what the stack's other processes started meanwhile
+        new = set(_marked(self.dir)) - before
+        roots = [p for p in new if _parent(p) not in new and not _is_marked(_parent(p), self.dir)]
+        pids = sorted({*roots, *(d for r in roots for d in _descendants(r))})
         raylet = [p for p in pids if _cmd(p)[:1] and _cmd(p)[0].endswith("/raylet")]
         if not raylet:
             raise StackError(f"ray start ({name}) left no raylet running; see {self.logs / 'commands.log'}")
         # the node's raylet stands for the node; its agents (renamed ray::...) are found below it
         pids = sorted({*pids, *_descendants(raylet[0])})
-        self.state[name] = {"pids": raylet, "all": pids, "group": False}
-        self._save()
+        self._record(name, raylet, all=pids, group=False)
 
     def up_ray_head(self) -> None:
         port = self.ports["FEDCORE_RAY_PORT"]
@@ -339,8 +356,8 @@ class Stack:
         for key in ("host_key", "client_key"):
             if not (keys / key).is_file():
                 _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(keys / key)], "ssh-keygen", self.logs)
-        (keys / "authorized_keys").write_text((keys / "client_key.pub").read_text())
-        (keys / "authorized_keys").chmod(0o600)
+        # the key opens SFTP and nothing else (no shell, pty, agent or port forwarding)
+        _write_secret(keys / "authorized_keys", "restrict " + (keys / "client_key.pub").read_text())
         (self.dir / "dvc-remote").mkdir(exist_ok=True)
         config = keys / "sshd_config"
         config.write_text(
@@ -358,6 +375,9 @@ class Stack:
                     "StrictModes no",
                     "UsePAM no",
                     "Subsystem sftp internal-sftp",
+                    "ForceCommand internal-sftp",
+                    "DisableForwarding yes",
+                    "PermitTTY no",
                     "",
                 ]
             )
@@ -396,8 +416,9 @@ class Stack:
 
     # ---------- commands
     def up(self) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.dir.chmod(0o755)
+        if not self.dir.is_dir():  # made here: every user may traverse it (PostgreSQL runs as its own user)
+            self.dir.mkdir(parents=True)
+            self.dir.chmod(0o755)
         _check_ports_free({k: v for k, v in self.ports.items() if not self._port_is_ours(k)})
         steps = {
             "postgres": self.up_postgres,
@@ -415,6 +436,7 @@ class Stack:
             if self.running(name):
                 print(f"{name:10s} already running (pid {self.state[name]['pids'][0]})")
                 continue
+            self.stop(name, quiet=True)  # what a dead service left behind (orphaned agents holding its ports)
             t0 = time.monotonic()
             start()
             print(f"{name:10s} up in {time.monotonic() - t0:4.1f} s (pid {self.state[name]['pids'][0]})", flush=True)
@@ -426,7 +448,10 @@ class Stack:
     def ray_nodes(self) -> int:
         """The Ray cluster's live nodes, as ``ray status`` sees them from inside its network."""
         cmd = self.in_netns([str(BIN / "ray"), "status", f"--address={self.ray_address}"])
-        out = subprocess.run(cmd, env=self._base_env(), capture_output=True, text=True, timeout=60).stdout
+        try:
+            out = subprocess.run(cmd, env=self._base_env(), capture_output=True, text=True, timeout=60).stdout
+        except subprocess.TimeoutExpired:
+            return 0
         active = out.split("Active:")[-1].split("Pending:")[0]
         return sum(1 for line in active.splitlines() if line.strip().startswith("1 node_"))
 
@@ -440,28 +465,25 @@ class Stack:
         }[var]
         return self.running(owner)
 
-    def stop(self, name: str) -> None:
+    def stop(self, name: str, quiet: bool = False) -> None:
         """Stop one service by its process ids (PostgreSQL with ``pg_ctl stop -m fast``)."""
         entry = self.state.get(name)
         if not entry:
             return
-        if name == "postgres" and entry["pids"] and _alive(entry["pids"][0]):
+        if name == "postgres" and self.running("postgres"):
             cmd = [str(_pg_bin() / "pg_ctl"), "-D", entry["data"], "-m", "fast", "-w", "stop"]
             subprocess.run(self._as_postgres(cmd), capture_output=True)
         pids = entry.get("all", entry["pids"])
         if name.startswith("ray-"):  # and the agents and workers its raylet started (renamed: ray::...)
             pids = sorted({*pids, *(d for p in entry["pids"] for d in _descendants(p))})
         if name == "ray-head":  # the head and every process left of the cluster
-            pids = sorted({*pids, *_ray_pids(self.ray_temp)})
-        if name == "ray-worker":
-            pids = [p for p in pids if p not in self._head_pids()]
-        _stop(pids, group=entry.get("group", False))
-        print(f"{name:10s} stopped")
+            pids = sorted({*pids, *_ray_pids(self.ray_temp, self.dir)})
+        # only processes that are still this stack's: a recorded pid may belong to another by now
+        _stop([p for p in pids if self._ours(name, p)], group=entry.get("group", False))
+        if not quiet:
+            print(f"{name:10s} stopped")
         self.state.pop(name, None)
         self._save()
-
-    def _head_pids(self) -> List[int]:
-        return list(self.state.get("ray-head", {}).get("all", []))
 
     def down(self, purge: bool = False) -> None:
         for name in reversed(SERVICES):
@@ -470,7 +492,7 @@ class Stack:
         if strays:  # left by a service that died before its children (a killed raylet's agents)
             _stop(strays, group=False)
             print(f"stopped {len(strays)} stray process(es) of this stack")
-        if Path(self.ray_temp).exists() and not _ray_pids(self.ray_temp):
+        if Path(self.ray_temp).exists() and not _ray_pids(self.ray_temp, self.dir):
             shutil.rmtree(self.ray_temp, ignore_errors=True)
         if self.netns and self.netns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout:
             subprocess.run(["ip", "netns", "delete", self.netns], capture_output=True)
@@ -585,6 +607,35 @@ def _descendants(pid: int) -> List[int]:
     return found
 
 
+def _start_time(pid: int) -> int:
+    """When the process started (clock ticks since boot): with its pid, it names one process for good."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _is_marked(pid: int, folder: Path) -> bool:
+    try:
+        return f"FEDCORE_STACK={folder}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+
+
+def _write_secret(path: Path, text: str) -> None:
+    """A file only its owner can read, from its first byte."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
 def _ancestors() -> List[int]:
     """This process and those above it (a shell `stack.py exec` opened carries the stack's mark too)."""
     found, pid = [], os.getpid()
@@ -611,13 +662,15 @@ def _marked(folder: Path) -> List[int]:
     return found
 
 
-def _ray_pids(temp_dir: str) -> List[int]:
-    """The processes of this stack's Ray cluster: those whose command line names its temp folder."""
-    return [
-        int(p.name)
-        for p in Path("/proc").iterdir()
-        if p.name.isdigit() and any(temp_dir in a for a in _cmd(int(p.name)))
-    ]
+def _ray_pids(temp_dir: str, folder: Path) -> List[int]:
+    """The processes of this stack's Ray cluster: this stack's (``FEDCORE_STACK``) whose command line names its
+    temp folder, as a whole path (``/tmp/...-6399`` is not ``/tmp/...-63990``)."""
+
+    def names(arg: str) -> bool:
+        at = arg.find(temp_dir)
+        return at >= 0 and arg[at + len(temp_dir) : at + len(temp_dir) + 1] in ("", "/")
+
+    return [p for p in _marked(folder) if any(names(a) for a in _cmd(p))]
 
 
 def _forward(netns: str, ports: List[int]) -> None:
@@ -661,13 +714,20 @@ def _forward(netns: str, ports: List[int]) -> None:
         threading.Thread(target=pump, args=(conn, out), daemon=True).start()
         pump(out, conn)
 
+    failed: List[str] = []
+
     def listen(port: int, ready: threading.Event) -> None:
-        enter(inner)
-        srv = socket.socket()
-        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        srv.bind(("127.0.0.1", port))
-        srv.listen(64)
-        ready.set()
+        try:
+            enter(inner)
+            srv = socket.socket()
+            srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            srv.bind(("127.0.0.1", port))
+            srv.listen(64)
+        except OSError as exc:
+            failed.append(f"port {port}: {exc}")
+            return
+        finally:
+            ready.set()
         while True:
             conn, _ = srv.accept()
             threading.Thread(target=relay, args=(conn, port), daemon=True).start()
@@ -676,6 +736,9 @@ def _forward(netns: str, ports: List[int]) -> None:
         ready = threading.Event()
         threading.Thread(target=listen, args=(port, ready), daemon=True).start()
         ready.wait(10)
+    if failed:
+        print(f"could not listen in {netns}: {'; '.join(failed)}", flush=True)
+        sys.exit(1)
     print(f"listening in {netns} on 127.0.0.1 ports {', '.join(map(str, ports))}", flush=True)
     signal.sigwait({signal.SIGTERM, signal.SIGINT})
 
@@ -735,6 +798,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if argv[:1] == ["exec"]:  # a command with the stack's settings, inside its network (Ray's side)
         stack = Stack()
         cmd = argv[2:] if argv[1:2] == ["--"] else argv[1:]
+        if not cmd:
+            print("usage: python infra/stack.py exec -- <command> [args...]", file=sys.stderr)
+            return 2
         return subprocess.call(stack.in_netns(cmd), env={**stack._base_env(), **stack.env()})
     ap.add_argument("command", choices=["up", "down", "status", "env", "stop", "restart", "exec"])
     ap.add_argument("service", nargs="?", choices=SERVICES, help="with stop and restart: the one service")

@@ -54,11 +54,11 @@ def _share(stages: List[str], overrides: Optional[List[str]], push: bool, root: 
             "not pushed to the DVC remote: a run with overrides is not what dvc.yaml records "
             f"(overrides: {' '.join(overrides)})"
         )
-    from flows.services.remote import RemoteError
+    from flows.services.remote import RemoteUnreachable
 
     try:
         return share(stages, root)
-    except RemoteError as exc:  # the remote is down: the run itself succeeded, and what it built is kept
+    except RemoteUnreachable as exc:  # the run succeeded and is recorded (dvc commit ran first); only the push failed
         fix = f"python -m flows.services.remote push {' '.join(stages)}"
         get_run_logger().error(
             "the run finished, but pushing it to the DVC remote failed after retries: %s\n"

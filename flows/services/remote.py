@@ -95,6 +95,11 @@ class PullReport:
     absent: List[Output] = field(default_factory=list)  # not in the remote: never pushed from any clone
 
 
+class RemoteUnreachable(RemoteError):
+    """A push that reached no remote (a server that is down, a share that is not mounted): worth trying again
+    later, unlike a remote that is set up wrong."""
+
+
 class PushError(RemoteError):
     def __init__(self, message: str, report: PushReport):
         super().__init__(message)
@@ -202,7 +207,7 @@ def check_reachable(remote: Remote, *, for_push: bool) -> None:
             f"was pushed elsewhere. Point {ENV} at the remote the run was pushed to. {HOW_TO_SET}"
         )
     if not path.parent.is_dir():
-        raise RemoteError(
+        raise RemoteUnreachable(
             f"{remote.describe()} is not reachable: its parent folder {path.parent} does not "
             f"exist (a share that is not mounted?). Nothing was pushed. {HOW_TO_SET}"
         )
@@ -405,8 +410,10 @@ def push(root: Path, stages: Optional[Sequence[str]] = None) -> PushReport:
 
     Raises
     ------
-    RemoteError
+    RemoteUnreachable
         if the remote cannot be reached, naming it and how to set it.
+    RemoteError
+        if it is set up wrong (no URL, a missing DVC plugin).
     PushError
         if an output is in the work tree but not in the DVC cache, after pushing the rest.
     """
@@ -422,10 +429,11 @@ def push(root: Path, stages: Optional[Sequence[str]] = None) -> PushReport:
     if ready:
         proc = _dvc(root, "push", *[o.path for o in ready])
         if proc.returncode != 0:
-            raise RemoteError(
+            hint = _plugin_hint(proc)  # a plugin missing here is set-up, not reachability
+            raise (RemoteError if hint else RemoteUnreachable)(
                 f"`dvc push` to {remote.describe()} failed; run it again once the remote is "
                 f"reachable (what already arrived is not sent twice).\n{_errors(proc)}\n"
-                f"{_plugin_hint(proc)}{HOW_TO_SET}"
+                f"{hint}{HOW_TO_SET}"
             )
     report = PushReport(
         remote=remote, pushed=[o.path for o in ready], not_in_cache=uncached, not_built=[o.path for o in absent]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -26,7 +27,7 @@ from flows import systems
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
-NIGHTLY_MINUTES = 40  # the five quick defaults one after another take about N minutes on 2 cores
+NIGHTLY_MINUTES = 70  # the six runs one after another: about 40 minutes on 2 cores, most of it DP-TTA's 43 cells
 
 
 def _free_port() -> int:
@@ -112,6 +113,15 @@ class Deployment:
             f"flow runs not finished after {minutes} min: {[(r['name'], r['state_type']) for r in runs]}"
         )
 
+    def running_tasks(self, run_id: str) -> List[Dict[str, Any]]:
+        """The task runs of a flow run's subflows that are RUNNING now."""
+        subs = self.post("/flow_runs/filter", {"flow_runs": {"parent_flow_run_id": {"any_": [run_id]}}})
+        body = {
+            "flow_runs": {"id": {"any_": [run_id, *(r["id"] for r in subs)]}},
+            "task_runs": {"state": {"type": {"any_": ["RUNNING"]}}},
+        }
+        return list(self.post("/task_runs/filter", body))
+
     def family_logs(self, run_id: str) -> List[str]:
         """The logs of a flow run and of its subflow runs (and their tasks)."""
         subs = self.post("/flow_runs/filter", {"flow_runs": {"parent_flow_run_id": {"any_": [run_id]}}})
@@ -142,6 +152,16 @@ def deployed():
         shutil.rmtree(base, ignore_errors=True)
 
 
+def _cmdlines() -> List[bytes]:
+    found = []
+    for path in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            found.append(path.read_bytes())
+        except OSError:  # the process ended meanwhile
+            continue
+    return found
+
+
 def _mlflow(d: Deployment):
     from mlflow.tracking import MlflowClient
 
@@ -160,7 +180,9 @@ def test_the_stack_is_up_on_loopback(deployed):
         assert addresses == {"127.0.0.1"}, (var, addresses)
     state = json.loads((deployed.dir / "stack.json").read_text())
     if state.get("netns_name"):  # Ray, the worker and the flow runs: inside a namespace that has only loopback
-        inner = subprocess.run(["ip", "netns", "exec", state["netns_name"], "ss", "-ltnH"], capture_output=True, text=True)
+        inner = subprocess.run(
+            ["ip", "netns", "exec", state["netns_name"], "ss", "-ltnH"], capture_output=True, text=True
+        )
         hosts = {line.split()[3].rsplit(":", 1)[0] for line in inner.stdout.splitlines()}
         assert hosts and hosts <= {"127.0.0.1", "[::ffff:127.0.0.1]"}, hosts
         links = subprocess.run(
@@ -188,6 +210,9 @@ def test_the_stack_is_up_on_loopback(deployed):
         text=True,
     )
     assert tables.stdout.strip() == "2", tables.stderr
+    # the database password is on no command line (every local user can read those)
+    password = (deployed.dir / "postgres.password").read_text().strip()
+    assert not any(password.encode() in c for c in _cmdlines())
 
 
 def test_every_nightly_deployment_completes_through_the_worker(deployed):
@@ -217,7 +242,8 @@ def test_every_nightly_deployment_completes_through_the_worker(deployed):
         tasks = d.post("/task_runs/filter", {"flow_runs": {"id": {"any_": [ids[s]]}}})
         assert any(t["name"].startswith("share-") and t["state_type"] == "COMPLETED" for t in tasks), s
         logs = "\n".join(d.logs(ids[s]))
-        assert f"nightly {s}" in logs and "pushed" in logs, (s, logs[-2000:])
+        assert f"nightly {s}" in logs and re.search(r"\bpushed \d+ outputs", logs), (s, logs[-2000:])
+        assert "NOT pushed" not in logs, (s, logs[-2000:])
     # the GPU run's cells say, in their task logs, that torch saw no CUDA on that node
     assert "torch sees no CUDA here: the model runs on the CPU" in "\n".join(d.family_logs(gpu))
 
@@ -281,7 +307,7 @@ def _pushed_stages(d: Deployment) -> List[str]:
 
 
 def _missing_from_remote(d: Deployment, stages: List[str]) -> List[str]:
-    sys.path.insert(0, str(d.repo))
+    """The outputs of ``stages`` (as the copy's dvc.lock records them) that the SSH remote's folder lacks."""
     from flows.services import remote
 
     base = d.dir / "dvc-remote"
@@ -334,13 +360,17 @@ def _summaries(d: Deployment, run_id: str) -> Dict[str, Dict[str, float]]:
     return {r.info.run_name: {k: v for k, v in r.data.metrics.items() if not any(t in k for t in timed)} for r in runs}
 
 
-def _wait_for_log(d: Deployment, run_id: str, text: str, minutes: float = 10) -> None:
+def _wait_for(ready, what: str, minutes: float = 10) -> None:
     deadline = time.monotonic() + 60 * minutes
     while time.monotonic() < deadline:
-        if any(text in m for m in d.family_logs(run_id)):
+        if ready():
             return
-        time.sleep(1)
-    raise AssertionError(f"{text!r} never appeared in the logs of flow run {run_id}")
+        time.sleep(0.5)
+    raise AssertionError(f"never happened: {what}")
+
+
+def _wait_for_log(d: Deployment, run_id: str, text: str, minutes: float = 10) -> None:
+    _wait_for(lambda: any(text in m for m in d.family_logs(run_id)), f"{text!r} in the logs of {run_id}", minutes)
 
 
 def _state(d: Deployment) -> Dict[str, Any]:
@@ -353,8 +383,8 @@ def test_a_ray_node_stopped_mid_round_changes_no_metric(deployed):
     """The worker node's raylet is killed while cells run on both nodes: Ray reruns its cell on the head."""
     d = deployed
     run = d.trigger("nightly-rounds/nightly-fedpad", {"overrides": _aside(d, "fault-ray-node")})
-    _wait_for_log(d, run, "Beginning subflow run 'fedpad-quick'")
-    time.sleep(8)  # both nodes hold a cell now (one CPU each, three cells of about 20 s)
+    # two cells running at once, on two nodes of one CPU each: one of them is on the worker node
+    _wait_for(lambda: len(d.running_tasks(run)) >= 2, f"two cells of flow run {run} running at once")
     raylet = _state(d)["ray-worker"]["pids"][0]
     os.kill(raylet, 9)
     finished = d.wait([run], 15)[run]

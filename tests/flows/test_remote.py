@@ -255,19 +255,25 @@ def test_a_nightly_whose_push_fails_completes_and_names_the_command_that_pushes_
 
     from flows.runs import nightly as N
 
-    def down(stages, root):
-        raise R.RemoteError("remote 'fedcore' (ssh://...) is not reachable")
+    def fails(error):
+        def share(stages, root):
+            raise error
 
-    monkeypatch.setattr(N, "share", down)
+        return share
 
     @flow
     def run() -> str:
         return N._share(["fedpad@quick"], None, True, root="/srv/fedcore")
 
+    monkeypatch.setattr(N, "share", fails(R.RemoteUnreachable("remote 'fedcore' (ssh://...) is not reachable")))
     said = run()
-
     assert said.startswith("NOT pushed") and "python -m flows.services.remote push fedpad@quick" in said
     assert "pushing it to the DVC remote failed after retries" in caplog.text and "not reachable" in caplog.text
+
+    # recording the run failed, or the remote is set up wrong: that fails the run
+    monkeypatch.setattr(N, "share", fails(R.RemoteError("`dvc commit fedpad@quick` failed")))
+    with pytest.raises(R.RemoteError, match="dvc commit"):
+        run()
 
 
 def _closed_port() -> int:
