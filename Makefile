@@ -12,6 +12,10 @@
 #   make push   every output dvc.lock records -> the DVC remote (FEDCORE_DVC_REMOTE, default ../fedcore-dvc-remote)
 #   make pull   on another clone: fetch, check every md5 against dvc.lock, restore; rebuilds nothing
 #   STAGES="adapt@mnist fedpad@quick" limits either to those stages
+# A real deployment on this machine's loopback (docs/deployment.md, section 5):
+#   make services-up     PostgreSQL, MLflow and Prefect servers, a two-node Ray cluster, an SSH DVC remote and a
+#                        Prefect worker running the nightly deployments; make services-down stops them
+#   make deploy-check    every nightly run through that stack, then faults (run by CI after make test)
 SHELL := /bin/bash
 PY ?= python3
 VENV := .venv
