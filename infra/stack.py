@@ -20,18 +20,21 @@ What runs, in order (docs/deployment.md walks through it):
   system service), databases ``mlflow`` and ``prefect``, a password in ``<dir>/postgres.password``;
 * ``mlflow``: ``infra/mlflow-server.sh`` with the PostgreSQL store, serving artifacts from ``<dir>/mlartifacts``;
 * ``prefect``: ``prefect server start`` with the PostgreSQL database;
+* ``sshd``: an SSH server with a host key and a client key made here (the key opens SFTP only), serving
+  ``<dir>/dvc-remote`` as the DVC remote ``ssh://<user>@127.0.0.1:<port><dir>/dvc-remote``;
+* ``netns`` (as root): a network namespace whose only interface is loopback, for Ray's nodes (which listen
+  on every interface of their network), the worker and its flow runs, and a forwarder that makes the
+  MLflow, Prefect and SSH ports of this host's loopback reachable inside it;
 * ``ray-head`` and ``ray-worker``: ``ray start --head`` and ``ray start --address``; the worker node runs in
   an empty folder and declares ``FEDCORE_RAY_WORKER_GPUS`` GPUs, so GPU placement is exercised. Flows that
-  join the cluster ship ``fedcore`` and ``flows`` to its workers through Ray's ``runtime_env``
-  (``flow.ship_code``), so no node needs a checkout;
-* ``sshd``: an SSH server with a host key and a client key made here, serving ``<dir>/dvc-remote`` as the
-  DVC remote ``ssh://<user>@127.0.0.1:<port><dir>/dvc-remote``;
-* ``worker``: the work pool ``fedcore-process``, the deployments of ``infra/prefect.yaml`` and a
-  ``prefect worker``, whose flow runs join the Ray cluster, track to the MLflow server and push to the
-  SSH remote.
+  join the cluster ship ``fedcore`` and ``flows`` to its workers through Ray's ``runtime_env``, so no node
+  needs a checkout;
+* ``worker``: the work pool ``fedcore-process`` (one flow run at a time), the deployments of
+  ``infra/prefect.yaml`` and a ``prefect worker``, whose flow runs join the Ray cluster, track to the MLflow
+  server and push to the SSH remote.
 
 Run as root, PostgreSQL runs as the ``postgres`` user (it refuses root) and ``sshd`` as root; as any
-other user, both run as that user.
+other user, both run as that user, and there is no namespace.
 """
 
 from __future__ import annotations
