@@ -135,7 +135,7 @@ services-up: setup deploy-setup
 services-down:
 	$(BIN)/python infra/stack.py down
 
-# The end-to-end check of that deployment: every nightly run through the worker, then the faults (about N minutes).
+# The end-to-end check of that deployment: every nightly run through the worker, then the faults (about 40 minutes).
 deploy-check: setup deploy-setup
 	$(BIN)/python -m pytest -q tests/deploy
 
