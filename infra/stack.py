@@ -597,11 +597,7 @@ def _descendants(pid: int) -> List[int]:
     children: Dict[int, List[int]] = {}
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
-            try:
-                ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(proc.name))
+            children.setdefault(_parent(int(proc.name)), []).append(int(proc.name))
     found, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -644,10 +640,7 @@ def _ancestors() -> List[int]:
     found, pid = [], os.getpid()
     while pid > 1:
         found.append(pid)
-        try:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            break
+        pid = _parent(pid)
     return found
 
 
