@@ -5,6 +5,10 @@ keys. The runs' own records do not always: PP-FCIL's round records gain ``acc.ta
 arrive, a private arrival gains ``eps_*``. So each run's records are written here as a CSV with
 one header, the union of their scalar fields in first-seen order, and an empty cell where a record
 lacks a field (or holds NaN).
+
+How long a step took (:data:`WALL_CLOCK`) is left out of every file written here and of the other stage
+outputs: it differs on every run, and an output that holds it could never be rebuilt to the bytes
+``dvc.lock`` records. MLflow keeps it, per step and per run.
 """
 
 from __future__ import annotations
@@ -20,6 +24,14 @@ ARRIVALS_CSV = "arrivals.csv"  # one row per arrival (flows.runs.federation)
 ACCURACY_CSV = "accuracy.csv"  # the accuracy matrix, one row per (arrival, seen hold-out client)
 ROUNDS_CSV = "rounds.csv"  # one row per round (flows.runs.rounds)
 
+# The record fields that measure the machine, not the method: logged to MLflow, never written to a stage output.
+WALL_CLOCK = frozenset({"agg_seconds", "adapt_seconds"})
+
+
+def reproducible(records: Sequence[Mapping[str, Any]]) -> List[Dict[str, Any]]:
+    """``records`` without their :data:`WALL_CLOCK` fields: what a stage output may hold."""
+    return [{k: v for k, v in rec.items() if k not in WALL_CLOCK} for rec in records]
+
 
 def _cell(value: Any) -> Any:
     if isinstance(value, bool):
@@ -30,7 +42,8 @@ def _cell(value: Any) -> Any:
 
 
 def write_records_csv(records: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
-    """``records`` as a CSV: a column per scalar field (lists and dicts, such as ``clients``, are left out).
+    """``records`` as a CSV: a column per scalar field (lists and dicts, such as ``clients``, and the
+    :data:`WALL_CLOCK` fields are left out).
 
     Parameters
     ----------
@@ -45,6 +58,7 @@ def write_records_csv(records: Sequence[Mapping[str, Any]], path: str | Path) ->
         ``path``.
     """
     columns: Dict[str, None] = {}
+    records = reproducible(records)
     for rec in records:
         for k, v in rec.items():
             if isinstance(v, (bool, int, float, str, np.integer, np.floating)):

@@ -4,7 +4,10 @@ One writer per evaluation (:mod:`flows.reports.evaluations` says which a system 
 with the worst domain (:func:`write_grid_report`), open-set AUROC and OSCR
 (:func:`write_openset_report`), class-incremental accuracy (:func:`write_incremental_report`).
 Each writes ``table.md``, ``summary.json`` (DVC metrics), ``scores.json`` (what the paired tests
-use), ``stats.md`` and ``methods.png`` into the grid's results folder.
+use), ``stats.md`` and ``methods.png`` into the grid's results folder: the stage's outputs, which hold
+nothing that differs between two runs of the same cells, so that ``dvc repro`` rebuilds them to the bytes
+``dvc.lock`` records. How long the methods took goes to ``timings.md`` beside them (:func:`write_timings`),
+which DVC does not track.
 """
 
 from __future__ import annotations
@@ -20,13 +23,35 @@ from fedcore.evaluate.stats import friedman_p, friedman_ranks, wilcoxon_against
 from flows.config import compose as C
 
 # The summary.json keys a reader compares first, by the system's evaluation (``python -m flows.reports.exp``'s
-# columns); the rest (per-domain scores, spreads, timings) are there for ``--all`` and ``dvc exp diff``.
+# columns); the rest (per-domain scores, spreads) are there for ``--all`` and ``dvc exp diff``.
 HEADLINE_KEYS = {
     "domains": ("avg_acc", "worst_acc"),
     "openset": ("closed_acc", "auroc", "oscr"),
     "incremental": ("avg_inc_acc", "final_acc", "forgetting"),
     "arrivals": ("avg_online_acc", "final_avg_holdout_acc", "final_worst_holdout_acc", "forgetting"),
 }
+
+# timings.md's columns for a grid of rounds: (header, key, format)
+ROUND_TIMES = (("server aggregation ms per round", "agg_ms", ".1f"), ("run s", "seconds", ".0f"))
+
+
+def write_timings(
+    agg: List[Mapping[str, Any]], out: Path, *, title: str, columns: Tuple[Tuple[str, str, str], ...]
+) -> Path:
+    """``timings.md``: how long each method took where the grid ran, mean over its seeds.
+
+    ``columns``: ``(header, key of an agg entry, format)``. Not a stage output: the same cells take a different
+    time on every run, so DVC does not track it and ``make push`` does not share it; each cell's MLflow run
+    holds the same measurements (``run_seconds``, ``agg_seconds`` per round)."""
+    head = "| method | " + " | ".join(h for h, _, _ in columns) + " |"
+    lines = [head, "|" + "---|" * (len(columns) + 1)]
+    lines += ["| " + " | ".join([str(a["method"]), *(format(a[k], f) for _, k, f in columns)]) + " |" for a in agg]
+    path = out / "timings.md"
+    path.write_text(
+        f"{title}: wall-clock time on the machine that ran the grid, mean over seeds. Machine-dependent and "
+        "not tracked by DVC.\n\n" + "\n".join(lines) + "\n"
+    )
+    return path
 
 
 def write_grid_report(
@@ -56,19 +81,20 @@ def write_grid_report(
             }
         )
     seeds = max(a["n"] for a in agg)
-    head = f"| method | avg acc | worst acc | {' | '.join(domains)} | server agg ms | MiB/round | run s |"
+    head = f"| method | avg acc | worst acc | {' | '.join(domains)} | MiB/round |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for a in agg:
         lines.append(
             f"| {a['method']} | {a['avg_mean']:.3f} ± {a['avg_std']:.3f} | {a['worst_mean']:.3f} ± "
             f"{a['worst_std']:.3f} | "
             + " | ".join(f"{a['domains'][d]:.3f}" for d in domains)
-            + f" | {a['agg_ms']:.1f} | {a['mib_per_round']:.2f} | {a['seconds']:.0f} |"
+            + f" | {a['mib_per_round']:.2f} |"
         )
     table = "\n".join(lines)
     (out / "table.md").write_text(
         f"{title}: final-round test accuracy, mean ± std over {seeds} seed(s)\n\n" + table + "\n"
     )
+    write_timings(agg, out, title=title, columns=ROUND_TIMES)
     summary = {
         a["method"]: {
             "avg_acc": a["avg_mean"],
@@ -76,8 +102,6 @@ def write_grid_report(
             "worst_acc": a["worst_mean"],
             "worst_acc_std": a["worst_std"],
             **{f"acc.{d}": v for d, v in a["domains"].items()},
-            "agg_ms": a["agg_ms"],
-            "run_seconds": a["seconds"],
         }
         for a in agg
     }
@@ -165,14 +189,14 @@ def write_openset_report(
             )
             per_block[name] = [r["summary"][f"final_auroc.{s}.{d}"] for r in rs for d in domains]
     seeds = max(a["n"] for a in agg)
-    head = f"| method | closed acc | AUROC | OSCR | {' | '.join(domains)} | server agg ms | MiB/round | run s |"
+    head = f"| method | closed acc | AUROC | OSCR | {' | '.join(domains)} | MiB/round |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for a in agg:
         lines.append(
             f"| {a['method']} | {a['acc_mean']:.3f} ± {a['acc_std']:.3f} | {a['auroc_mean']:.3f} ± "
             f"{a['auroc_std']:.3f} | {a['oscr_mean']:.3f} ± {a['oscr_std']:.3f} | "
             + " | ".join(f"{a['domains'][d]:.3f}" for d in domains)
-            + f" | {a['agg_ms']:.0f} | {a['mib_per_round']:.2f} | {a['seconds']:.0f} |"
+            + f" | {a['mib_per_round']:.2f} |"
         )
     table = "\n".join(lines)
     extra = _unknown_sets_table(agg, unknown_sets, unknown_counts) if unknown_sets else ""
@@ -180,6 +204,7 @@ def write_openset_report(
         f"{title}: final-round closed-set accuracy, AUROC and OSCR (mean over domains), "
         f"mean ± std over {seeds} seed(s); per-domain columns are AUROC\n\n" + table + "\n" + extra
     )
+    write_timings(agg, out, title=title, columns=ROUND_TIMES)
     (out / "summary.json").write_text(
         json.dumps(
             {
@@ -347,7 +372,7 @@ def write_incremental_report(rows: List[Dict[str, Any]], *, out: Path, title: st
         "| method | avg incremental acc | final acc | forgetting | "
         + " | ".join(f"after task {t}" for t in range(tasks))
         + (" | max client ε" if private else "")
-        + " | s/round | MiB/round | run s |"
+        + " | MiB/round |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for a in agg:
@@ -358,13 +383,14 @@ def write_incremental_report(rows: List[Dict[str, Any]], *, out: Path, title: st
             f"{a['forgetting_std']:.3f} | "
             + " | ".join(f"{v:.3f}" for v in a["seen"])
             + eps
-            + f" | {a['round_s']:.2f} | {a['mib_per_round']:.2f} | {a['seconds']:.0f} |"
+            + f" | {a['mib_per_round']:.2f} |"
         )
     table = "\n".join(lines)
     (out / "table.md").write_text(
         f"{title}: class-incremental accuracy on the classes seen so far, mean ± std over "
         f"{seeds} seed(s); each task is scored at its last round\n\n" + table + "\n"
     )
+    write_timings(agg, out, title=title, columns=(("s per round", "round_s", ".2f"), ("run s", "seconds", ".0f")))
     (out / "summary.json").write_text(
         json.dumps(
             {

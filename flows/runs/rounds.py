@@ -96,10 +96,10 @@ def _describe_cell_run(run, cfg: DictConfig, system: str, grid_name: str, method
 def _cell_outputs(
     res: RoundsResult, part, out: Path, title: str, *, system: str, score: str | None = None
 ) -> List[Path]:
-    """rounds.json, the system's plot of the run and rounds.csv (``dvc plots`` reads it); ``score`` (a scored
-    evaluation, e.g. open-set) picks the score plotted."""
+    """rounds.json, the system's plot of the run and rounds.csv (``dvc plots`` reads it), without the rounds'
+    timings (MLflow has them); ``score`` (a scored evaluation, e.g. open-set) picks the score plotted."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "rounds.json").write_text(json.dumps(res.records, indent=0, allow_nan=True) + "\n")
+    (out / "rounds.json").write_text(json.dumps(plot_data.reproducible(res.records), indent=0, allow_nan=True) + "\n")
     plot = evaluations.of(system).plot(res.records, part, out, title=title, score=score)
     return [plot, out / "rounds.json", plot_data.write_records_csv(res.records, out / plot_data.ROUNDS_CSV)]
 

@@ -140,3 +140,14 @@ def test_exp_run_twice_then_show_and_diff_put_the_headline_metrics_side_by_side(
         assert data.get(pid), pid
         revs = {p["rev"] for item in data[pid] for p in item["content"]["data"]["values"]}
         assert revs == {"passes1", "passes2"}, (pid, revs)
+
+    # Execute: the last experiment committed as `main`, then rebuilt from scratch on this machine
+    commit(repo, "passes2 as main")
+    dvc(repo, "repro", "--force", "--single-item", "adapt@mnist")  # runs it, not its inputs, and not from the run cache
+
+    # Assert: the rebuild wrote the bytes dvc.lock records (no timing in any output), so the checkout stays clean
+    # and `main` shows its metrics in `dvc exp show`
+    assert run(repo, "git", "status", "--porcelain", "--untracked-files=no").stdout == ""
+    branch = run(repo, "git", "branch", "--show-current").stdout.strip()
+    rows = _experiments(json.loads(dvc(repo, "exp", "show", "--json").stdout))
+    assert summary_of(rows[branch]) == summary_of(exps["passes2"]), rows.get(branch)

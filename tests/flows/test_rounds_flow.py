@@ -241,6 +241,11 @@ def test_grid_flow_writes_the_table_statistics_plots_and_one_run_per_cell(quick)
         if r.info.run_name in ("fedavg-s0", "fedpad-s0")
     ][:2]
     assert sorted(r.info.run_name for r in cells) == ["fedavg-s0", "fedpad-s0"]
+    # timings: in MLflow and timings.md, never in the stage's outputs (a rebuild must write the same bytes)
+    assert "agg_seconds" not in json.loads((out / "cells/fedavg-s0/rounds.json").read_text())[0]
+    assert "run s" not in (out / "table.md").read_text() and "run_seconds" not in summary["fedpad"]
+    assert "| fedpad |" in (out / "timings.md").read_text()
+    assert all(r.data.metrics["run_seconds"] > 0 and "agg_seconds" in r.data.metrics for r in cells)
     flow_run = prefect_flow_run(cells[0])  # the grid in the Prefect UI: one task run and one MLflow link per cell
     grid = flow_run.parameters["config"]["fedpad"]["grids"]["quick"]
     assert grid["methods"] == ["fedavg", "fedpad"] and grid["seeds"] == [0]
