@@ -26,7 +26,7 @@ export MLFLOW_ENABLE_TELEMETRY ?= false
 export DO_NOT_TRACK ?= 1
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup browser lint run private stress stress-private stress-cifar fedpad fedpd ppfcil push pull exp plots test test-fast params bench clean deploy-setup services-up services-down deploy-check
+.PHONY: setup browser lint run private stress stress-private stress-cifar fedpad fedpad-natural fedpd ppfcil push pull exp plots test test-fast params bench clean deploy-setup services-up services-down deploy-check
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -91,6 +91,12 @@ fedpad: setup
 	$(BIN)/dvc repro fedpad@digits fedpad@digits_gamma fedpad@pacs fedpad@digits_6211 fedpad@digits_part20 \
 		fedpad@digits_part50 fedpad@digits_double
 	@for g in digits digits_gamma pacs digits_6211 digits_part20 digits_part50 digits_double; do echo; cat results/fedpad/$$g/table.md; cat results/fedpad/$$g/stats.md; done
+
+fedpad-natural: setup
+	@git rev-parse --git-dir >/dev/null 2>&1 || (git init -q && echo "initialised a git repo for DVC")
+	$(BIN)/dvc repro fedpad@pacs_natural fedpad@pacs_natural_6211 fedpad@pacs_natural_part20 \
+		fedpad@pacs_natural_part50 fedpad@digits_natural
+	@for g in pacs_natural pacs_natural_6211 pacs_natural_part20 pacs_natural_part50 digits_natural; do echo; cat results/fedpad/$$g/table.md; cat results/fedpad/$$g/stats.md; done
 
 fedpd: setup
 	@git rev-parse --git-dir >/dev/null 2>&1 || (git init -q && echo "initialised a git repo for DVC")

@@ -40,6 +40,10 @@ class Strategy:
 
     trainer: Tuple[str, ...] = ("sgd", "prox", "proser")  # local objectives this server rule is written for
     needs_model = False  # True: the engine calls bind_model(network) before setup (alignment needs the layers)
+    # How the average weighs each client's model, for reports: "examples" (by example count), "clients" (each
+    # alike), or the per-client metric of the round's record that holds the weight (FedPAD: "alpha"); None
+    # where no one weight per client says it (alignment, client selection).
+    client_weighting: str | None = None
 
     def setup(self, global_state: State, *, num_clients: int, param_keys: Sequence[str]) -> None:
         """Fresh server state; ``param_keys`` are the trainable entries (the rest are buffers)."""

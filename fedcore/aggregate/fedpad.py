@@ -28,10 +28,12 @@ class FedPAD(PrototypeServer):
         Model temperature τ in α = softmax(−θ/τ) (paper default 0.1).
     alpha_mode:
         ``fedpad`` (the paper), or the ablations ``uniform`` (α ≡ 1/m), ``direct`` (d → α),
-        ``normalized`` (d/Σd → α).
+        ``normalized`` (d/Σd → α); ``sized`` (α ∝ n·softmax(−θ/τ)) is a variant of ours, not the paper's.
     proto_weighting:
         ``theta`` (the paper) or ``uniform`` (the "no θ-weighting" ablation).
     """
+
+    client_weighting = "alpha"  # the per-client metric of each round's record that holds a client's weight
 
     def __init__(
         self, *, gamma: float = 0.01, tau: float = 0.1, alpha_mode: str = "fedpad", proto_weighting: str = "theta"
@@ -63,7 +65,8 @@ class FedPAD(PrototypeServer):
         client_protos = [u.payload["prototypes"] for _, u in updates]
         d = [P.deviation(p, self.protos) for p in client_protos]
         theta = P.prototype_weights(d, gamma=self.gamma)
-        alpha = P.model_weights(theta, tau=self.tau, mode=self.alpha_mode, deviations=d)
+        sizes = [u.num_examples for _, u in updates]
+        alpha = P.model_weights(theta, tau=self.tau, mode=self.alpha_mode, deviations=d, sizes=sizes)
         state = weighted_average([(u.state, a) for (_, u), a in zip(updates, alpha)])
         pw = theta if self.proto_weighting == "theta" else [1.0] * len(updates)
         self.protos = P.aggregate_prototypes(client_protos, pw, self.protos)

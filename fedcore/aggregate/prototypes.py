@@ -20,7 +20,7 @@ from fedcore.aggregate.functions import softmax
 
 Protos = Dict[str, torch.Tensor]
 
-ALPHA_MODES = ("fedpad", "uniform", "direct", "normalized")
+ALPHA_MODES = ("fedpad", "uniform", "direct", "normalized", "sized")
 PROTO_WEIGHTINGS = ("theta", "uniform")
 
 
@@ -57,13 +57,20 @@ def prototype_weights(deviations: Sequence[float], *, gamma: float) -> List[floa
 
 
 def model_weights(
-    theta: Sequence[float], *, tau: float, mode: str = "fedpad", deviations: Sequence[float] | None = None
+    theta: Sequence[float],
+    *,
+    tau: float,
+    mode: str = "fedpad",
+    deviations: Sequence[float] | None = None,
+    sizes: Sequence[int] | None = None,
 ) -> List[float]:
     """α, the model-aggregation weights.
 
     ``fedpad``: softmax(−θ/τ) (the paper). Ablations: ``uniform`` (α ≡ 1/m); ``direct``:
     softmax(−d/τ) from the raw deviations; ``normalized``: softmax(−(d/Σd)/τ), the
-    deviations normalised to sum 1 but without the softmax step to θ.
+    deviations normalised to sum 1 but without the softmax step to θ. ``sized`` is not in the paper:
+    α ∝ n_i·softmax(−θ/τ)_i with ``sizes`` n, FedAvg's example weights tilted by FedPAD's, so that
+    a domain's share does not fall with its client count.
     """
     if tau <= 0:
         raise ValueError(f"FedPAD tau must be > 0, got {tau}")
@@ -72,6 +79,12 @@ def model_weights(
         return softmax(theta, scale=-1.0 / tau)
     if mode == "uniform":
         return [1.0 / m] * m
+    if mode == "sized":
+        if sizes is None or len(sizes) != m:
+            raise ValueError("alpha mode 'sized' needs each client's example count")
+        tilted = [n * a for n, a in zip(sizes, softmax(theta, scale=-1.0 / tau))]
+        total = sum(tilted)
+        return [t / total for t in tilted] if total > 0 else [1.0 / m] * m
     if deviations is None:
         raise ValueError(f"alpha mode {mode!r} needs the deviations")
     if mode == "direct":

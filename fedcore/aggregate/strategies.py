@@ -24,7 +24,10 @@ from fedcore.aggregate.base import (
     create_strategy,
 )
 from fedcore.aggregate.functions import State, WeightedSum, fedadam_step, weighted_average
+from fedcore.registry import check_choice
 from fedcore.types import ClientUpdate
+
+WEIGHTINGS = ("examples", "clients")  # FedAvg's client weights: by example count, or each client alike
 
 __all__ = [
     "STRATEGIES",
@@ -47,12 +50,20 @@ __all__ = [
 class FedAvg(FoldingStrategy):
     """FedAvg; with the ``prox`` trainer this is FedProx (its server is FedAvg's).
 
+    ``weighting``: ``examples`` (McMahan et al.: each client by its example count) or ``clients`` (each
+    client alike, as SCAFFOLD's and FedDyn's servers weigh them and as FedPAD's α starts).
+
     Its average is folded in as updates arrive (:class:`fedcore.aggregate.functions.WeightedSum`),
     as are SCAFFOLD's, FedDyn's and FedAdam's: the server holds a few model-sized sums, not the round.
     """
 
+    def __init__(self, *, weighting: str = "examples") -> None:
+        self.client_weighting = check_choice("weighting", weighting, WEIGHTINGS)
+
     def new_fold(self, global_state: State, *, sizes: Sequence[int], num_clients: int) -> Fold:
-        return _AverageFold(self, global_state, num_clients=num_clients, total=float(sum(sizes)))
+        equal = self.client_weighting == "clients"
+        total = float(len(sizes) if equal else sum(sizes))
+        return _AverageFold(self, global_state, num_clients=num_clients, total=total, equal=equal)
 
 
 class _AverageFold(Fold):
@@ -81,6 +92,8 @@ class Scaffold(FoldingStrategy):
     server_lr:
         η_g (1 in the paper's experiments: the new model is the plain mean of the clients').
     """
+
+    client_weighting = "clients"
 
     trainer = ("scaffold",)
 
@@ -135,6 +148,8 @@ class FedDyn(FoldingStrategy):
     ``alpha`` must equal the ``feddyn`` trainer's (the engine checks).
     """
 
+    client_weighting = "clients"
+
     trainer = ("feddyn",)
 
     def __init__(self, *, alpha: float = 0.01) -> None:
@@ -184,6 +199,8 @@ class FedAdam(FoldingStrategy):
     Defaults are the FedOpt paper's: β₁ = 0.9, β₂ = 0.99, τ = 1e-3; server ``lr`` η = 0.01
     (the paper tunes η per task over a grid; 10^-2 is within its reported range for FedAdam).
     """
+
+    client_weighting = "examples"
 
     trainer = ("sgd", "prox")
 
@@ -250,6 +267,8 @@ class FedProto(PrototypeServer):
     system is judged on one global model per domain, so the weights are averaged as FedAvg
     does. Against FedPAD this isolates the θ/α weighting.
     """
+
+    client_weighting = "examples"
 
     def aggregate(self, global_state: State, updates: Updates, *, num_clients: int) -> Aggregated:
         client_protos = [u.payload["prototypes"] for _, u in updates]

@@ -224,6 +224,30 @@ def plot_methods(
     return save(fig, Path(path))
 
 
+def plot_domain_shares(
+    series: Dict[str, np.ndarray], domains: Sequence[str], path: str | Path, *, title: str = ""
+) -> Path:
+    """One panel per domain: its share of the global model in each round (the server's weights summed over the
+    domain's clients), one line per method. ``series[method]``: (rounds, domains), mean over seeds; a round
+    with no merged client is NaN."""
+    plt = pyplot()
+    cols = min(len(domains), 4)
+    rows = -(-len(domains) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.3 * cols + 1, 2.8 * rows + 0.6), squeeze=False, sharey=True)
+    for k, d in enumerate(domains):
+        ax = axes[k // cols, k % cols]
+        for method, values in series.items():
+            ax.plot(np.arange(1, len(values) + 1), values[:, k], lw=1.2, label=method)
+        ax.set(xlabel="round", title=d)
+        if k % cols == 0:
+            ax.set_ylabel("share of the model")
+    for k in range(len(domains), rows * cols):
+        axes[k // cols, k % cols].set_visible(False)
+    axes[0, 0].legend(fontsize=6)
+    fig.suptitle(title, fontsize=10)
+    return save(fig, Path(path))
+
+
 def plot_openset_rounds(
     records: List[Dict], domains: Sequence[str], folder: str | Path, *, score: str, title: str = ""
 ) -> Path:

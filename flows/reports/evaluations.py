@@ -61,7 +61,9 @@ class Evaluation:
     ``inputs(cfg, system, grid_name, part, rcfg, *, method)`` -> ``(RoundData, ModelSpec, evaluate)``;
     ``plot(records, part, out, title, score)`` -> the cell's plot; ``report(GridRun)`` -> the grid's
     table (it also writes summary.json, scores.json, stats.md, methods.png); ``scored``: methods are
-    judged by unknown scores (an open-set grid), so a cell's plot shows its headline score.
+    judged by unknown scores (an open-set grid), so a cell's plot shows its headline score; ``shares``: the
+    cells' clients are the partition's, so each domain's share of the model per round is logged and reported
+    (:func:`domain_shares`).
     """
 
     name: str
@@ -69,6 +71,7 @@ class Evaluation:
     plot: Callable[..., Path]
     report: Callable[[GridRun], str]
     scored: bool = False
+    shares: bool = False
 
 
 EVALUATIONS: Dict[str, Evaluation] = {}
@@ -211,6 +214,41 @@ def round_data(part) -> RoundData:
     )
 
 
+def domain_shares(records: List[Dict[str, Any]], part, weighting: str | None) -> List[Dict[str, float]]:
+    """Each round's share of the global model per domain: the weights the server gave the round's merged clients
+    (``clients`` of the record), summed by domain, out of 1.
+
+    ``weighting``: the strategy's ``client_weighting``: ``examples`` (each client's example count), ``clients``
+    (each alike), or the per-client metric holding the weight (FedPAD's ``alpha``, as ``alpha.c<i>``). None, or
+    a round with no merged client, gives no shares (``[]`` / an empty dict)."""
+    if weighting is None:
+        return []
+    sizes = [len(y) for y in part.client_y]
+    out: List[Dict[str, float]] = []
+    for rec in records:
+        ids = [int(i) for i in rec["clients"]]
+        if weighting == "examples":
+            w = {i: float(sizes[i]) for i in ids}
+        elif weighting == "clients":
+            w = {i: 1.0 for i in ids}
+        else:
+            w = {i: float(rec[f"{weighting}.c{i}"]) for i in ids}
+        total = sum(w.values())
+        if not ids or not total > 0:
+            out.append({})
+            continue
+        share = {d: 0.0 for d in part.domains}
+        for i, v in w.items():
+            share[part.domain_of(i)] += v / total
+        out.append(share)
+    return out
+
+
+def domain_sizes(part) -> Dict[str, Tuple[int, int]]:
+    """``{domain: (clients, training examples)}`` of a domain partition."""
+    return {d: (len(part.clients_of(d)), sum(len(part.client_y[i]) for i in part.clients_of(d))) for d in part.domains}
+
+
 # ------------------------------------------------------------------------------------ plots and reports
 def _plot_domains(records, part, out: Path, title: str, score: str | None = None) -> Path:
     from fedcore.evaluate.plots import plot_rounds
@@ -240,6 +278,7 @@ def _report_domains(run: GridRun) -> str:
         out=run.out,
         title=run.title,
         target=_target(run),
+        sizes=domain_sizes(run.part),
     )
 
 
@@ -287,6 +326,6 @@ def check_grid(cfg: DictConfig, system: str, grid_name: str, part) -> None:
         unknown_scenarios(g, view)
 
 
-register(Evaluation("domains", inputs=domain_inputs, plot=_plot_domains, report=_report_domains))
+register(Evaluation("domains", inputs=domain_inputs, plot=_plot_domains, report=_report_domains, shares=True))
 register(Evaluation("openset", inputs=openset_inputs, plot=_plot_openset, report=_report_openset, scored=True))
 register(Evaluation("incremental", inputs=incremental_inputs, plot=_plot_incremental, report=_report_incremental))

@@ -13,12 +13,13 @@ which DVC does not track.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Tuple
 
 import numpy as np
 
-from fedcore.evaluate.plots import plot_methods
+from fedcore.evaluate.plots import plot_domain_shares, plot_methods
 from fedcore.evaluate.stats import friedman_p, friedman_ranks, wilcoxon_against
 from flows.config import compose as C
 
@@ -54,10 +55,24 @@ def write_timings(
     return path
 
 
+# How a server's client weighting (a strategy's ``client_weighting``) reads beside its row
+WEIGHT_LABELS = {"examples": "n", "clients": "1/m", "alpha": "α(θ)"}
+
+
 def write_grid_report(
-    rows: List[Dict[str, Any]], *, domains: List[str], out: Path, title: str, target: str | None
+    rows: List[Dict[str, Any]],
+    *,
+    domains: List[str],
+    out: Path,
+    title: str,
+    target: str | None,
+    sizes: Mapping[str, Tuple[int, int]] | None = None,
 ) -> str:
-    """table.md (mean ± std over seeds), summary.json (DVC metrics), stats.md and methods.png."""
+    """table.md (mean ± std over seeds), summary.json (DVC metrics), stats.md and methods.png.
+
+    Rows with ``shares`` (each domain's share of the model per round, and the server's ``weighting``) add a
+    weights column, and a second table and ``weights.png`` of each domain's share; ``sizes`` (per domain:
+    clients, training examples) heads the table."""
     out.mkdir(parents=True, exist_ok=True)
     methods = list(dict.fromkeys(r["method"] for r in rows))
     by = {m: [r for r in rows if r["method"] == m] for m in methods}
@@ -78,22 +93,36 @@ def write_grid_report(
                 "agg_ms": 1000 * float(np.mean([r["summary"]["agg_seconds_mean"] for r in rs])),
                 "mib_per_round": float(np.mean([r["summary"]["bytes_per_round"] for r in rs])) / 2**20,
                 "seconds": float(np.mean([r["seconds"] for r in rs])),
+                "weights": WEIGHT_LABELS.get(rs[0].get("weighting") or "", "–"),
+                "shares": _mean_shares([r.get("shares") or [] for r in rs], domains),
             }
         )
     seeds = max(a["n"] for a in agg)
-    head = f"| method | avg acc | worst acc | {' | '.join(domains)} | MiB/round |"
+    shared = any(a["shares"] is not None for a in agg)
+    wcol = " weights |" if shared else ""
+    head = f"| method |{wcol} avg acc | worst acc | worst domain | {' | '.join(domains)} | MiB/round |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for a in agg:
         lines.append(
-            f"| {a['method']} | {a['avg_mean']:.3f} ± {a['avg_std']:.3f} | {a['worst_mean']:.3f} ± "
-            f"{a['worst_std']:.3f} | "
+            f"| {a['method']} |"
+            + (f" {a['weights']} |" if shared else "")
+            + f" {a['avg_mean']:.3f} ± {a['avg_std']:.3f} | {a['worst_mean']:.3f} ± {a['worst_std']:.3f} | "
+            + f"{min(domains, key=lambda d: a['domains'][d])} | "
             + " | ".join(f"{a['domains'][d]:.3f}" for d in domains)
             + f" | {a['mib_per_round']:.2f} |"
         )
     table = "\n".join(lines)
-    (out / "table.md").write_text(
-        f"{title}: final-round test accuracy, mean ± std over {seeds} seed(s)\n\n" + table + "\n"
-    )
+    heading = f"{title}: final-round test accuracy, mean ± std over {seeds} seed(s)"
+    if sizes:
+        heading += ". Domains (clients / training examples): " + ", ".join(
+            f"{d} {sizes[d][0]} / {sizes[d][1]:,}" for d in domains
+        )
+    text = heading + "\n\n" + table + "\n"
+    if shared:
+        text += "\n" + _shares_table(agg, domains) + "\n"
+        series = {a["method"]: a["shares"] for a in agg if a["shares"] is not None}
+        plot_domain_shares(series, domains, out / "weights.png", title=f"{title}: each domain's share of the model")
+    (out / "table.md").write_text(text)
     write_timings(agg, out, title=title, columns=ROUND_TIMES)
     summary = {
         a["method"]: {
@@ -116,6 +145,43 @@ def write_grid_report(
             f"No paired test: this grid has no {target or 'target'} method beside others with the same seeds.\n"
         )
     return table
+
+
+def _mean_shares(per_seed: List[List[Mapping[str, float]]], domains: List[str]) -> np.ndarray | None:
+    """(rounds, domains): each domain's share of the model per round, mean over seeds (NaN where no client
+    merged); None when no seed has shares."""
+    runs = [np.array([[s.get(d, np.nan) for d in domains] for s in shares]) for shares in per_seed if shares]
+    if not runs or len({r.shape for r in runs}) != 1:
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a round in which no seed merged a client
+        return np.nanmean(np.stack(runs), axis=0)
+
+
+def _shares_table(agg: List[Mapping[str, Any]], domains: List[str]) -> str:
+    """Each domain's share of the global model (the server's weights summed over its merged clients), mean over
+    rounds and seeds, then the last round's."""
+    head = f"| method | weights | {' | '.join(domains)} |"
+    lines = [
+        "Each domain's share of the global model: the server's weights summed over the domain's clients in a "
+        "round, mean over rounds and seeds (last round in brackets).",
+        "",
+        head,
+        "|" + "---|" * (head.count("|") - 1),
+    ]
+    for a in agg:
+        sh = a["shares"]
+        if sh is None:
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            mean = np.nanmean(sh, axis=0)
+        lines.append(
+            f"| {a['method']} | {a['weights']} | "
+            + " | ".join(f"{mean[k]:.3f} ({sh[-1, k]:.3f})" for k in range(len(domains)))
+            + " |"
+        )
+    return "\n".join(lines)
 
 
 def write_openset_report(

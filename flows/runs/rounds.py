@@ -244,10 +244,13 @@ def grid_flow(
         done = tqdm(done, total=len(futures), desc=f"{system} grid {grid}", unit="cell")
     rows = []
     logged = tracking.finished_runs(f"fedcore-{system}", f"{system}@{grid}") if cfg.flow.resume else {}
+    shared = evaluations.of(system).shares
     for i, fut in enumerate(done, 1):
         cell = fut.result()
         signals.check()  # a cell that came back after a stop signal is not logged
         m, s, res = cell["method"], cell["seed"], cell["result"]
+        weighting = configs[(m, s)].make_strategy().client_weighting if shared else None
+        shares = evaluations.domain_shares(res.records, part, weighting)
         paths = _cell_outputs(
             res,
             part,
@@ -264,11 +267,14 @@ def grid_flow(
         if earlier is not None:
             # resumed from a finished checkpoint: MLflow holds this cell's run already
             logger.info("[%d/%d] %s seed %d: finished and logged before; not logged again", i, len(cells), m, s)
-            rows.append(_row(m, s, res, {**cell, "seconds": earlier.get("run_seconds", cell["seconds"])}))
+            rows.append(
+                _row(m, s, res, {**cell, "seconds": earlier.get("run_seconds", cell["seconds"])}, weighting, shares)
+            )
             continue
         with _start_cell_run(cfg, system, grid, m, configs[(m, s)], part, started_ms=cell["started_ms"]) as run:
             mlflow.set_tags(cell.get("placement", {}))
             tracking.log_rounds(res.records)
+            _log_shares(shares)
             _log_tasks(res.records)
             _log_ledgers(res, configs[(m, s)])
             mlflow.log_metrics(res.summary)
@@ -291,7 +297,7 @@ def grid_flow(
             opened,
             cell["seconds"],
         )
-        rows.append(_row(m, s, res, cell))
+        rows.append(_row(m, s, res, cell, weighting, shares))
     order = {c: i for i, c in enumerate(cells)}
     rows.sort(key=lambda r: order[(r["method"], r["seed"])])
     evaluations.of(system).report(
@@ -308,16 +314,35 @@ def grid_flow(
     return rows
 
 
-def _row(method: str, seed: int, res: RoundsResult, cell: Mapping[str, Any]) -> Dict[str, Any]:
-    """A finished cell as the grid's report reads it."""
+def _row(
+    method: str,
+    seed: int,
+    res: RoundsResult,
+    cell: Mapping[str, Any],
+    weighting: str | None = None,
+    shares: List[Dict[str, float]] | None = None,
+) -> Dict[str, Any]:
+    """A finished cell as the grid's report reads it; ``weighting`` and ``shares``: how its server weighed the
+    clients, and each domain's share of the model per round (:func:`flows.reports.evaluations.domain_shares`)."""
     return {
         "method": method,
         "seed": seed,
         "summary": res.summary,
         "seconds": cell["seconds"],
         "rounds": len(res.records),
+        **({"weighting": weighting, "shares": shares} if shares else {}),
         **_incremental_row(res.records),
     }
+
+
+def _log_shares(shares: List[Dict[str, float]]) -> None:
+    """Each domain's share of the global model per round on the active MLflow run, as ``share.<domain>``."""
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    tracking.log_metric_batches(
+        [Metric(f"share.{d}", float(v), now, r) for r, share in enumerate(shares) for d, v in share.items()]
+    )
 
 
 def _target_method(cfg: DictConfig, system: str, g) -> str:

@@ -65,8 +65,36 @@ def test_ablation_modes():
     assert P.model_weights(theta, tau=0.1, mode="normalized", deviations=d) == pytest.approx(
         softmax([0.25, 0.75], scale=-10)
     )
-    with pytest.raises(ValueError, match="valid names are: fedpad, uniform, direct, normalized"):
+    with pytest.raises(ValueError, match="valid names are: fedpad, uniform, direct, normalized, sized"):
         P.model_weights(theta, tau=0.1, mode="inverse", deviations=d)
+
+
+def test_sized_alpha_tilts_example_weights_by_fedpads_and_reduces_to_each():
+    theta = P.prototype_weights([1.0, 3.0, 2.0], gamma=1.0)
+    alpha = P.model_weights(theta, tau=0.1)
+    sizes = [100, 300, 50]
+    sized = P.model_weights(theta, tau=0.1, mode="sized", sizes=sizes)
+    by_hand = np.array(sizes) * np.array(alpha)
+    assert sized == pytest.approx(list(by_hand / by_hand.sum()))
+    assert P.model_weights(theta, tau=0.1, mode="sized", sizes=[7, 7, 7]) == pytest.approx(alpha)  # equal sizes: α
+    flat = P.prototype_weights([2.0, 2.0, 2.0], gamma=1.0)  # equal deviations: FedAvg's n/Σn
+    assert P.model_weights(flat, tau=0.1, mode="sized", sizes=sizes) == pytest.approx([100 / 450, 300 / 450, 50 / 450])
+    with pytest.raises(ValueError, match="needs each client's example count"):
+        P.model_weights(theta, tau=0.1, mode="sized")
+
+
+def test_fedavg_weighting_by_clients_is_the_plain_mean_and_a_bad_name_is_refused():
+    glob, ups = _random_round(4, seed=3)
+    s = create_strategy("fedavg", weighting="clients")
+    s.setup(glob, num_clients=20, param_keys=["w", "b"])
+    fold = s.fold(glob, sizes=[u.num_examples for _, u in ups], num_clients=20)
+    for i, u in ups:
+        fold.add(i, u)
+    out, ref = fold.finish().state, _mean_by_hand([(u.state, 1.0) for _, u in ups])
+    assert all(torch.equal(out[k], ref[k]) for k in ("w", "b", "bn.running_mean"))
+    assert s.client_weighting == "clients" and create_strategy("fedavg").client_weighting == "examples"
+    with pytest.raises(ValueError, match="unknown weighting 'uniform'; use one of examples, clients"):
+        create_strategy("fedavg", weighting="uniform")
 
 
 def test_deviation_counts_only_classes_both_sides_have():

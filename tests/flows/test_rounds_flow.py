@@ -246,6 +246,11 @@ def test_grid_flow_writes_the_table_statistics_plots_and_one_run_per_cell(quick)
     assert "run s" not in (out / "table.md").read_text() and "run_seconds" not in summary["fedpad"]
     assert "| fedpad |" in (out / "timings.md").read_text()
     assert all(r.data.metrics["run_seconds"] > 0 and "agg_seconds" in r.data.metrics for r in cells)
+    # each domain's share of the model per round, and the table's weights column and share table
+    for r in cells:
+        shares = [r.data.metrics[f"share.{d}"] for d in ("mnist", "fonts", "sklearn")]
+        assert sum(shares) == pytest.approx(1.0), (r.info.run_name, shares)
+    assert "| fedpad | α(θ) |" in (out / "table.md").read_text() and (out / "weights.png").is_file()
     flow_run = prefect_flow_run(cells[0])  # the grid in the Prefect UI: one task run and one MLflow link per cell
     grid = flow_run.parameters["config"]["fedpad"]["grids"]["quick"]
     assert grid["methods"] == ["fedavg", "fedpad"] and grid["seeds"] == [0]
