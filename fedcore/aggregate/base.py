@@ -45,6 +45,11 @@ class Strategy:
     # where no one weight per client says it (alignment, client selection).
     client_weighting: str | None = None
 
+    @property
+    def weighting_label(self) -> str:
+        """How :attr:`client_weighting` reads beside a method's row: ``n`` (examples), ``1/m`` (clients alike)."""
+        return {"examples": "n", "clients": "1/m"}.get(self.client_weighting or "", "–")
+
     def setup(self, global_state: State, *, num_clients: int, param_keys: Sequence[str]) -> None:
         """Fresh server state; ``param_keys`` are the trainable entries (the rest are buffers)."""
         self.param_keys = list(param_keys)

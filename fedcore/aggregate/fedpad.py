@@ -55,6 +55,12 @@ class FedPAD(PrototypeServer):
             proto_weighting,
         )
 
+    @property
+    def weighting_label(self) -> str:
+        return {"fedpad": "α(θ)", "uniform": "1/m", "direct": "α(d)", "normalized": "α(d/Σd)", "sized": "n·α(θ)"}[
+            self.alpha_mode
+        ]
+
     def setup(self, global_state: State, *, num_clients: int, param_keys: Sequence[str]) -> None:
         super().setup(global_state, num_clients=num_clients, param_keys=param_keys)
         self.last_alpha: Dict[int, float] = {}

@@ -69,8 +69,8 @@ def model_weights(
     ``fedpad``: softmax(−θ/τ) (the paper). Ablations: ``uniform`` (α ≡ 1/m); ``direct``:
     softmax(−d/τ) from the raw deviations; ``normalized``: softmax(−(d/Σd)/τ), the
     deviations normalised to sum 1 but without the softmax step to θ. ``sized`` is not in the paper:
-    α ∝ n_i·softmax(−θ/τ)_i with ``sizes`` n, FedAvg's example weights tilted by FedPAD's, so that
-    a domain's share does not fall with its client count.
+    α ∝ n_i·softmax(−θ/τ)_i with ``sizes`` n, FedAvg's example weights tilted by FedPAD's, so that a
+    domain's share follows its example count, as FedAvg's does, and not its client count.
     """
     if tau <= 0:
         raise ValueError(f"FedPAD tau must be > 0, got {tau}")

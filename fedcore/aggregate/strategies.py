@@ -57,6 +57,8 @@ class FedAvg(FoldingStrategy):
     as are SCAFFOLD's, FedDyn's and FedAdam's: the server holds a few model-sized sums, not the round.
     """
 
+    client_weighting = "examples"
+
     def __init__(self, *, weighting: str = "examples") -> None:
         self.client_weighting = check_choice("weighting", weighting, WEIGHTINGS)
 

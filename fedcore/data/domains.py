@@ -1095,6 +1095,7 @@ def build_domain_partition(
     num_clients: int | None = None,
     dataset: str | None = None,
     label_alpha: float | None = None,
+    rows_per_client: int | None = None,
 ) -> DomainPartition:
     """Split every domain into a held-out test set and disjoint shards, one shard per client.
 
@@ -1105,8 +1106,10 @@ def build_domain_partition(
     proportional to ``(1/(j+1))**size_skew`` (1.0 is Zipf-like). With ``label_alpha`` set, a
     domain's clients get label-skewed shards instead: every class's rows are dealt out with
     Dirichlet(``label_alpha``) proportions (the homogeneous-data federated benchmarks, e.g. one
-    CIFAR-10 domain over ten clients). The test split depends only on ``seed`` and
-    ``test_fraction``, not on the number of clients or the skew.
+    CIFAR-10 domain over ten clients). With ``rows_per_client`` every client gets exactly that many
+    training rows, the rest of its domain's training rows unused, so that domains differ only in client count
+    (the FedPAD paper's stated aim for its protocol). The test split depends only on ``seed`` and
+    ``test_fraction``, not on the number of clients, the skew or ``rows_per_client``.
 
     A domain missing from ``clients_per_domain`` or given 0 clients is dropped entirely: it has
     no clients and no test set in the partition (its rows stay reachable as ``ds.rows(name)``,
@@ -1130,6 +1133,9 @@ def build_domain_partition(
         Dirichlet concentration of each domain's label skew over its clients (smaller: more
         skewed; 100 is near-IID). None (default) cuts equal or ``size_skew`` shards. Every client
         keeps at least 10 rows (redrawn otherwise).
+    rows_per_client : int, optional
+        Every client's number of training rows (equal shards across domains); None (default) splits
+        each domain's training rows over its clients.
 
     Returns
     -------
@@ -1191,6 +1197,14 @@ def build_domain_partition(
                 f"label_alpha={label_alpha} and size_skew={size_skew} both set: the Dirichlet label "
                 "skew already makes shard sizes unequal; set size_skew: 0 or label_alpha: null"
             )
+    if rows_per_client is not None:
+        if not _is_int(rows_per_client) or rows_per_client < MIN_SHARD:
+            raise ValueError(f"rows_per_client must be an int >= {MIN_SHARD} or null, got {rows_per_client!r}")
+        if size_skew != 0 or label_alpha is not None:
+            raise ValueError(
+                f"rows_per_client={rows_per_client} gives every client the same number of rows; set size_skew: 0 "
+                "and label_alpha: null, or rows_per_client: null"
+            )
 
     domains: List[str] = []
     client_domain: List[int] = []
@@ -1242,6 +1256,14 @@ def build_domain_partition(
                 c_idx.append(pool_rows[shard].astype(np.int64))
                 client_domain.append(k)
             continue
+        if rows_per_client is not None:
+            if len(pool_rows) < n_clients * rows_per_client:
+                raise ValueError(
+                    f"domain {name!r}: {len(pool_rows)} training rows cannot give {n_clients} clients "
+                    f"rows_per_client={rows_per_client} each; set rows_per_client to at most "
+                    f"{len(pool_rows) // n_clients} for this domain, or raise max_per_domain"
+                )
+            pool_rows = _rng(seed, key, 2).permutation(pool_rows)[: n_clients * rows_per_client]
         sizes = shard_sizes(len(pool_rows), n_clients, size_skew)
         if sizes.min() < MIN_SHARD:
             raise ValueError(
@@ -1260,6 +1282,7 @@ def build_domain_partition(
         size_skew=float(size_skew),
         num_clients=total,
         **({} if label_alpha is None else {"label_alpha": float(label_alpha)}),
+        **({} if rows_per_client is None else {"rows_per_client": int(rows_per_client)}),
         num_classes=ds.num_classes,
         set_domains=list(ds.domains),
         image_size=ds.size,

@@ -227,20 +227,21 @@ def plot_methods(
 def plot_domain_shares(
     series: Dict[str, np.ndarray], domains: Sequence[str], path: str | Path, *, title: str = ""
 ) -> Path:
-    """One panel per domain: its share of the global model in each round (the server's weights summed over the
-    domain's clients), one line per method. ``series[method]``: (rounds, domains), mean over seeds; a round
-    with no merged client is NaN."""
+    """One panel per domain: its share of each round's client average (the server's weights summed over the
+    domain's merged clients), one line per method, in a style of its own so that equal lines stay apart.
+    ``series[method]``: (rounds, domains), mean over seeds; a round with no merged client is NaN."""
     plt = pyplot()
     cols = min(len(domains), 4)
     rows = -(-len(domains) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.3 * cols + 1, 2.8 * rows + 0.6), squeeze=False, sharey=True)
     for k, d in enumerate(domains):
         ax = axes[k // cols, k % cols]
-        for method, values in series.items():
-            ax.plot(np.arange(1, len(values) + 1), values[:, k], lw=1.2, label=method)
+        for j, (method, values) in enumerate(series.items()):
+            style = ("-", "--", ":", "-.")[j % 4]
+            ax.plot(np.arange(1, len(values) + 1), values[:, k], style, lw=1.2, label=method)
         ax.set(xlabel="round", title=d)
         if k % cols == 0:
-            ax.set_ylabel("share of the model")
+            ax.set_ylabel("share of the average")
     for k in range(len(domains), rows * cols):
         axes[k // cols, k % cols].set_visible(False)
     axes[0, 0].legend(fontsize=6)

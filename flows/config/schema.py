@@ -68,6 +68,7 @@ GRID_KEYS = frozenset(
         "methods",
         "seeds",
         "label_alpha",  # Dirichlet label skew within a domain (flows.runs.steps.partition_domains)
+        "rows_per_client",  # every client's training rows, equal across domains (ditto)
     }
 )
 

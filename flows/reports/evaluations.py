@@ -62,7 +62,7 @@ class Evaluation:
     ``plot(records, part, out, title, score)`` -> the cell's plot; ``report(GridRun)`` -> the grid's
     table (it also writes summary.json, scores.json, stats.md, methods.png); ``scored``: methods are
     judged by unknown scores (an open-set grid), so a cell's plot shows its headline score; ``shares``: the
-    cells' clients are the partition's, so each domain's share of the model per round is logged and reported
+    cells' clients are the partition's, so each domain's share of each round's average is logged and reported
     (:func:`domain_shares`).
     """
 
@@ -215,8 +215,9 @@ def round_data(part) -> RoundData:
 
 
 def domain_shares(records: List[Dict[str, Any]], part, weighting: str | None) -> List[Dict[str, float]]:
-    """Each round's share of the global model per domain: the weights the server gave the round's merged clients
-    (``clients`` of the record), summed by domain, out of 1.
+    """Each round's share of the client average per domain: the weights the server gave the round's merged
+    clients (``clients`` of the record), summed by domain, out of 1. A server step after the average (FedAdam's,
+    FedDyn's correction) is not counted.
 
     ``weighting``: the strategy's ``client_weighting``: ``examples`` (each client's example count), ``clients``
     (each alike), or the per-client metric holding the weight (FedPAD's ``alpha``, as ``alpha.c<i>``). None, or

@@ -55,10 +55,6 @@ def write_timings(
     return path
 
 
-# How a server's client weighting (a strategy's ``client_weighting``) reads beside its row
-WEIGHT_LABELS = {"examples": "n", "clients": "1/m", "alpha": "α(θ)"}
-
-
 def write_grid_report(
     rows: List[Dict[str, Any]],
     *,
@@ -70,9 +66,10 @@ def write_grid_report(
 ) -> str:
     """table.md (mean ± std over seeds), summary.json (DVC metrics), stats.md and methods.png.
 
-    Rows with ``shares`` (each domain's share of the model per round, and the server's ``weighting``) add a
-    weights column, and a second table and ``weights.png`` of each domain's share; ``sizes`` (per domain:
-    clients, training examples) heads the table."""
+    Rows with ``shares`` (each domain's share of the round's client average per round, and ``weights``, how the
+    server weighs clients) add a weights column, and a second table and ``weights.png`` of each domain's
+    share; ``sizes`` (per domain: clients, training examples) heads the table. "worst domain" is the domain
+    lowest in most seeds, with how many when the seeds disagree."""
     out.mkdir(parents=True, exist_ok=True)
     methods = list(dict.fromkeys(r["method"] for r in rows))
     by = {m: [r for r in rows if r["method"] == m] for m in methods}
@@ -93,7 +90,8 @@ def write_grid_report(
                 "agg_ms": 1000 * float(np.mean([r["summary"]["agg_seconds_mean"] for r in rs])),
                 "mib_per_round": float(np.mean([r["summary"]["bytes_per_round"] for r in rs])) / 2**20,
                 "seconds": float(np.mean([r["seconds"] for r in rs])),
-                "weights": WEIGHT_LABELS.get(rs[0].get("weighting") or "", "–"),
+                "weights": rs[0].get("weights") or "–",
+                "worst_domain": _worst_domain(rs, domains),
                 "shares": _mean_shares([r.get("shares") or [] for r in rs], domains),
             }
         )
@@ -107,7 +105,7 @@ def write_grid_report(
             f"| {a['method']} |"
             + (f" {a['weights']} |" if shared else "")
             + f" {a['avg_mean']:.3f} ± {a['avg_std']:.3f} | {a['worst_mean']:.3f} ± {a['worst_std']:.3f} | "
-            + f"{min(domains, key=lambda d: a['domains'][d])} | "
+            + f"{a['worst_domain']} | "
             + " | ".join(f"{a['domains'][d]:.3f}" for d in domains)
             + f" | {a['mib_per_round']:.2f} |"
         )
@@ -121,7 +119,9 @@ def write_grid_report(
     if shared:
         text += "\n" + _shares_table(agg, domains) + "\n"
         series = {a["method"]: a["shares"] for a in agg if a["shares"] is not None}
-        plot_domain_shares(series, domains, out / "weights.png", title=f"{title}: each domain's share of the model")
+        plot_domain_shares(
+            series, domains, out / "weights.png", title=f"{title}: each domain's share of the round's average"
+        )
     (out / "table.md").write_text(text)
     write_timings(agg, out, title=title, columns=ROUND_TIMES)
     summary = {
@@ -147,6 +147,14 @@ def write_grid_report(
     return table
 
 
+def _worst_domain(rows: List[Mapping[str, Any]], domains: List[str]) -> str:
+    """The domain that scored lowest in most seeds (the first of a tie), with ``(k/n)`` when not in all n."""
+    lowest = [min(domains, key=lambda d: r["summary"][f"final_acc.{d}"]) for r in rows]
+    top = max(domains, key=lambda d: (lowest.count(d), -domains.index(d)))
+    k = lowest.count(top)
+    return top if k == len(lowest) else f"{top} ({k}/{len(lowest)})"
+
+
 def _mean_shares(per_seed: List[List[Mapping[str, float]]], domains: List[str]) -> np.ndarray | None:
     """(rounds, domains): each domain's share of the model per round, mean over seeds (NaN where no client
     merged); None when no seed has shares."""
@@ -159,12 +167,13 @@ def _mean_shares(per_seed: List[List[Mapping[str, float]]], domains: List[str]) 
 
 
 def _shares_table(agg: List[Mapping[str, Any]], domains: List[str]) -> str:
-    """Each domain's share of the global model (the server's weights summed over its merged clients), mean over
-    rounds and seeds, then the last round's."""
+    """Each domain's share of the round's client average (the server's weights summed over its merged clients),
+    mean over rounds and seeds, then the last round's."""
     head = f"| method | weights | {' | '.join(domains)} |"
     lines = [
-        "Each domain's share of the global model: the server's weights summed over the domain's clients in a "
-        "round, mean over rounds and seeds (last round in brackets).",
+        "Each domain's share of the round's client average (before any server step, such as FedAdam's or "
+        "FedDyn's): the server's weights summed over the domain's merged clients, mean over rounds and seeds "
+        "(last round in brackets).",
         "",
         head,
         "|" + "---|" * (head.count("|") - 1),

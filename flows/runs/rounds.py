@@ -249,8 +249,9 @@ def grid_flow(
         cell = fut.result()
         signals.check()  # a cell that came back after a stop signal is not logged
         m, s, res = cell["method"], cell["seed"], cell["result"]
-        weighting = configs[(m, s)].make_strategy().client_weighting if shared else None
-        shares = evaluations.domain_shares(res.records, part, weighting)
+        server = configs[(m, s)].make_strategy()
+        shares = evaluations.domain_shares(res.records, part, server.client_weighting) if shared else []
+        weights = server.weighting_label
         paths = _cell_outputs(
             res,
             part,
@@ -268,7 +269,7 @@ def grid_flow(
             # resumed from a finished checkpoint: MLflow holds this cell's run already
             logger.info("[%d/%d] %s seed %d: finished and logged before; not logged again", i, len(cells), m, s)
             rows.append(
-                _row(m, s, res, {**cell, "seconds": earlier.get("run_seconds", cell["seconds"])}, weighting, shares)
+                _row(m, s, res, {**cell, "seconds": earlier.get("run_seconds", cell["seconds"])}, weights, shares)
             )
             continue
         with _start_cell_run(cfg, system, grid, m, configs[(m, s)], part, started_ms=cell["started_ms"]) as run:
@@ -297,7 +298,7 @@ def grid_flow(
             opened,
             cell["seconds"],
         )
-        rows.append(_row(m, s, res, cell, weighting, shares))
+        rows.append(_row(m, s, res, cell, weights, shares))
     order = {c: i for i, c in enumerate(cells)}
     rows.sort(key=lambda r: order[(r["method"], r["seed"])])
     evaluations.of(system).report(
@@ -319,24 +320,25 @@ def _row(
     seed: int,
     res: RoundsResult,
     cell: Mapping[str, Any],
-    weighting: str | None = None,
+    weights: str | None = None,
     shares: List[Dict[str, float]] | None = None,
 ) -> Dict[str, Any]:
-    """A finished cell as the grid's report reads it; ``weighting`` and ``shares``: how its server weighed the
-    clients, and each domain's share of the model per round (:func:`flows.reports.evaluations.domain_shares`)."""
+    """A finished cell as the grid's report reads it; ``weights`` and ``shares``: how its server weighs the
+    clients (its ``weighting_label``), and each domain's share of the round's average per round
+    (:func:`flows.reports.evaluations.domain_shares`)."""
     return {
         "method": method,
         "seed": seed,
         "summary": res.summary,
         "seconds": cell["seconds"],
         "rounds": len(res.records),
-        **({"weighting": weighting, "shares": shares} if shares else {}),
+        **({"weights": weights, "shares": shares} if shares else {}),
         **_incremental_row(res.records),
     }
 
 
 def _log_shares(shares: List[Dict[str, float]]) -> None:
-    """Each domain's share of the global model per round on the active MLflow run, as ``share.<domain>``."""
+    """Each domain's share of the round's client average per round on the active MLflow run, as ``share.<domain>``."""
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)

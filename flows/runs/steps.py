@@ -153,6 +153,7 @@ def partition_domains(cfg, system: str = "fedpad") -> None:
         size_skew=float(g.size_skew),
         seed=int(cfg.seed),
         label_alpha=None if g.get("label_alpha") is None else float(g.label_alpha),
+        rows_per_client=None if g.get("rows_per_client") is None else int(g.rows_per_client),
     )
     out = part.save(C.domains_dir(cfg, system, name))
     sizes = ", ".join(

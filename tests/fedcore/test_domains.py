@@ -743,3 +743,21 @@ def test_sklearn_domain_is_load_digits():
     images, target = _sklearn_digits()
     ref = load_digits()
     assert np.array_equal(images, ref.images) and np.array_equal(target, ref.target)
+
+
+def test_rows_per_client_gives_every_client_the_same_shard_from_its_own_domain(four):
+    """Equal shards across domains (the FedPAD paper's aim): domains differ in client count only."""
+    counts = {"photo": 3, "art_painting": 4, "cartoon": 2, "sketch": 1}
+    eq = build_domain_partition(four, clients_per_domain=counts, test_fraction=0.2, seed=5, rows_per_client=75)
+    plain = build_domain_partition(four, clients_per_domain=counts, test_fraction=0.2, seed=5)
+    assert [len(i) for i in eq.client_indices] == [75] * 10
+    for i, rows in enumerate(eq.client_indices):
+        assert set(four.d[rows]) == {four.domains.index(eq.domain_of(i))}
+    every = np.concatenate(eq.client_indices)
+    assert len(np.unique(every)) == len(every)  # disjoint
+    assert all(np.array_equal(a, b) for a, b in zip(eq.test_indices, plain.test_indices))  # same test sets
+    assert eq.config["rows_per_client"] == 75 and "rows_per_client" not in plain.config
+    with pytest.raises(ValueError, match=r"'art_painting': 320 training rows cannot give 4 clients.*at most 80"):
+        build_domain_partition(four, clients_per_domain=counts, test_fraction=0.2, seed=5, rows_per_client=81)
+    with pytest.raises(ValueError, match="set size_skew: 0"):
+        build_domain_partition(four, clients_per_domain=counts, seed=5, size_skew=1.0, rows_per_client=50)

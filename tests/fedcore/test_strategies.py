@@ -336,3 +336,24 @@ def test_a_subclass_of_fedavg_that_replaces_aggregate_is_given_the_whole_round()
     for i, u in ups:
         fold.add(i, u)
     assert torch.equal(fold.finish().state["w"], ups[-1][1].state["w"])
+
+
+@pytest.mark.parametrize(
+    "name, params, label",
+    [
+        ("fedavg", {}, "n"),
+        ("fedavg", {"weighting": "clients"}, "1/m"),
+        ("scaffold", {}, "1/m"),
+        ("feddyn", {}, "1/m"),
+        ("fedadam", {}, "n"),
+        ("fedproto", {}, "n"),
+        ("fedpad", {}, "α(θ)"),
+        ("fedpad", {"alpha_mode": "uniform"}, "1/m"),
+        ("fedpad", {"alpha_mode": "direct"}, "α(d)"),
+        ("fedpad", {"alpha_mode": "normalized"}, "α(d/Σd)"),
+        ("fedpad", {"alpha_mode": "sized"}, "n·α(θ)"),
+        ("fedpd", {}, "–"),  # alignment: no one weight per client
+    ],
+)
+def test_each_server_says_how_it_weighs_clients(name, params, label):
+    assert create_strategy(name, **params).weighting_label == label

@@ -66,13 +66,14 @@ def _row(method: str, seed: int, weighting: str, acc_b: float) -> dict:
         "seed": seed,
         "summary": summary,
         "seconds": 1.0,
-        "weighting": weighting,
+        "weights": {"examples": "n", "alpha": "α(θ)"}[weighting],
         "shares": shares,
     }
 
 
 def test_the_report_names_the_weighting_the_worst_domain_and_each_domains_share(tmp_path: Path):
     rows = [_row("fedavg", s, "examples", 0.5) for s in (0, 1)] + [_row("fedpad", s, "alpha", 0.95) for s in (0, 1)]
+    rows.append(_row("fedpad", 2, "alpha", 0.85))  # this seed's lowest domain is b, the other two seeds' a
 
     write_grid_report(rows, domains=["a", "b"], out=tmp_path, title="t", target="fedpad", sizes=domain_sizes(Part()))
 
@@ -80,7 +81,7 @@ def test_the_report_names_the_weighting_the_worst_domain_and_each_domains_share(
     assert "Domains (clients / training examples): a 2 / 40, b 1 / 60" in text
     assert "| method | weights | avg acc | worst acc | worst domain | a | b | MiB/round |" in text
     assert "| fedavg | n | 0.700 ± 0.000 | 0.500 ± 0.000 | b | 0.900 | 0.500 | 1.00 |" in text
-    assert "| fedpad | α(θ) | 0.925 ± 0.000 | 0.900 ± 0.000 | a |" in text
+    assert "| fedpad | α(θ) | 0.908 ± 0.024 | 0.883 ± 0.024 | a (2/3) |" in text
     # shares: mean over the two rounds (last round in brackets)
     assert (
         f"| fedavg | n | {(0.4 + 30 / 90) / 2:.3f} ({30 / 90:.3f}) | {(0.6 + 60 / 90) / 2:.3f} ({60 / 90:.3f}) |"
@@ -91,7 +92,7 @@ def test_the_report_names_the_weighting_the_worst_domain_and_each_domains_share(
 
 
 def test_a_grid_without_shares_writes_no_weights_column_or_plot(tmp_path: Path):
-    rows = [{k: v for k, v in _row("fedavg", 0, "examples", 0.5).items() if k not in ("weighting", "shares")}]
+    rows = [{k: v for k, v in _row("fedavg", 0, "examples", 0.5).items() if k not in ("weights", "shares")}]
 
     write_grid_report(rows, domains=["a", "b"], out=tmp_path, title="t", target=None)
 

@@ -27,7 +27,7 @@ def test_the_view_keeps_each_systems_headline_and_the_settings_a_user_changes():
     ]
     dropped = [
         "fedpad.grids.quick.rounds",
-        "fedpad.run_seconds",
+        "fedpad.avg_acc_std",
         "fedpad.acc.mnist",
         "fedavg.worst_acc",  # a baseline's: in --all and exp diff
         "fedpd.auroc",
