@@ -67,7 +67,7 @@ DEFAULT = {
     "aggregator": {"name": "ugsa", "params": {"gamma": 0.5, "beta": 0.2, "normalizer": "history"}},
     "privacy": {"mode": "off"},
     "trainer": {"name": "sgd", "params": {}},
-    "strategy": {"name": "fedavg", "params": {}},
+    "strategy": {"name": "fedavg", "params": {"weighting": "examples"}},
     "flow": {
         "ray_address": None,
         "num_cpus": 2,
