@@ -156,7 +156,7 @@ def _worst_domain(rows: List[Mapping[str, Any]], domains: List[str]) -> str:
 
 
 def _mean_shares(per_seed: List[List[Mapping[str, float]]], domains: List[str]) -> np.ndarray | None:
-    """(rounds, domains): each domain's share of the model per round, mean over seeds (NaN where no client
+    """(rounds, domains): each domain's share of the round's client average, mean over seeds (NaN where no client
     merged); None when no seed has shares."""
     runs = [np.array([[s.get(d, np.nan) for d in domains] for s in shares]) for shares in per_seed if shares]
     if not runs or len({r.shape for r in runs}) != 1:
