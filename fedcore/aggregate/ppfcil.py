@@ -29,6 +29,8 @@ from fedcore.registry import check_choice
 
 WEIGHTINGS = ("multifactor", "examples")
 SELECTIONS = ("mahalanobis", "random")
+CLIP_STATS = ("clipped_fraction", "clipped_norm", "grad_norm_median")
+"""What a DP-SGD client reports of its per-sample gradient norms (fedcore.train.fcil), kept per client and round."""
 
 
 @STRATEGIES.register("ppfcil")
@@ -142,6 +144,9 @@ class PPFCIL(Strategy):
                 per_client[i].update(self._ledger_line(u))
             if "update_norm" in u.metrics:  # NbAFL: the norm of what the client sent, before its clip
                 per_client[i]["update_norm"] = float(u.metrics["update_norm"])
+            for key in CLIP_STATS:  # DP-SGD: where the round's per-sample gradient norms sat against C
+                if key in u.metrics:
+                    per_client[i][key] = float(u.metrics[key])
         if not live:  # every selected client is out of privacy budget: the model stays
             return Aggregated(global_state, {"stopped_clients": float(len(updates))}, per_client)
         ids = [i for i, _ in live]

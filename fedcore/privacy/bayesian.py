@@ -14,9 +14,9 @@ C(λ) = Σ_t c_t(λ) over steps t, and convert it to ε for a given δ.
 
 Classic DP (:class:`ClassicAccountant`)
     The worst case d = 1 for every step: c(λ) = λ · RDP_{λ+1}(q, σ), the Rényi DP of the
-    subsampled Gaussian mechanism (Mironov, Talwar & Zhang 2019; computed by Opacus). ε is
-    converted exactly as ``opacus.accountants.RDPAccountant`` does (Balle et al. 2020,
-    Theorem 21) and equals what that accountant reports for the same history and orders.
+    subsampled Gaussian mechanism (Mironov, Talwar & Zhang 2019; computed by Opacus). With the
+    default conversion ε equals what ``opacus.accountants.RDPAccountant`` reports for the same
+    history and orders (Balle et al. 2020, Theorem 21).
     This is (ε, δ)-DP: it holds for every record x', however unusual.
 
 Bayesian DP (:class:`BayesianAccountant`; Triastcyn & Faltings, ICML 2020)
@@ -25,8 +25,9 @@ Bayesian DP (:class:`BayesianAccountant`; Triastcyn & Faltings, ICML 2020)
 
         c(λ) = log E_{x'} E_{k∼Binomial(λ+1, q)} [ exp((k² − k) · d(x')² / (2σ²)) ],
 
-    and ε(δ) = min_λ (C(λ) − log δ) / λ (the paper's Σ_t c_t(λ) ≤ λε − log δ). The expectation
-    over x' is estimated from a sample of d values: the per-sample clipped norms of the batch.
+    converted to ε(δ) as classic DP's cost is (see "Decisions" for the paper's looser Chernoff
+    form). The expectation over x' is estimated from a sample of d values: the per-sample clipped
+    norms of the batch.
 
 What Bayesian DP guarantees, in plain words
 -------------------------------------------
@@ -58,10 +59,15 @@ Decisions worth knowing
 * Costs of successive steps add, as in the paper's composition theorem. The authors' later
   code adds a Hölder correction for the same x' being the neighbour in every step; it is not
   applied here.
-* The two accountants convert C(λ) to ε differently: BDP with the paper's Chernoff bound
-  (its guarantee is a tail probability), classic with Opacus's tighter conversion (a bound on
-  the hockey-stick divergence). With all d = 1, BDP's ε is therefore somewhat *larger* than
-  classic's; BDP's advantage appears once the typical d is below 1.
+* Both accountants convert C(λ) to ε the same way, chosen by ``conversion``. ``"balle"`` (the
+  default) is the conversion of Balle et al. (2020, Theorem 21) that Opacus's RDP accountant uses.
+  It bounds the hockey-stick divergence through a bound that is linear in the Rényi moment
+  E[exp(λ·L)], so for Bayesian DP it bounds that divergence averaged over x' ∼ μ, which is what
+  the BDP definition asks (Pr[A(D) ∈ S] ≤ e^ε Pr[A(D') ∈ S] + δ with the probability taken over
+  the noise *and* x'). ``"chernoff"`` is the BDP paper's ε = min_λ (C(λ) − log δ)/λ, a bound on
+  the tail Pr[L ≥ ε], which is looser; valid for both. With every d = 1 the two accountants hold
+  the same C(λ), so under one conversion they report the same ε for the same noise, and any
+  difference between LBDP and classic DP comes from the data (d < 1), not from the arithmetic.
 """
 
 from __future__ import annotations
@@ -81,6 +87,9 @@ Orders = Union[Sequence[int], np.ndarray]
 """Integer orders λ >= 1 as a sequence or a 1-D array."""
 
 ESTIMATORS = ("mean", "ucb")
+
+CONVERSIONS = ("balle", "chernoff")
+"""How C(λ) becomes ε: Balle et al. (2020, Theorem 21; Opacus's) or the BDP paper's Chernoff bound."""
 
 SIGMA_MAX = 1e6
 """Calibration gives up beyond this noise multiplier."""
@@ -283,8 +292,8 @@ def bdp_step_cost(
     return np.maximum(np.minimum(log_ucb, worst), 0.0)
 
 
-def bdp_epsilon(*, total_cost: Any, orders: Orders = DEFAULT_ORDERS, delta: float) -> Tuple[float, int]:
-    """ε of a Bayesian privacy cost: min_λ (C(λ) − log δ) / λ.
+def chernoff_epsilon(*, total_cost: Any, orders: Orders = DEFAULT_ORDERS, delta: float) -> Tuple[float, int]:
+    """ε by the Chernoff bound of the BDP paper: min_λ (C(λ) − log δ) / λ.
 
     Parameters
     ----------
@@ -308,11 +317,11 @@ def bdp_epsilon(*, total_cost: Any, orders: Orders = DEFAULT_ORDERS, delta: floa
     return float(eps[best]), int(lam[best])
 
 
-def rdp_epsilon(*, total_cost: Any, orders: Orders = DEFAULT_ORDERS, delta: float) -> Tuple[float, int]:
-    """ε of a classic cost, converted as ``opacus.accountants.RDPAccountant`` does.
+def balle_epsilon(*, total_cost: Any, orders: Orders = DEFAULT_ORDERS, delta: float) -> Tuple[float, int]:
+    """ε converted as ``opacus.accountants.RDPAccountant`` does (Balle et al. 2020, Theorem 21).
 
-    With α = λ + 1 and RDP ρ(α) = C(λ)/λ, ε = min_α ρ(α) − (log δ + log α)/(α − 1) + log((α − 1)/α)
-    (Balle et al. 2020, Theorem 21), floored at 0.
+    With α = λ + 1 and RDP ρ(α) = C(λ)/λ, ε = min_α ρ(α) − (log δ + log α)/(α − 1) + log((α − 1)/α),
+    floored at 0. Never larger than :func:`chernoff_epsilon` of the same cost.
 
     Returns
     -------
@@ -326,6 +335,15 @@ def rdp_epsilon(*, total_cost: Any, orders: Orders = DEFAULT_ORDERS, delta: floa
     eps = cost / lam - (math.log(delta) + np.log(alpha)) / lam + np.log(lam / alpha)
     best = int(np.argmin(eps))
     return max(float(eps[best]), 0.0), int(lam[best])
+
+
+def cost_epsilon(
+    *, total_cost: Any, orders: Orders = DEFAULT_ORDERS, delta: float, conversion: str = "balle"
+) -> Tuple[float, int]:
+    """ε of a privacy cost C(λ) under ``conversion`` (one of :data:`CONVERSIONS`), and the order attaining it."""
+    check_choice("conversion", conversion, CONVERSIONS)
+    convert = balle_epsilon if conversion == "balle" else chernoff_epsilon
+    return convert(total_cost=total_cost, orders=orders, delta=delta)
 
 
 def classic_step_cost(*, q: float, sigma: float, orders: Orders = DEFAULT_ORDERS) -> np.ndarray:
@@ -349,6 +367,7 @@ def calibrate_sigma_bdp(
     orders: Orders = DEFAULT_ORDERS,
     estimator: str = "mean",
     confidence: float = 0.05,
+    conversion: str = "balle",
 ) -> float:
     """The smallest noise multiplier σ with BDP ε(spent + steps · c_σ) ≤ ``epsilon``.
 
@@ -366,6 +385,8 @@ def calibrate_sigma_bdp(
         C(λ) already spent (e.g. ``BayesianAccountant.total_cost``); ``None`` for nothing.
     orders, estimator, confidence:
         As in :func:`bdp_step_cost`.
+    conversion:
+        How the cost becomes ε (:data:`CONVERSIONS`), as in :func:`cost_epsilon`.
 
     Returns
     -------
@@ -384,13 +405,17 @@ def calibrate_sigma_bdp(
     q, steps, target, delta = _check_q(q), _check_steps(steps), _check_epsilon(epsilon), _check_delta(delta)
     lam = _check_orders(orders)
     check_choice("estimator", estimator, ESTIMATORS)
+    check_choice("conversion", conversion, CONVERSIONS)
     base = np.zeros(lam.size) if spent is None else _check_cost(spent, lam.size, "spent")
 
-    floor, _ = bdp_epsilon(total_cost=base, orders=lam, delta=delta)
+    def eps_of(cost: np.ndarray) -> float:
+        return cost_epsilon(total_cost=cost, orders=lam, delta=delta, conversion=conversion)[0]
+
+    floor = eps_of(base)
     if floor >= target and spent is None:
         raise ValueError(
             f"ε_total={target:.4g} is below what these orders can certify at δ={delta:g} even with no "
-            f"cost (−log δ / max λ = {floor:.4g}); raise ε_total or add larger orders"
+            f"cost ({floor:.4g}); raise ε_total or add larger orders"
         )
     if floor >= target:
         raise ValueError(
@@ -400,7 +425,7 @@ def calibrate_sigma_bdp(
 
     def eps_at(sigma: float) -> float:
         cost = bdp_step_cost(sq_norms=d2, q=q, sigma=sigma, orders=lam, estimator=estimator, confidence=confidence)
-        return bdp_epsilon(total_cost=base + steps * cost, orders=lam, delta=delta)[0]
+        return eps_of(base + steps * cost)
 
     return _bisect_sigma(eps_at, target)
 
@@ -428,18 +453,29 @@ def _bisect_sigma(eps_at, target: float) -> float:
 
 
 def calibrate_sigma_classic(
-    *, q: float, steps: int, epsilon: float, delta: float, orders: Orders = DEFAULT_ORDERS
+    *,
+    q: float,
+    steps: int,
+    epsilon: float,
+    delta: float,
+    orders: Orders = DEFAULT_ORDERS,
+    conversion: str = "balle",
 ) -> float:
-    """The noise multiplier σ that Opacus calibrates for (ε, δ)-DP over ``steps`` steps.
+    """The noise multiplier σ for (ε, δ)-DP over ``steps`` steps.
 
-    Uses ``opacus.accountants.utils.get_noise_multiplier`` with the RDP accountant, evaluated on
-    the same orders (α = λ + 1) as :class:`ClassicAccountant` and an ε tolerance of 0.1% of the
-    target, so the accountant's ε at the returned σ is at most ``epsilon`` and within 0.1% of it.
+    With ``conversion="balle"`` this is what Opacus calibrates: ``get_noise_multiplier`` with the RDP
+    accountant, on the same orders (α = λ + 1) as :class:`ClassicAccountant` and an ε tolerance of 0.1%
+    of the target, so the accountant's ε at the returned σ is at most ``epsilon`` and within 0.1% of it.
+    With ``"chernoff"`` it is the bisection of :func:`calibrate_sigma_bdp` on the d = 1 cost.
     """
     from opacus.accountants.utils import get_noise_multiplier
 
     q, steps, target, delta = _check_q(q), _check_steps(steps), _check_epsilon(epsilon), _check_delta(delta)
     lam = _check_orders(orders)
+    if check_choice("conversion", conversion, CONVERSIONS) == "chernoff":
+        return calibrate_sigma_bdp(
+            sq_norms=np.ones(1), q=q, steps=steps, epsilon=target, delta=delta, orders=lam, conversion="chernoff"
+        )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Optimal order is the")  # noisy during bisection
         try:
@@ -465,11 +501,12 @@ ACCOUNTANTS: Registry["_CostAccountant"] = Registry("privacy accountant")
 
 
 class _CostAccountant:
-    """Running cost C(λ) over integer orders λ, shared by both accountants."""
+    """Running cost C(λ) over integer orders λ, shared by both accountants; ``conversion`` turns it into ε."""
 
     name = ""
 
-    def __init__(self, *, orders: Orders = DEFAULT_ORDERS) -> None:
+    def __init__(self, *, orders: Orders = DEFAULT_ORDERS, conversion: str = "balle") -> None:
+        self.conversion = check_choice("conversion", conversion, CONVERSIONS)
         self.orders = _check_orders(orders)
         self.total_cost = np.zeros(self.orders.size)
         self._steps = 0
@@ -479,7 +516,7 @@ class _CostAccountant:
         raise NotImplementedError
 
     def _convert(self, total_cost: np.ndarray, delta: float) -> Tuple[float, int]:
-        raise NotImplementedError
+        return cost_epsilon(total_cost=total_cost, orders=self.orders, delta=delta, conversion=self.conversion)
 
     # -- shared
     @property
@@ -540,15 +577,25 @@ class BayesianAccountant(_CostAccountant):
     orders:
         Integer orders λ ≥ 1.
     estimator:
-        ``"mean"`` or ``"ucb"`` (see :func:`bdp_step_cost`).
+        ``"ucb"`` (the default: the BDP paper's upper confidence bound) or ``"mean"`` (see
+        :func:`bdp_step_cost`).
     confidence:
         γ for ``"ucb"``: its bound, hence the guarantee, holds with probability 1 − γ per step.
+    conversion:
+        How C(λ) becomes ε (:data:`CONVERSIONS`); the same default as :class:`ClassicAccountant`.
     """
 
     name = "bayesian"
 
-    def __init__(self, *, orders: Orders = DEFAULT_ORDERS, estimator: str = "mean", confidence: float = 0.05) -> None:
-        super().__init__(orders=orders)
+    def __init__(
+        self,
+        *,
+        orders: Orders = DEFAULT_ORDERS,
+        estimator: str = "ucb",
+        confidence: float = 0.05,
+        conversion: str = "balle",
+    ) -> None:
+        super().__init__(orders=orders, conversion=conversion)
         self.estimator = check_choice("estimator", estimator, ESTIMATORS)
         self.confidence = _check_confidence(confidence)
 
@@ -563,17 +610,14 @@ class BayesianAccountant(_CostAccountant):
             confidence=self.confidence,
         )
 
-    def _convert(self, total_cost: np.ndarray, delta: float) -> Tuple[float, int]:
-        return bdp_epsilon(total_cost=total_cost, orders=self.orders, delta=delta)
-
 
 @ACCOUNTANTS.register("classic")
 class ClassicAccountant(_CostAccountant):
     """(ε, δ)-DP ledger of one client: Opacus's RDP accounting, as C(λ) = λ · Σ_t RDP_t(λ + 1).
 
-    ``step_cost`` ignores ``sq_norms`` (the worst case d = 1 holds for every record); ``epsilon``
-    equals ``opacus.accountants.RDPAccountant().get_epsilon(delta, alphas=[λ + 1 ...])`` for the
-    same (σ, q) history.
+    ``step_cost`` ignores ``sq_norms`` (the worst case d = 1 holds for every record); with the default
+    ``conversion="balle"``, ``epsilon`` equals ``opacus.accountants.RDPAccountant().get_epsilon(delta,
+    alphas=[λ + 1 ...])`` for the same (σ, q) history.
     """
 
     name = "classic"
@@ -581,9 +625,6 @@ class ClassicAccountant(_CostAccountant):
     def step_cost(self, *, sq_norms: Any = None, q: float, sigma: float) -> np.ndarray:
         """λ · RDP_{λ+1}(q, σ) for every order; ``sq_norms`` is not used."""
         return classic_step_cost(q=q, sigma=sigma, orders=self.orders)
-
-    def _convert(self, total_cost: np.ndarray, delta: float) -> Tuple[float, int]:
-        return rdp_epsilon(total_cost=total_cost, orders=self.orders, delta=delta)
 
 
 def create_accountant(name: str, **settings: Any) -> _CostAccountant:
@@ -599,11 +640,13 @@ __all__ = [
     "ESTIMATORS",
     "SIGMA_MAX",
     "SIGMA_MIN",
-    "bdp_epsilon",
+    "CONVERSIONS",
+    "balle_epsilon",
     "bdp_step_cost",
     "calibrate_sigma_bdp",
     "calibrate_sigma_classic",
     "classic_step_cost",
     "create_accountant",
-    "rdp_epsilon",
+    "chernoff_epsilon",
+    "cost_epsilon",
 ]

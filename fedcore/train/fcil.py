@@ -60,6 +60,7 @@ COMPRESSION = ("distil", "none")
 PRIVACY = ("none", "lbdp", "dp", "clip", "nbafl")
 EXEMPLAR_RULES = ("herding", "random", "none")
 NBAFL_SENSITIVITY = ("average", "worst")
+SIGMA_SOURCES = ("accounted", "probe")
 
 
 @TRAINERS.register("fcil")
@@ -86,9 +87,18 @@ class FCILTrainer(LocalTrainer):
     privacy, epsilon, delta, clip_norm, sample_rate:
         See the module docstring; ``epsilon`` is the client's ε_total over the whole run.
     bdp_estimator, bdp_confidence:
-        How LBDP's accountant estimates the expectation over records: ``mean`` (the sample mean of the
-        batch's clipped norms) or ``ucb`` (a one-sided Student-t upper confidence bound on it, so the
-        account holds with probability 1 − ``bdp_confidence`` per step; Triastcyn & Faltings' form).
+        How LBDP's accountant estimates the expectation over records: ``ucb`` (the default: a one-sided
+        Student-t upper confidence bound on it, so the account holds with probability 1 − ``bdp_confidence``
+        per step; Triastcyn & Faltings' form) or ``mean`` (the sample mean of the batch's clipped norms).
+    epsilon_conversion:
+        How both private forms turn their privacy cost into ε: ``balle`` (Balle et al. 2020, Theorem 21, as
+        Opacus does; the default) or ``chernoff`` (the BDP paper's bound). One setting for LBDP and classic
+        DP, so that they report the same ε for the same noise when every gradient is clipped.
+    bdp_sigma_from:
+        Where LBDP's σ comes from each round: ``accounted`` (the default: the clipped norms of every step of
+        the client's previous round, each already charged to its account, and d = 1, the classic σ, before
+        its first round) or ``probe`` (the clipped norms of up to 64 records drawn for the purpose, which no
+        step accounts).
     noise_source:
         Where the private forms draw their noise and their Poisson samples: ``secure`` (OS entropy, the
         default: nobody can regenerate them) or ``seeded`` (the round's torch generator, from the run's
@@ -121,8 +131,10 @@ class FCILTrainer(LocalTrainer):
         delta: float = 1e-5,
         clip_norm: float = 1.0,
         sample_rate: float = 0.1,
-        bdp_estimator: str = "mean",
+        bdp_estimator: str = "ucb",
         bdp_confidence: float = 0.05,
+        epsilon_conversion: str = "balle",
+        bdp_sigma_from: str = "accounted",
         nbafl_sensitivity: str = "average",
         noise_source: str = "secure",
         **kw,
@@ -145,9 +157,11 @@ class FCILTrainer(LocalTrainer):
         check_choice("new_init", new_init, NEW_INITS)
         check_choice("exemplars", exemplars, EXEMPLAR_RULES)
         check_choice("privacy", privacy, PRIVACY)
-        from fedcore.privacy.bayesian import ESTIMATORS
+        from fedcore.privacy.bayesian import CONVERSIONS, ESTIMATORS
 
         check_choice("bdp_estimator", bdp_estimator, ESTIMATORS)
+        check_choice("epsilon_conversion", epsilon_conversion, CONVERSIONS)
+        check_choice("bdp_sigma_from", bdp_sigma_from, SIGMA_SOURCES)
         check_choice("nbafl_sensitivity", nbafl_sensitivity, NBAFL_SENSITIVITY)
         from fedcore.privacy.dp import check_noise_source
 
@@ -199,6 +213,7 @@ class FCILTrainer(LocalTrainer):
         self.privacy, self.epsilon, self.delta = privacy, float(epsilon), float(delta)
         self.clip_norm, self.sample_rate = float(clip_norm), float(sample_rate)
         self.bdp_estimator, self.bdp_confidence = bdp_estimator, float(bdp_confidence)
+        self.epsilon_conversion, self.bdp_sigma_from = epsilon_conversion, bdp_sigma_from
         self.nbafl_sensitivity, self.noise_source = nbafl_sensitivity, noise_source
 
     needs_features = True
@@ -400,7 +415,8 @@ class FCILTrainer(LocalTrainer):
         bdp: Dict[str, Any] = (
             {"estimator": self.bdp_estimator, "confidence": self.bdp_confidence} if name == "bayesian" else {}
         )
-        acct = create_accountant(name, **bdp)
+        conversion = self.epsilon_conversion
+        acct = create_accountant(name, conversion=conversion, **bdp)
         if "accountant" in ledger:
             acct.load_state_dict(ledger["accountant"])
         q, n = self.sample_rate, len(xt)
@@ -410,10 +426,13 @@ class FCILTrainer(LocalTrainer):
         planned = max(steps_per_round, planned_uploads(rounds, part) * steps_per_round)  # this client's whole run
         trainable = {id(p) for p in params}
         named = {k: p for k, p in objective.named_parameters() if id(p) in trainable}
-        total, count, steps, sigmas, sq_all = 0.0, 0, 0, [], []
+        total, count, steps, sigmas, sq_all, norms_all = 0.0, 0, 0, [], [], []
+        accounted: List[np.ndarray] = []
         sigma = float(ledger.get("sigma", 0.0))
         if name == "classic" and sigma == 0.0 and not clip_only:
-            sigma = calibrate_sigma_classic(q=q, steps=planned, epsilon=self.epsilon, delta=self.delta)
+            sigma = calibrate_sigma_classic(
+                q=q, steps=planned, epsilon=self.epsilon, delta=self.delta, conversion=conversion
+            )
         sq_seen = None  # the latest sample of clipped norms: the data distribution the Bayesian cost is taken over
         if name == "bayesian" and acct.steps >= planned:
             # every planned step is taken (a ledger the end-of-round mark below did not close: one checkpointed by
@@ -423,9 +442,14 @@ class FCILTrainer(LocalTrainer):
             stopped = True
         if name == "bayesian" and not stopped:  # (clip_only is "classic")
             # data-aware noise: the σ that spends what is left of ε_total over this client's remaining planned
-            # steps, at the clipped-gradient distribution of a probe of its data (up to 64 samples)
-            probe = torch.randperm(n, generator=g)[:64].to(xt.device)
-            sq_seen = self._clipped_sq(objective, named, xt[probe], yt[probe])[0]
+            # steps, at a sample of its clipped-gradient distribution: by default the clipped norms its previous
+            # round's steps were charged for (d = 1 before any step: a σ that reads no data), or a probe of up
+            # to 64 records (which no step accounts)
+            if self.bdp_sigma_from == "probe":
+                probe = torch.randperm(n, generator=g)[:64].to(xt.device)
+                sq_seen = self._clipped_sq(objective, named, xt[probe], yt[probe])[0]
+            else:
+                sq_seen = np.asarray(ledger.get("sq_norms", [1.0, 1.0]), dtype=float)
             if self.bdp_estimator == "ucb" and len(sq_seen) < 2:
                 raise ValueError(
                     f"bdp_estimator=ucb needs at least 2 samples on a client to estimate a spread; this "
@@ -433,6 +457,7 @@ class FCILTrainer(LocalTrainer):
                 )
             try:
                 sigma = calibrate_sigma_bdp(
+                    conversion=conversion,
                     sq_norms=sq_seen,
                     q=q,
                     steps=max(1, planned - acct.steps),
@@ -458,6 +483,10 @@ class FCILTrainer(LocalTrainer):
                     ledger["exhausted"] = True
                     break
                 acct.spend(cost)  # an empty batch is still a step: it releases noise, and the analysis counts it
+                if name == "bayesian" and len(idx):
+                    accounted.append(sq)  # charged to the account: next round's σ is calibrated on these
+            if len(idx):
+                norms_all.append(norms.detach().cpu().numpy())
             opt.zero_grad(set_to_none=True)
             for key, p in named.items():
                 summed = (
@@ -479,16 +508,19 @@ class FCILTrainer(LocalTrainer):
                 sq_all.append(float(np.mean(sq)))
             steps += 1
             sigmas.append(sigma)
+        clip_stats = self._clip_stats(np.concatenate(norms_all) if norms_all else np.zeros(0))
         if clip_only:  # no ledger: nothing is promised
             return (
                 total,
                 count,
                 steps,
                 ledger,
-                {"sigma": 0.0, "clipped_sq_norm": float(np.mean(sq_all)) if sq_all else float("nan")},
+                {"sigma": 0.0, "clipped_sq_norm": float(np.mean(sq_all)) if sq_all else float("nan"), **clip_stats},
             )
         if acct.steps >= planned:  # the plan's last step is taken: tell the server now, so that it retires this
             ledger["exhausted"] = True  # client (as NbAFL's after its last upload) rather than pick it for nothing
+        if accounted:
+            ledger["sq_norms"] = [float(v) for v in np.concatenate(accounted)]
         ledger.update(
             {
                 "accountant": acct.state_dict(),
@@ -501,8 +533,20 @@ class FCILTrainer(LocalTrainer):
             "sigma": float(np.mean(sigmas)) if sigmas else float("nan"),
             "clipped_sq_norm": float(np.mean(sq_all)) if sq_all else float("nan"),
             "budget_exhausted": float(bool(ledger.get("exhausted", False))),
+            **clip_stats,
         }
         return total, count, steps, ledger, metrics
+
+    def _clip_stats(self, norms: np.ndarray) -> Dict[str, float]:
+        """Where the round's per-sample gradient norms sit against C: the share clipped, the mean norm after
+        clipping, and the median norm before it (NaN when the round drew no sample)."""
+        if not norms.size:
+            return {"clipped_fraction": float("nan"), "clipped_norm": float("nan"), "grad_norm_median": float("nan")}
+        return {
+            "clipped_fraction": float(np.mean(norms > self.clip_norm)),
+            "clipped_norm": float(np.mean(np.minimum(norms, self.clip_norm))),
+            "grad_norm_median": float(np.median(norms)),
+        }
 
     def _nbafl_release(
         self,

@@ -13,6 +13,7 @@ which DVC does not track.
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Tuple
@@ -571,12 +572,36 @@ def _privacy_label(tp: Mapping[str, Any]) -> str:
     default = _fcil_defaults()
     tp = {**default, **tp}
     form = str(tp["privacy"])
-    label = PRIVACY_LABELS.get(form, form)
+    variants = []
     if form == "lbdp" and tp["bdp_estimator"] != default["bdp_estimator"]:
-        label += f" ({tp['bdp_estimator']})"
+        variants.append(str(tp["bdp_estimator"]))
+    if form == "lbdp" and tp["bdp_sigma_from"] != default["bdp_sigma_from"]:
+        variants.append(f"σ from a {tp['bdp_sigma_from']}")
+    if form in ("lbdp", "dp") and tp["epsilon_conversion"] != default["epsilon_conversion"]:
+        variants.append(f"{tp['epsilon_conversion']} ε")
     if form == "nbafl" and tp["nbafl_sensitivity"] != default["nbafl_sensitivity"]:
-        label += f" ({tp['nbafl_sensitivity']}-case ΔS)"
+        variants.append(f"{tp['nbafl_sensitivity']}-case ΔS")
+    label = PRIVACY_LABELS.get(form, form) + (f" ({', '.join(variants)})" if variants else "")
     return f"{label}, C = {float(tp['clip_norm']):g}"
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
+def _clip_stats(cell: Path) -> Dict[str, float]:
+    """A DP-SGD cell's per-sample gradient norms against C, averaged over its rounds and clients: the share
+    clipped and the median norm before clipping (empty for forms that clip no per-sample gradient)."""
+    path = cell / "rounds.json"
+    if not path.is_file():
+        return {}
+    records = json.loads(path.read_text())
+    out = {}
+    for key in ("clipped_fraction", "grad_norm_median"):
+        vals = [float(v) for r in records for k, v in r.items() if k.startswith(f"{key}.c") and math.isfinite(v)]
+        if vals:
+            out[key] = float(np.mean(vals))
+    return out
 
 
 def _fcil_defaults() -> Dict[str, Any]:
@@ -631,7 +656,9 @@ def ppfcil_privacy(cfg) -> None:
                 continue
             eps, clip, label = float(tp["epsilon"]), float(tp["clip_norm"]), _privacy_label(tp)
             curves.setdefault(label, []).append((eps, *point))
-            rows.append((label, eps, str(m), g, point, len(vals)))
+            cells = [_clip_stats(results_dir(cfg, "ppfcil", g) / "cells" / f"{m}-s{s}") for s in spec.seeds]
+            clipped = {k: float(np.mean([c[k] for c in cells if k in c])) for k in {k for c in cells for k in c}}
+            rows.append((label, eps, str(m), g, point, len(vals), clipped))
             if label.split(",")[0] in ("LBDP", "classic DP"):
                 pairs.setdefault((eps, clip), {})[form] = vals
     out = results_dir(cfg, "ppfcil", grid_name)
@@ -659,12 +686,18 @@ def ppfcil_privacy(cfg) -> None:
         "",
         "Every private method:",
         "",
-        "| form | ε_total | method (grid) | avg incremental acc | seeds |",
-        "|---|---|---|---|---|",
+        "| form | ε_total | method (grid) | avg incremental acc | seeds | clipped | median ‖g‖ |",
+        "|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {label} | {eps:g} | {m} ({g}) | {pt[0]:.3f} ± {pt[1]:.3f} | {n} |"
-        for label, eps, m, g, pt, n in sorted(rows)
+        f"| {label} | {eps:g} | {m} ({g}) | {pt[0]:.3f} ± {pt[1]:.3f} | {n} | "
+        f"{_fmt(clip.get('clipped_fraction'), '.2f')} | {_fmt(clip.get('grad_norm_median'), '.2f')} |"
+        for label, eps, m, g, pt, n, clip in sorted(rows, key=lambda r: r[:4])
+    ]
+    lines += [
+        "",
+        "clipped: the share of per-sample gradients whose norm exceeded C; median ‖g‖: their median norm before "
+        "clipping (both averaged over rounds, clients and seeds; DP-SGD forms only).",
     ]
     (out / "privacy.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

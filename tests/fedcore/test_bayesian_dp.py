@@ -18,12 +18,13 @@ from fedcore.privacy.bayesian import (
     DEFAULT_ORDERS,
     BayesianAccountant,
     ClassicAccountant,
-    bdp_epsilon,
+    balle_epsilon,
     bdp_step_cost,
     calibrate_sigma_bdp,
     calibrate_sigma_classic,
+    chernoff_epsilon,
+    cost_epsilon,
     create_accountant,
-    rdp_epsilon,
 )
 
 LAM = np.asarray(DEFAULT_ORDERS)
@@ -39,9 +40,9 @@ def spread_norms(n: int = 128, lo: float = 0.05, hi: float = 0.6, seed: int = 0)
     return np.random.default_rng(seed).uniform(lo, hi, n)
 
 
-def bdp_eps(sq_norms, q, sigma, steps, delta=DELTA, **kw) -> float:
+def bdp_eps(sq_norms, q, sigma, steps, delta=DELTA, conversion="balle", **kw) -> float:
     cost = bdp_step_cost(sq_norms=sq_norms, q=q, sigma=sigma, orders=LAM, **kw)
-    return bdp_epsilon(total_cost=steps * cost, orders=LAM, delta=delta)[0]
+    return cost_epsilon(total_cost=steps * cost, orders=LAM, delta=delta, conversion=conversion)[0]
 
 
 # ------------------------------------------------------------------------------------ goldens
@@ -56,13 +57,13 @@ def test_all_clipped_cost_equals_opacus_rdp(q, sigma, estimator):
     np.testing.assert_allclose(cost / LAM, opacus_rdp(q, sigma), rtol=1e-9, atol=0)
 
 
-def test_all_clipped_epsilon_is_the_classic_conversion():
+def test_all_clipped_epsilon_under_chernoff_is_the_moments_accountant_bound():
     # Prepare
     q, sigma, steps = 0.02, 1.1, 700
     alpha = LAM + 1.0
     expected = np.min(steps * opacus_rdp(q, sigma) + math.log(1 / DELTA) / (alpha - 1))
     # Execute
-    eps = bdp_eps(np.ones(8), q, sigma, steps)
+    eps = bdp_eps(np.ones(8), q, sigma, steps, conversion="chernoff")
     # Assert
     assert eps == pytest.approx(expected, rel=1e-9)
 
@@ -178,30 +179,51 @@ def test_bayesian_never_costs_more_than_classic_when_norms_are_at_most_one(estim
     # Execute
     c_bdp = bdp.step_cost(sq_norms=sq, q=0.02, sigma=1.0)
     c_classic = classic.step_cost(sq_norms=sq, q=0.02, sigma=1.0)
-    # Assert: per order, and as ε under the same (BDP) conversion
+    # Assert: per order, and as ε under either conversion
     assert np.all(c_bdp <= c_classic + 1e-12)
-    assert (
-        bdp_epsilon(total_cost=800 * c_bdp, orders=LAM, delta=DELTA)[0]
-        <= bdp_epsilon(total_cost=800 * c_classic, orders=LAM, delta=DELTA)[0]
+    for conversion in ("balle", "chernoff"):
+        assert (
+            cost_epsilon(total_cost=800 * c_bdp, orders=LAM, delta=DELTA, conversion=conversion)[0]
+            <= cost_epsilon(total_cost=800 * c_classic, orders=LAM, delta=DELTA, conversion=conversion)[0]
+        )
+
+
+@pytest.mark.parametrize("conversion", ["balle", "chernoff"])
+@pytest.mark.parametrize("estimator", ["mean", "ucb"])
+def test_bayesian_and_classic_epsilon_are_equal_at_d1_and_bayesian_is_below_for_unclipped_gradients(
+    conversion, estimator
+):
+    # Prepare: one history of σ and q, both accountants under one conversion
+    history = [(1.0, 0.02, 500), (1.4, 0.02, 300)]
+    bdp, classic = (
+        BayesianAccountant(estimator=estimator, conversion=conversion),
+        ClassicAccountant(conversion=conversion),
     )
-
-
-def test_bayesian_epsilon_is_below_classic_for_unclipped_gradients_and_above_only_by_the_conversion_at_d1():
-    # Prepare
-    q, sigma, steps = 0.02, 1.0, 800
-    classic = ClassicAccountant()
-    classic_cost = steps * classic.step_cost(sq_norms=None, q=q, sigma=sigma)
-    classic_eps = rdp_epsilon(total_cost=classic_cost, orders=LAM, delta=DELTA)[0]
+    spread = BayesianAccountant(estimator=estimator, conversion=conversion)
     # Execute
-    eps_spread = bdp_eps(spread_norms(), q, sigma, steps)
-    eps_clipped = bdp_eps(np.ones(4), q, sigma, steps)
-    # Assert: d < 1 wins clearly; at d = 1 only the looser Chernoff conversion separates them
-    assert eps_spread < 0.6 * classic_eps
-    assert (
-        classic_eps
-        < eps_clipped
-        == pytest.approx(bdp_epsilon(total_cost=classic_cost, orders=LAM, delta=DELTA)[0], rel=1e-9)
-    )
+    for sigma, q, steps in history:
+        for _ in range(steps):
+            bdp.spend(bdp.step_cost(sq_norms=np.ones(8), q=q, sigma=sigma))
+            classic.spend(classic.step_cost(sq_norms=None, q=q, sigma=sigma))
+            spread.spend(spread.step_cost(sq_norms=spread_norms(), q=q, sigma=sigma))
+    # Assert: every gradient clipped, the same ε to rounding; most unclipped, far less
+    assert bdp.epsilon(DELTA) == pytest.approx(classic.epsilon(DELTA), rel=1e-9)
+    assert spread.epsilon(DELTA) < 0.6 * classic.epsilon(DELTA)
+
+
+def test_balle_conversion_is_opacus_and_never_above_chernoff():
+    # Prepare
+    cost = 800 * bdp_step_cost(sq_norms=np.ones(4), q=0.02, sigma=1.0, orders=LAM)
+    theirs = RDPAccountant()
+    theirs.history = [(1.0, 0.02, 800)]
+    # Execute
+    balle = balle_epsilon(total_cost=cost, orders=LAM, delta=DELTA)[0]
+    chernoff = chernoff_epsilon(total_cost=cost, orders=LAM, delta=DELTA)[0]
+    # Assert
+    assert balle == pytest.approx(theirs.get_epsilon(DELTA, alphas=[float(a) for a in LAM + 1]), rel=1e-9)
+    assert balle < chernoff
+    with pytest.raises(ValueError, match="conversion"):
+        cost_epsilon(total_cost=cost, orders=LAM, delta=DELTA, conversion="rdp")
 
 
 # ------------------------------------------------------------------------------------ UCB
@@ -264,7 +286,7 @@ def test_calibrated_bdp_sigma_hits_the_target(target):
 def test_calibration_accounts_for_what_is_already_spent():
     # Prepare: half the budget gone
     sq, q, target = spread_norms(), 0.02, 3.0
-    acc = BayesianAccountant()
+    acc = BayesianAccountant(estimator="mean")  # the calibration's default estimator
     acc.spend(300 * acc.step_cost(sq_norms=sq, q=q, sigma=1.2))
     assert acc.epsilon(DELTA) < target
     # Execute
@@ -411,7 +433,7 @@ def test_bad_delta_is_rejected_everywhere(delta):
     acc = BayesianAccountant()
     # Execute / Assert
     for call in (
-        lambda: bdp_epsilon(total_cost=np.zeros(LAM.size), orders=LAM, delta=delta),
+        lambda: cost_epsilon(total_cost=np.zeros(LAM.size), orders=LAM, delta=delta),
         lambda: acc.epsilon(delta),
         lambda: acc.epsilon_after(np.zeros(LAM.size), delta),
         lambda: calibrate_sigma_classic(q=0.1, steps=10, epsilon=1.0, delta=delta),

@@ -432,18 +432,100 @@ def test_a_compression_round_trains_only_the_single_branch(digits):
     assert changed == {"single"}  # Φ_new, its BatchNorm statistics, the fusion and the classifier stay put
 
 
+def _two_rounds(digits, **trainer):
+    """Rounds 0 and 1 of the first task on one client, its model and ledger carried from the first to the second."""
+    _, first = _round(digits, task=0, round_index=0, norm="group", **trainer)
+    _, second = _round(
+        digits,
+        task=0,
+        round_index=1,
+        norm="group",
+        state=first.state,
+        client_state=first.client_state,
+        **trainer,
+    )
+    return first, second
+
+
 def test_lbdp_scales_its_noise_to_the_clients_gradients_and_classic_dp_does_not(digits):
-    # with C = 30 per-sample gradients stay well inside the clip (mean d² about 0.1 here): LBDP's account charges
-    # them for what they are, so the same ε buys less noise; classic DP charges every record as if clipped (d = 1)
+    # with C = 30 most per-sample gradients stay inside the clip (mean d² about 0.1 in the first round here):
+    # LBDP's account charges them for what they are, so once it has seen them the same ε buys less noise;
+    # classic DP charges every record as if clipped (d = 1). Before its first accounted step LBDP has read
+    # nothing, so it starts at d = 1, classic DP's σ.
     sig = {
-        (p, c): _round(digits, task=0, round_index=0, norm="group", **dict(PRIVATE, privacy=p, clip_norm=c))[1].metrics[
-            "sigma"
-        ]
+        (p, c): [u.metrics["sigma"] for u in _two_rounds(digits, **dict(PRIVATE, privacy=p, clip_norm=c))]
         for p in ("lbdp", "dp")
         for c in (1.0, 30.0)
     }
-    assert sig[("lbdp", 30.0)] < 0.5 * sig[("dp", 30.0)] and sig[("lbdp", 30.0)] < 0.5 * sig[("lbdp", 1.0)]
+    assert sig[("lbdp", 30.0)][0] == pytest.approx(sig[("dp", 30.0)][0], rel=2e-3)
+    assert sig[("lbdp", 30.0)][1] < 0.9 * sig[("dp", 30.0)][1] and sig[("lbdp", 30.0)][1] < 0.9 * sig[("lbdp", 1.0)][1]
     assert sig[("dp", 30.0)] == pytest.approx(sig[("dp", 1.0)])  # classic σ is a noise multiplier: data-blind
+
+
+def test_lbdp_takes_its_sigma_from_the_last_accounted_step_not_from_records_no_step_accounts(digits):
+    from fedcore.privacy.bayesian import calibrate_sigma_bdp
+
+    kw = dict(PRIVATE, clip_norm=30.0, sample_rate=0.25)
+    first, second = _two_rounds(digits, **kw)
+    ledger = first.client_state["ledger"]
+    kept = np.asarray(ledger["sq_norms"])
+    assert kept.size >= 2 and np.all((kept >= 0) & (kept <= 1)) and kept.mean() < 0.5
+    # the second round's σ is exactly the calibration on what the first round's last step was charged for
+    steps = ledger["accountant"]["steps"]
+    planned = 6 * 4  # 6 rounds at full participation, 1 epoch / q = 4 steps each
+    expected = calibrate_sigma_bdp(
+        sq_norms=kept,
+        q=0.25,
+        steps=planned - steps,
+        epsilon=8.0,
+        delta=1e-5,
+        spent=np.asarray(ledger["accountant"]["total_cost"]),
+        estimator="ucb",
+    )
+    assert second.metrics["sigma"] == pytest.approx(expected, rel=1e-12)
+    # the probe form reads 64 records first, so its very first round is already data-aware
+    _, probed = _round(digits, task=0, round_index=0, norm="group", bdp_sigma_from="probe", **kw)
+    assert probed.metrics["sigma"] < 0.5 * first.metrics["sigma"]
+
+
+@pytest.mark.parametrize("conversion", ["balle", "chernoff"])
+def test_lbdp_and_classic_dp_report_the_same_epsilon_for_the_same_noise_when_every_gradient_is_clipped(
+    digits, conversion
+):
+    # C far below every per-sample gradient norm: every d = 1, so the Bayesian cost is the classic one, and under
+    # one conversion both forms must calibrate the same σ and report the same ε
+    kw = dict(PRIVATE, clip_norm=1e-4, epsilon=2.0, epsilon_conversion=conversion)
+    _, lbdp = _round(digits, task=0, round_index=0, norm="group", **kw)
+    _, dp = _round(digits, task=0, round_index=0, norm="group", **{**kw, "privacy": "dp"})
+    assert lbdp.metrics["clipped_fraction"] == dp.metrics["clipped_fraction"] == 1.0
+    assert lbdp.metrics["clipped_norm"] == pytest.approx(1e-4) and lbdp.metrics["grad_norm_median"] > 1e-2
+    assert lbdp.metrics["steps"] == dp.metrics["steps"] == 10
+    assert lbdp.metrics["sigma"] == pytest.approx(dp.metrics["sigma"], rel=2e-3)
+    assert lbdp.metrics["epsilon"] == pytest.approx(dp.metrics["epsilon"], rel=2e-3)
+
+
+def test_the_chernoff_conversion_needs_more_noise_than_balles_for_the_same_budget(digits):
+    kw = dict(PRIVATE, privacy="dp", clip_norm=1.0, epsilon=1.0)
+    sigma = {
+        c: _round(digits, task=0, round_index=0, norm="group", epsilon_conversion=c, **kw)[1].metrics["sigma"]
+        for c in ("balle", "chernoff")
+    }
+    assert sigma["chernoff"] > 1.05 * sigma["balle"]
+
+
+def test_a_dp_sgd_client_reports_where_its_gradients_sit_against_c_and_the_server_keeps_it(digits):
+    _, tight = _round(digits, task=0, round_index=0, norm="group", **dict(PRIVATE, privacy="clip", clip_norm=1e-4))
+    _, loose = _round(digits, task=0, round_index=0, norm="group", **dict(PRIVATE, privacy="clip", clip_norm=1e6))
+    assert tight.metrics["clipped_fraction"] == 1.0 and loose.metrics["clipped_fraction"] == 0.0
+    assert loose.metrics["clipped_norm"] < 1e6 and loose.metrics["clipped_norm"] > 0
+    s = PPFCIL()
+    g = {"w": torch.zeros(2), "task": torch.tensor(0)}
+    s.setup(g, num_clients=1, param_keys=["w"])
+    s.select(0, [0], num_clients=1)
+    upd = _update(0.9)
+    upd.metrics.update({k: tight.metrics[k] for k in ("clipped_fraction", "clipped_norm", "grad_norm_median")})
+    kept = s.aggregate(g, [(0, upd)], num_clients=1).per_client[0]
+    assert kept["clipped_fraction"] == 1.0 and kept["grad_norm_median"] == tight.metrics["grad_norm_median"]
 
 
 def test_lbdp_takes_noise_only_steps_on_empty_poisson_batches_and_counts_them(digits):
@@ -601,14 +683,15 @@ def test_clip_only_is_classic_dp_sgd_without_its_noise_and_without_a_budget(digi
 
 def test_lbdp_with_the_ucb_estimator_spends_no_more_than_its_budget_and_adds_more_noise(digits):
     kw = dict(PRIVATE, sample_rate=0.25, epsilon=4.0, clip_norm=50.0)  # a C most gradients stay below: a spread
-    _, mean = _round(digits, task=0, round_index=0, n=40, norm="group", **kw)
-    _, ucb = _round(digits, task=0, round_index=0, n=40, norm="group", bdp_estimator="ucb", **kw)
+    assert create_trainer("fcil").bdp_estimator == "ucb"  # the BDP paper's form is the default
+    _, mean = _round(digits, task=0, round_index=0, n=40, norm="group", bdp_estimator="mean", **kw)
+    _, ucb = _round(digits, task=0, round_index=0, n=40, norm="group", **kw)
     for upd in (mean, ucb):  # each stops before a step its own estimate cannot afford
         assert 0 < upd.metrics["epsilon"] <= 4.0 + 1e-9 and upd.metrics["steps"] >= 1
-    # an upper bound on the expected cost is above the mean: the same ε buys less, so σ is larger
-    assert ucb.metrics["sigma"] > mean.metrics["sigma"]
+    # an upper bound on the expected cost is above the mean: the same ε costs more of the budget
+    assert ucb.metrics["epsilon"] > mean.metrics["epsilon"]
     with pytest.raises(ValueError, match="bdp_estimator=ucb needs at least 2 samples .* this client has 1"):
-        _round(digits, task=0, round_index=0, n=1, norm="group", bdp_estimator="ucb", **kw)
+        _round(digits, task=0, round_index=0, n=1, norm="group", bdp_sigma_from="probe", **kw)
 
 
 @pytest.mark.parametrize(
@@ -616,6 +699,8 @@ def test_lbdp_with_the_ucb_estimator_spends_no_more_than_its_budget_and_adds_mor
     [
         (dict(bdp_estimator="max"), "bdp_estimator"),
         (dict(bdp_confidence=1.0), r"bdp_confidence .* must be in \(0, 1\)"),
+        (dict(epsilon_conversion="rdp"), "epsilon_conversion"),
+        (dict(bdp_sigma_from="batch"), "bdp_sigma_from"),
     ],
 )
 def test_bad_bdp_estimator_settings_name_the_fix(kw, match):

@@ -207,20 +207,38 @@ def test_privacy_report_joins_grids_on_the_same_data_and_refuses_others(tmp_path
             "nbafl-eps8-c10": [0.3, 0.3],
             "nbafl-eps8-worst": [0.1, 0.1],
         },
-        "privacy-ucb": {"lbdp-eps8-ucb": [0.38, 0.38], "lbdp-eps8-c10-ucb": [0.3, 0.3]},
+        "privacy-lbdp": {
+            "lbdp-eps8-mean": [0.38, 0.38],
+            "lbdp-eps8-c10-mean": [0.3, 0.3],
+            "lbdp-eps8-chernoff": [0.36, 0.36],
+            "lbdp-eps8-probe": [0.41, 0.41],
+        },
     }
     for g, scores in fake.items():
         (tmp_path / "ppfcil" / g).mkdir(parents=True)
         (tmp_path / "ppfcil" / g / "scores.json").write_text(json.dumps({"avg_inc_acc_by_seed": scores}))
+    # what the DP-SGD cells logged of their per-sample gradient norms: two rounds, two clients
+    for seed, fraction in ((0, 0.2), (1, 0.4)):
+        cell = tmp_path / "ppfcil" / "privacy" / "cells" / f"lbdp-eps8-s{seed}"
+        cell.mkdir(parents=True)
+        rounds = [
+            {"round": r, "clipped_fraction.c0": fraction, "clipped_fraction.c1": fraction, "grad_norm_median.c0": 2.0}
+            for r in range(2)
+        ]
+        (cell / "rounds.json").write_text(json.dumps(rounds))
     _ppfcil_privacy(cfg)
     text = (tmp_path / "ppfcil" / "privacy" / "privacy.md").read_text()
     assert "| 8 | 1 | 0.410 ± 0.010 | 0.300 ± 0.000 | +0.110 | 2/2 |" in text  # the pair table: LBDP and DP only
     assert "| 2 | 1 | 0.370 ± 0.020 | 0.330 ± 0.000 | +0.040 | 2/2 |" in text  # ... from every grid joined
-    assert "| NbAFL, C = 1 | 8 | nbafl-eps8 (privacy-nbafl) | 0.460 ± 0.010 | 2 |" in text
+    assert "| NbAFL, C = 1 | 8 | nbafl-eps8 (privacy-nbafl) | 0.460 ± 0.010 | 2 |  |  |" in text
     assert "| NbAFL (worst-case ΔS), C = 1 | 8 | nbafl-eps8-worst (privacy-nbafl) | 0.100 ± 0.000 | 2 |" in text
-    assert "| LBDP (ucb), C = 10 | 8 | lbdp-eps8-c10-ucb (privacy-ucb) | 0.300 ± 0.000 | 2 |" in text
-    with pytest.raises(ValueError, match=r"grid 'privacy-ucb' is not on grid 'privacy'.*\(clients differ\)"):
-        _ppfcil_privacy(C.compose([f"paths.results={tmp_path}", "ppfcil.grids.privacy-ucb.clients=4"]))
+    assert "| LBDP (mean), C = 10 | 8 | lbdp-eps8-c10-mean (privacy-lbdp) | 0.300 ± 0.000 | 2 |" in text
+    assert "| LBDP (chernoff ε), C = 1 | 8 | lbdp-eps8-chernoff (privacy-lbdp) | 0.360 ± 0.000 | 2 |" in text
+    assert "| LBDP (σ from a probe), C = 1 | 8 | lbdp-eps8-probe (privacy-lbdp) | 0.410 ± 0.000 | 2 |" in text
+    # the share clipped, averaged over rounds, clients and seeds, and the median norm before clipping
+    assert "| LBDP, C = 1 | 8 | lbdp-eps8 (privacy) | 0.410 ± 0.010 | 2 | 0.30 | 2.00 |" in text
+    with pytest.raises(ValueError, match=r"grid 'privacy-lbdp' is not on grid 'privacy'.*\(clients differ\)"):
+        _ppfcil_privacy(C.compose([f"paths.results={tmp_path}", "ppfcil.grids.privacy-lbdp.clients=4"]))
 
 
 def test_the_flow_submit_ships_each_clients_data_of_the_current_task_once(monkeypatch):
