@@ -10,10 +10,13 @@ One local round of task t on a client:
 
    * training rounds: ``L = (1 − λ)·L_C + λ·L_D + ϱ·L_S`` on Φ_new, the fusion, the classifier and
      the projection head; λ = |old classes| / |seen classes|;
-   * the last ``compress_rounds`` rounds of every task after the first: the compression loss
+   * in the last ``compress_rounds`` rounds of every task after the first, after that training
+     (``compress_schedule: after``, the paper's order), as many epochs of the compression loss
      ``L_M = (1 − λ)·L_C(fc(F_single)) + λ₀·‖F_mix − F_single‖²/d`` on ``single`` alone (the
      classifier is kept, so the compressed extractor must fit it; the squared distance is divided
-     by the feature width d, so λ₀ does not depend on the backbone).
+     by the feature width d, so λ₀ does not depend on the backbone). Every round of a task trains,
+     with or without compression. ``compress_schedule: replace`` compresses instead of training in
+     those rounds.
 
 3. Herd ``per_class`` exemplars of each class of the task from the trained features into the
    client's fixed-size memory (checkpointed with the server as the client's state).
@@ -57,6 +60,7 @@ from fedcore.train.base import TRAINERS, ClientUpdate, LocalTrainer, State, augm
 
 CLASSIFIER_LOSSES = ("balanced", "plain")
 COMPRESSION = ("distil", "none")
+COMPRESS_SCHEDULES = ("after", "replace")
 PRIVACY = ("none", "lbdp", "dp", "clip", "nbafl")
 EXEMPLAR_RULES = ("herding", "random", "none")
 NBAFL_SENSITIVITY = ("average", "worst")
@@ -77,9 +81,11 @@ class FCILTrainer(LocalTrainer):
         False drops L_D (the −L_D ablation).
     branches:
         2 (the dual model) or 1 (the single-branch ablation: F_mix = F_new; Φ_old only teaches).
-    compress, compress_rounds, lambda0, new_init:
+    compress, compress_rounds, compress_schedule, lambda0, new_init:
         ``distil`` compresses the dual model into one in the last ``compress_rounds`` rounds of each
         task (λ₀ weights the feature term); ``none`` makes Φ_new the next Φ_old without distillation.
+        ``compress_schedule``: ``after`` (those rounds train, then compress; a private client plans its
+        budget for the extra steps) or ``replace`` (those rounds only compress).
         ``new_init``: Φ_new restarts ``random`` (the paper) or from the new Φ_old.
     memory, per_class, exemplars:
         Exemplar memory capacity (samples), exemplars per old class, and the rule: ``herding``, ``random``, or
@@ -121,6 +127,7 @@ class FCILTrainer(LocalTrainer):
         branches: int = 2,
         compress: str = "distil",
         compress_rounds: int = 1,
+        compress_schedule: str = "after",
         lambda0: float = 1.0,
         new_init: str = "random",
         memory: int = 200,
@@ -154,6 +161,7 @@ class FCILTrainer(LocalTrainer):
             )
         check_choice("classifier_loss", classifier_loss, CLASSIFIER_LOSSES)
         check_choice("compress", compress, COMPRESSION)
+        check_choice("compress_schedule", compress_schedule, COMPRESS_SCHEDULES)
         check_choice("new_init", new_init, NEW_INITS)
         check_choice("exemplars", exemplars, EXEMPLAR_RULES)
         check_choice("privacy", privacy, PRIVACY)
@@ -209,6 +217,7 @@ class FCILTrainer(LocalTrainer):
         )
         self.classifier_loss, self.distill, self.branches = classifier_loss, bool(distill), int(branches)
         self.compress, self.compress_rounds, self.lambda0 = compress, int(compress_rounds), float(lambda0)
+        self.compress_schedule = compress_schedule
         self.new_init, self.memory, self.per_class, self.exemplars = new_init, int(memory), int(per_class), exemplars
         self.privacy, self.epsilon, self.delta = privacy, float(epsilon), float(delta)
         self.clip_norm, self.sample_rate = float(clip_norm), float(sample_rate)
@@ -243,10 +252,10 @@ class FCILTrainer(LocalTrainer):
                 "task_classes and rounds_per_task)"
             )
         task, task_classes, per_task = int(b["task"]), [list(c) for c in b["task_classes"]], int(b["rounds_per_task"])
-        if self.compress == "distil" and self.compress_rounds >= per_task:
+        if self.compress == "distil" and self.compress_rounds > per_task - int(self.compress_schedule == "replace"):
             raise ValueError(
-                f"compress_rounds ({self.compress_rounds}) must be below rounds_per_task ({per_task}): "
-                "each task needs at least one training round before it is compressed"
+                f"compress_rounds ({self.compress_rounds}) must be at most rounds_per_task ({per_task}), and below "
+                "it with compress_schedule=replace: each task needs at least one training round"
             )
         g = torch.Generator().manual_seed(seed)
         model.to(device)
@@ -259,10 +268,14 @@ class FCILTrainer(LocalTrainer):
             )
         model.fuse.fill_(int(self.branches == 2))
         within = int(b["round"]) - task * per_task
-        compressing = (
+        compress_round = (
             self.compress == "distil" and bool(int(model.has_old)) and within >= per_task - self.compress_rounds
         )
-        model.phase.fill_(int(compressing))
+        # "after": the round trains, then distils the dual model it trained into ``single``; "replace": it only
+        # distils the global dual model it received
+        phases = ["train"]
+        if compress_round:
+            phases = ["train", "compress"] if self.compress_schedule == "after" else ["compress"]
         num_classes = model.fc.out_features
         seen = _mask(num_classes, [c for t in task_classes[: task + 1] for c in t])
         old = _mask(num_classes, [c for t in task_classes[:task] for c in t])
@@ -284,44 +297,52 @@ class FCILTrainer(LocalTrainer):
         counts_by_task[task] = int(len(x))
         ledger = dict(cs.get("ledger", {}))
         stopped = bool(ledger.get("exhausted", False))
-        model.train()
-        if compressing:
-            model.new.eval()  # the dual model is the teacher now: its features, and BatchNorm statistics, stay put
-            params = list(model.single.parameters())  # the classifier stays: single must fit the dual model's
-        else:
-            params = [
-                p
-                for n, p in model.named_parameters()
-                if n.split(".")[0] in ("new", "fusion", "fc", "proj") and p.requires_grad
-            ]
-        opt = torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
-        objective = _Objective(self, model, seen=seen, old=old, lam=lam, counts=counts, compressing=compressing)
+        phase_params = {phase: self._phase_params(model, phase) for phase in phases}
         privacy_metrics: Dict[str, float] = {}
-        if self.privacy == "none":
-            total, count, steps = self._plain_epochs(objective, opt, xt, yt, g)
-        elif self.privacy == "nbafl":
+        if self.privacy == "nbafl":
             from fedcore.privacy.dp import check_private_model
 
             check_private_model(model)  # BatchNorm's running statistics would be released without noise
-            trained = {id(p) for p in params}
+            trained = {id(p) for ps in phase_params.values() for p in ps}
             start = {n: p.detach().clone() for n, p in model.named_parameters() if id(p) in trained}
             planned = planned_uploads(b.get("rounds", 1), b.get("participation", 1.0))
             stopped = stopped or int(ledger.get("uploads", 0)) >= planned
             if stopped:  # every planned upload made: nothing more is sent
                 ledger["exhausted"] = True
-                total, count, steps = 0.0, 0, 0
+                phases = []
                 privacy_metrics = {
                     "epsilon": float(ledger.get("epsilon", 0.0)),
                     "sigma": float(ledger.get("sigma", float("nan"))),
                     "budget_exhausted": 1.0,
                 }
+        losses: Dict[str, float] = {}
+        steps = 0
+        for phase in phases:
+            compressing = phase == "compress"
+            model.train()
+            if compressing:
+                model.new.eval()  # the dual model is the teacher now: its features, and BatchNorm statistics, stay put
+            params = phase_params[phase]
+            opt = torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+            objective = _Objective(self, model, seen=seen, old=old, lam=lam, counts=counts, compressing=compressing)
+            if self.privacy in ("none", "nbafl"):
+                total, count, taken = self._plain_epochs(objective, opt, xt, yt, g)
             else:
-                total, count, steps = self._plain_epochs(objective, opt, xt, yt, g)
-        else:
-            total, count, steps, ledger, privacy_metrics = self._private_epochs(
-                objective, opt, params, xt, yt, g, ledger=ledger, broadcast=b, stopped=stopped
-            )
-            stopped = bool(ledger.get("exhausted", False))
+                total, count, taken, ledger, privacy_metrics = self._private_epochs(
+                    objective, opt, params, xt, yt, g, ledger=ledger, broadcast=b, stopped=stopped
+                )
+                stopped = bool(ledger.get("exhausted", False))
+            losses[phase] = total / max(count, 1)
+            steps += taken
+            if compressing:
+                model.phase.fill_(1)  # the model in use is ``single`` from here: the task's score, the next Φ_old
+            if stopped:  # out of budget: no step of a later phase either
+                break
+        if compress_round and self.compress_schedule == "replace":
+            model.phase.fill_(1)
+        elif not compress_round:
+            model.phase.fill_(0)
+        compressing = bool(int(model.phase))
 
         # exemplars of this task's classes, from the features of the model just trained
         model.eval()
@@ -363,11 +384,12 @@ class FCILTrainer(LocalTrainer):
             "stopped": bool(steps == 0 and stopped),
         }
         metrics = {
-            "train_loss": total / max(count, 1),
+            "train_loss": losses.get("train", losses.get("compress", 0.0)),
             "steps": float(steps),
             "lambda": lam,
             "memory_bytes": float(memory.nbytes),
-            "compressing": float(compressing),
+            "compressing": float(compress_round),
+            **({"compress_loss": losses["compress"]} if "compress" in losses else {}),
             **privacy_metrics,
         }
         if payload["stopped"]:  # nothing trained: the update is the global model, and the server drops it
@@ -385,6 +407,18 @@ class FCILTrainer(LocalTrainer):
             client_state=new_state,
             payload=payload,
         )
+
+    @staticmethod
+    def _phase_params(model: DualNet, phase: str) -> List[nn.Parameter]:
+        """What a phase trains: Φ_new, the fusion, the classifier and the head; or, compressing, ``single`` alone
+        (the classifier stays, so the compressed extractor must fit it)."""
+        if phase == "compress":
+            return list(model.single.parameters())
+        return [
+            p
+            for n, p in model.named_parameters()
+            if n.split(".")[0] in ("new", "fusion", "fc", "proj") and p.requires_grad
+        ]
 
     # ------------------------------------------------------------------ loops
     def _plain_epochs(self, objective: "_Objective", opt, xt, yt, g):
@@ -423,7 +457,12 @@ class FCILTrainer(LocalTrainer):
         steps_per_round = max(1, int(round(self.local_epochs / q)))
         expected = max(1.0, q * n)
         rounds, part = int(broadcast.get("rounds", 1)), float(broadcast.get("participation", 1.0))
-        planned = max(steps_per_round, planned_uploads(rounds, part) * steps_per_round)  # this client's whole run
+        uploads = planned_uploads(rounds, part)
+        if self.compress == "distil" and self.compress_schedule == "after":
+            # a round that compresses takes its training steps and as many compression steps: plan for every
+            # compression round the client could be picked for
+            uploads += min(uploads, (len(broadcast.get("task_classes", [])) - 1) * self.compress_rounds)
+        planned = max(steps_per_round, uploads * steps_per_round)  # this client's whole run
         trainable = {id(p) for p in params}
         named = {k: p for k, p in objective.named_parameters() if id(p) in trainable}
         total, count, steps, sigmas, sq_all, norms_all = 0.0, 0, 0, [], [], []

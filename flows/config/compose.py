@@ -901,10 +901,11 @@ def _check_incremental(system: str, name: str, g: DictConfig, method: str, rc: R
             "trainer fcil (its dual model and exemplars)"
         )
     trainer = rc.make_trainer()
-    if trainer.compress == "distil" and trainer.compress_rounds >= int(g.rounds_per_task):
+    replace = int(trainer.compress_schedule == "replace")
+    if trainer.compress == "distil" and trainer.compress_rounds > int(g.rounds_per_task) - replace:
         raise ValueError(
-            f"{where}: compress_rounds ({trainer.compress_rounds}) must be below rounds_per_task "
-            f"({g.rounds_per_task}); each task needs a training round before it is compressed"
+            f"{where}: compress_rounds ({trainer.compress_rounds}) must be at most rounds_per_task "
+            f"({g.rounds_per_task}), and below it with compress_schedule=replace; each task needs a training round"
         )
     if trainer.privacy != "none" and norm == "batch":
         raise ValueError(

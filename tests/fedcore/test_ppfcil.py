@@ -228,9 +228,12 @@ def test_private_training_refuses_batchnorm(digits):
         run_rounds(data, spec, cfg, evaluate=ev)
 
 
-def test_compression_needs_a_training_round_first(digits):
-    data, spec, cfg, ev = _setup(digits, trainer=dict(compress_rounds=2))
-    with pytest.raises(ValueError, match=r"compress_rounds \(2\) must be below rounds_per_task \(2\)"):
+def test_compress_rounds_must_fit_in_a_task_and_leave_a_training_round_when_they_replace_it(digits):
+    data, spec, cfg, ev = _setup(digits, trainer=dict(compress_rounds=3))
+    with pytest.raises(ValueError, match=r"compress_rounds \(3\) must be at most rounds_per_task \(2\)"):
+        run_rounds(data, spec, cfg, evaluate=ev)
+    data, spec, cfg, ev = _setup(digits, trainer=dict(compress_rounds=2, compress_schedule="replace"))
+    with pytest.raises(ValueError, match="below it with compress_schedule=replace"):
         run_rounds(data, spec, cfg, evaluate=ev)
 
 
@@ -290,7 +293,7 @@ def test_privacy_ledger_never_exceeds_the_budget_and_a_spent_client_stops_sendin
         tasks=2,
         rounds_per_task=3,
         participation=0.34,
-        trainer=dict(PRIVATE, privacy=privacy, epsilon=0.5, sample_rate=0.5),
+        trainer=dict(PRIVATE, privacy=privacy, epsilon=0.5, sample_rate=0.5, compress="none"),
     )
     cfg = RoundConfig(**{**cfg.__dict__, "rounds": 6})
     res = run_rounds(data, spec, cfg, evaluate=ev)
@@ -418,11 +421,12 @@ def test_the_compression_loss_weights_l_c_by_one_minus_lambda_and_matches_f_mix_
     assert float(got) == pytest.approx(float(expect), rel=1e-5)
 
 
-def test_a_compression_round_trains_only_the_single_branch(digits):
-    _, first = _round(digits, task=0, round_index=0)
-    _, train = _round(digits, task=1, round_index=2, state=first.state, client_state=first.client_state)
+def test_a_compression_round_that_replaces_training_trains_only_the_single_branch(digits):
+    kw = dict(compress_schedule="replace")
+    _, first = _round(digits, task=0, round_index=0, **kw)
+    _, train = _round(digits, task=1, round_index=2, state=first.state, client_state=first.client_state, **kw)
     assert train.metrics["compressing"] == 0.0
-    _, comp = _round(digits, task=1, round_index=3, state=train.state, client_state=train.client_state)
+    _, comp = _round(digits, task=1, round_index=3, state=train.state, client_state=train.client_state, **kw)
     assert comp.metrics["compressing"] == 1.0 and int(comp.state["phase"]) == 1
     changed = {
         k.split(".")[0]
@@ -430,6 +434,38 @@ def test_a_compression_round_trains_only_the_single_branch(digits):
         if comp.state[k].is_floating_point() and not torch.equal(comp.state[k], train.state[k])
     }
     assert changed == {"single"}  # Φ_new, its BatchNorm statistics, the fusion and the classifier stay put
+
+
+def test_by_default_the_last_round_of_a_task_trains_as_every_other_round_then_compresses(digits):
+    _, first = _round(digits, task=0, round_index=0)
+    _, train = _round(digits, task=1, round_index=2, state=first.state, client_state=first.client_state)
+    carried = dict(state=train.state, client_state=train.client_state)
+    _, plain = _round(digits, task=1, round_index=3, compress="none", **carried)  # the no-compression ablation
+    _, comp = _round(digits, task=1, round_index=3, **carried)
+    # the same training as the ablation's round, step for step, then as many steps again on ``single`` alone
+    assert comp.metrics["compressing"] == 1.0 and int(comp.state["phase"]) == 1 and plain.metrics["compressing"] == 0
+    assert comp.metrics["steps"] == 2 * plain.metrics["steps"] > 0
+    assert comp.metrics["train_loss"] == plain.metrics["train_loss"] and "compress_loss" in comp.metrics
+    for k, v in comp.state.items():
+        if k.split(".")[0] in ("new", "fusion", "fc", "proj"):
+            assert torch.equal(v, plain.state[k]), k
+    single = [k for k in comp.state if k.startswith("single.") and comp.state[k].is_floating_point()]
+    assert any(not torch.equal(comp.state[k], train.state[k]) for k in single)  # and ``single`` was distilled
+
+
+def test_a_private_client_plans_its_budget_for_the_compression_steps_too(digits):
+    # 3 tasks, 6 rounds, every client every round: 6 training rounds, and 2 of them also compress
+    sigma = {
+        schedule: _round(
+            digits, task=0, round_index=0, norm="group", compress_schedule=schedule, **{**PRIVATE, "privacy": "dp"}
+        )[1].metrics["sigma"]
+        for schedule in ("after", "replace")
+    }
+    from fedcore.privacy.bayesian import calibrate_sigma_classic
+
+    steps = 10  # 1 epoch at q = 0.1
+    assert sigma["replace"] == pytest.approx(calibrate_sigma_classic(q=0.1, steps=6 * steps, epsilon=8.0, delta=1e-5))
+    assert sigma["after"] == pytest.approx(calibrate_sigma_classic(q=0.1, steps=8 * steps, epsilon=8.0, delta=1e-5))
 
 
 def _two_rounds(digits, **trainer):
@@ -472,7 +508,7 @@ def test_lbdp_takes_its_sigma_from_the_last_accounted_step_not_from_records_no_s
     assert kept.size >= 2 and np.all((kept >= 0) & (kept <= 1)) and kept.mean() < 0.5
     # the second round's σ is exactly the calibration on what the first round's last step was charged for
     steps = ledger["accountant"]["steps"]
-    planned = 6 * 4  # 6 rounds at full participation, 1 epoch / q = 4 steps each
+    planned = (6 + 2) * 4  # 6 rounds at full participation, 2 of which also compress; 1 epoch / q = 4 steps each
     expected = calibrate_sigma_bdp(
         sq_norms=kept,
         q=0.25,

@@ -48,7 +48,7 @@ def test_the_ppfcil_experiment_composes_and_every_grid_method_builds():
     "extra, match",
     [
         (["ppfcil.grids.quick.methods=[lbdp-eps8]"], "is private .* uses BatchNorm"),
-        (["+ppfcil.trainer.compress_rounds=3"], r"compress_rounds \(3\) must be below rounds_per_task \(3\)"),
+        (["+ppfcil.trainer.compress_rounds=4"], r"compress_rounds \(4\) must be at most rounds_per_task \(3\)"),
         (["ppfcil.grids.quick.model=lenet"], "needs a dual model"),
         (["ppfcil.grids.quick.tasks=11"], "1 <= tasks <= 10"),
         (["ppfcil.grids.quick.methods=[ppfcl]"], re.escape("unknown ppfcil method 'ppfcl';")),
