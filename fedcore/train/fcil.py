@@ -295,7 +295,8 @@ class FCILTrainer(LocalTrainer):
 
         counts_by_task = dict(cs.get("counts_by_task", {}))
         counts_by_task[task] = int(len(x))
-        ledger = dict(cs.get("ledger", {}))
+        ledger = dict(cs.get("ledger", {}))  # released with the run (privacy_ledger.json): nothing about records
+        lbdp_norms = dict(cs.get("lbdp_norms", {}))  # LBDP's accounted clipped norms: kept by the client, never sent
         stopped = bool(ledger.get("exhausted", False))
         phase_params = {phase: self._phase_params(model, phase) for phase in phases}
         privacy_metrics: Dict[str, float] = {}
@@ -329,7 +330,16 @@ class FCILTrainer(LocalTrainer):
                 total, count, taken = self._plain_epochs(objective, opt, xt, yt, g)
             else:
                 total, count, taken, ledger, privacy_metrics = self._private_epochs(
-                    objective, opt, params, xt, yt, g, ledger=ledger, broadcast=b, stopped=stopped
+                    objective,
+                    opt,
+                    params,
+                    xt,
+                    yt,
+                    g,
+                    ledger=ledger,
+                    broadcast=b,
+                    stopped=stopped,
+                    lbdp_norms=lbdp_norms,
                 )
                 stopped = bool(ledger.get("exhausted", False))
             losses[phase] = total / max(count, 1)
@@ -375,6 +385,8 @@ class FCILTrainer(LocalTrainer):
         new_state = {"memory": memory.state_dict(), "counts_by_task": counts_by_task}
         if self.privacy != "none":
             new_state["ledger"] = ledger
+        if lbdp_norms:
+            new_state["lbdp_norms"] = lbdp_norms
         payload = {
             "new_examples": int(len(x)),
             "total_examples": int(sum(counts_by_task.values())),
@@ -439,7 +451,11 @@ class FCILTrainer(LocalTrainer):
                 steps += 1
         return total, count, steps
 
-    def _private_epochs(self, objective: "_Objective", opt, params, xt, yt, g, *, ledger, broadcast, stopped):
+    def _private_epochs(
+        self, objective: "_Objective", opt, params, xt, yt, g, *, ledger, broadcast, stopped, lbdp_norms: Dict[str, Any]
+    ):
+        """DP-SGD epochs under the ledger's account. ``lbdp_norms`` (the client's own state, updated in place) keeps the
+        clipped norms LBDP's steps were charged for, from which its next round takes σ."""
         from fedcore.privacy.bayesian import calibrate_sigma_bdp, calibrate_sigma_classic, create_accountant
         from fedcore.privacy.dp import check_private_model, gaussian_noise
 
@@ -488,7 +504,7 @@ class FCILTrainer(LocalTrainer):
                 probe = torch.randperm(n, generator=g)[:64].to(xt.device)
                 sq_seen = self._clipped_sq(objective, named, xt[probe], yt[probe])[0]
             else:
-                sq_seen = np.asarray(ledger.get("sq_norms", [1.0, 1.0]), dtype=float)
+                sq_seen = np.asarray(lbdp_norms.get("sq", [1.0, 1.0]), dtype=float)
             if self.bdp_estimator == "ucb" and len(sq_seen) < 2:
                 raise ValueError(
                     f"bdp_estimator=ucb needs at least 2 samples on a client to estimate a spread; this "
@@ -559,7 +575,7 @@ class FCILTrainer(LocalTrainer):
         if acct.steps >= planned:  # the plan's last step is taken: tell the server now, so that it retires this
             ledger["exhausted"] = True  # client (as NbAFL's after its last upload) rather than pick it for nothing
         if accounted:
-            ledger["sq_norms"] = [float(v) for v in np.concatenate(accounted)]
+            lbdp_norms["sq"] = [float(v) for v in np.concatenate(accounted)]
         ledger.update(
             {
                 "accountant": acct.state_dict(),
