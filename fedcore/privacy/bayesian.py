@@ -42,8 +42,9 @@ With ``estimator="mean"`` the expectation is the plain sample mean: the guarante
 insofar as the sample mean estimates the true expectation. With ``estimator="ucb"`` the
 expectation is replaced by a one-sided Student-t upper confidence bound at level 1 − γ
 (γ = ``confidence``); as in the BDP paper, the guarantee then holds with probability at least
-1 − γ per step (at least 1 − Tγ over T steps, by a union bound; the paper folds this
-failure probability into δ). Because every d ≤ 1, the true expectation can never exceed its
+1 − γ per step (at least 1 − Tγ over T steps, by a union bound: vacuous once Tγ ≥ 1, as it is
+over a run of hundreds of steps; the paper folds this failure probability into δ, which is not
+done here, and a t-bound on such skewed moments has no exact coverage either). Because every d ≤ 1, the true expectation can never exceed its
 value at d = 1, so the bound is capped there: BDP's cost never exceeds the classic cost.
 
 Decisions worth knowing
@@ -56,15 +57,18 @@ Decisions worth knowing
   subsampled Gaussian (Mironov, Talwar & Zhang 2019, the fact Opacus's RDP rests on; the
   authors' own reference code also evaluates both directions with the M_L expansion). So
   c(λ) = log M_L here, which makes BDP with all d = 1 equal Opacus's RDP exactly.
-* Costs of successive steps add, as in the paper's composition theorem. The authors' later
-  code adds a Hölder correction for the same x' being the neighbour in every step; it is not
+* Costs of successive steps add, as in the paper's composition theorem. For one step the
+  conversion above is a valid bound; over T steps a valid one needs log E_{x'} Π_t M_t(x'), and
+  Σ_t log E_{x'} M_t(x') can fall below it when the same record is large in every step. The
+  authors' later code adds a Hölder correction for that; it is not
   applied here.
 * Both accountants convert C(λ) to ε the same way, chosen by ``conversion``. ``"balle"`` (the
   default) is the conversion of Balle et al. (2020, Theorem 21) that Opacus's RDP accountant uses.
   It bounds the hockey-stick divergence through a bound that is linear in the Rényi moment
   E[exp(λ·L)], so for Bayesian DP it bounds that divergence averaged over x' ∼ μ, which is what
   the BDP definition asks (Pr[A(D) ∈ S] ≤ e^ε Pr[A(D') ∈ S] + δ with the probability taken over
-  the noise *and* x'). ``"chernoff"`` is the BDP paper's ε = min_λ (C(λ) − log δ)/λ, a bound on
+  the noise *and* x'); for one step exactly, over many steps as far as the composition above
+  holds. ``"chernoff"`` is the BDP paper's ε = min_λ (C(λ) − log δ)/λ, a bound on
   the tail Pr[L ≥ ε], which is looser; valid for both. With every d = 1 the two accountants hold
   the same C(λ), so under one conversion they report the same ε for the same noise, and any
   difference between LBDP and classic DP comes from the data (d < 1), not from the arithmetic.
@@ -374,7 +378,9 @@ def calibrate_sigma_bdp(
     Parameters
     ----------
     sq_norms:
-        d² values (‖clip(g)‖²/C²) that represent the client's data, each in [0, 1].
+        d² values (‖clip(g)‖²/C²) that represent the client's data, each in [0, 1]; or a list of such arrays,
+        one per batch, when each future step is charged on its own batch: the planned cost of a step is then
+        the mean of the batches' step costs, so the plan uses the estimator on samples of a batch's size.
     q:
         Poisson sampling rate, in (0, 1].
     steps:
@@ -401,7 +407,8 @@ def calibrate_sigma_bdp(
         −log δ / max λ (what the orders can certify at zero cost), or if σ > :data:`SIGMA_MAX`
         would be needed.
     """
-    d2 = _check_sq_norms(sq_norms)
+    per_batch = isinstance(sq_norms, (list, tuple)) and len(sq_norms) > 0 and np.ndim(sq_norms[0]) == 1
+    samples = [_check_sq_norms(b) for b in sq_norms] if per_batch else [_check_sq_norms(sq_norms)]
     q, steps, target, delta = _check_q(q), _check_steps(steps), _check_epsilon(epsilon), _check_delta(delta)
     lam = _check_orders(orders)
     check_choice("estimator", estimator, ESTIMATORS)
@@ -424,7 +431,13 @@ def calibrate_sigma_bdp(
         )
 
     def eps_at(sigma: float) -> float:
-        cost = bdp_step_cost(sq_norms=d2, q=q, sigma=sigma, orders=lam, estimator=estimator, confidence=confidence)
+        cost = np.mean(
+            [
+                bdp_step_cost(sq_norms=d2, q=q, sigma=sigma, orders=lam, estimator=estimator, confidence=confidence)
+                for d2 in samples
+            ],
+            axis=0,
+        )
         return eps_of(base + steps * cost)
 
     return _bisect_sigma(eps_at, target)

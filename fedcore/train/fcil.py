@@ -65,6 +65,8 @@ PRIVACY = ("none", "lbdp", "dp", "clip", "nbafl")
 EXEMPLAR_RULES = ("herding", "random", "none")
 NBAFL_SENSITIVITY = ("average", "worst")
 SIGMA_SOURCES = ("accounted", "probe")
+PLAN_BATCHES = 2
+"""How many of its last charged batches an LBDP client keeps to plan the next round's σ on."""
 
 
 @TRAINERS.register("fcil")
@@ -101,9 +103,10 @@ class FCILTrainer(LocalTrainer):
         Opacus does; the default) or ``chernoff`` (the BDP paper's bound). One setting for LBDP and classic
         DP, so that they report the same ε for the same noise when every gradient is clipped.
     bdp_sigma_from:
-        Where LBDP's σ comes from each round: ``accounted`` (the default: the clipped norms of every step of
-        the client's previous round, each already charged to its account, and d = 1, the classic σ, before
-        its first round) or ``probe`` (the clipped norms of up to 64 records drawn for the purpose, which no
+        Where LBDP's σ comes from each round: ``accounted`` (the default: the clipped norms of the last
+        ``PLAN_BATCHES`` batches of the client's previous round in the same task, each already charged to its
+        account on its own norms, the planned step cost being their mean; d = 1, the classic σ, in its first
+        round of each task) or ``probe`` (the clipped norms of up to 64 records drawn for the purpose, which no
         step accounts).
     noise_source:
         Where the private forms draw their noise and their Poisson samples: ``secure`` (OS entropy, the
@@ -483,6 +486,7 @@ class FCILTrainer(LocalTrainer):
         named = {k: p for k, p in objective.named_parameters() if id(p) in trainable}
         total, count, steps, sigmas, sq_all, norms_all = 0.0, 0, 0, [], [], []
         accounted: List[np.ndarray] = []
+        task = int(broadcast.get("task", 0))
         sigma = float(ledger.get("sigma", 0.0))
         if name == "classic" and sigma == 0.0 and not clip_only:
             sigma = calibrate_sigma_classic(
@@ -500,20 +504,22 @@ class FCILTrainer(LocalTrainer):
             # steps, at a sample of its clipped-gradient distribution: by default the clipped norms its previous
             # round's steps were charged for (d = 1 before any step: a σ that reads no data), or a probe of up
             # to 64 records (which no step accounts)
+            plan: Any
             if self.bdp_sigma_from == "probe":
                 probe = torch.randperm(n, generator=g)[:64].to(xt.device)
-                sq_seen = self._clipped_sq(objective, named, xt[probe], yt[probe])[0]
-            else:
-                sq_seen = np.asarray(lbdp_norms.get("sq", [1.0, 1.0]), dtype=float)
-            if self.bdp_estimator == "ucb" and len(sq_seen) < 2:
-                raise ValueError(
-                    f"bdp_estimator=ucb needs at least 2 samples on a client to estimate a spread; this "
-                    f"client has {n}. Use bdp_estimator=mean, or give every client more data"
-                )
+                plan = sq_seen = self._clipped_sq(objective, named, xt[probe], yt[probe])[0]
+                if self.bdp_estimator == "ucb" and len(sq_seen) < 2:
+                    raise ValueError(
+                        f"bdp_estimator=ucb needs at least 2 samples on a client to estimate a spread; this "
+                        f"client has {n}. Use bdp_estimator=mean, or give every client more data"
+                    )
+            else:  # batches of this task already charged on their own norms; none yet: d = 1, no data read
+                kept = lbdp_norms.get("batches", []) if lbdp_norms.get("task") == task else []
+                plan = [np.asarray(batch, dtype=float) for batch in kept] or np.ones(2)
             try:
                 sigma = calibrate_sigma_bdp(
                     conversion=conversion,
-                    sq_norms=sq_seen,
+                    sq_norms=plan,
                     q=q,
                     steps=max(1, planned - acct.steps),
                     epsilon=self.epsilon,
@@ -528,18 +534,19 @@ class FCILTrainer(LocalTrainer):
             pick = _poisson_pick(n, q, g, self.noise_source)  # each sample joins with probability q
             idx = torch.nonzero(pick).flatten().to(xt.device)
             xb, yb = xt[idx], yt[idx]
+            own = False  # is this step charged on its own batch's norms?
             if len(idx):
                 sq, norms, per_sample, aux = self._clipped_sq(objective, named, xb, yb)
                 if len(sq) >= 2 or self.bdp_estimator == "mean":  # ucb needs a spread: keep the last one it had
-                    sq_seen = sq
+                    sq_seen, own = sq, True
             if not clip_only:
-                cost = acct.step_cost(sq_norms=sq_seen if sq_seen is not None else np.ones(1), q=q, sigma=sigma)
+                cost = acct.step_cost(sq_norms=sq_seen if sq_seen is not None else np.ones(2), q=q, sigma=sigma)
                 if acct.epsilon_after(cost, self.delta) > self.epsilon:
                     ledger["exhausted"] = True
                     break
                 acct.spend(cost)  # an empty batch is still a step: it releases noise, and the analysis counts it
-                if name == "bayesian" and len(idx):
-                    accounted.append(sq)  # charged to the account: next round's σ is calibrated on these
+                if name == "bayesian" and own:
+                    accounted.append(sq)  # charged on these norms: the next round of the task plans σ on them
             if len(idx):
                 norms_all.append(norms.detach().cpu().numpy())
             opt.zero_grad(set_to_none=True)
@@ -575,7 +582,7 @@ class FCILTrainer(LocalTrainer):
         if acct.steps >= planned:  # the plan's last step is taken: tell the server now, so that it retires this
             ledger["exhausted"] = True  # client (as NbAFL's after its last upload) rather than pick it for nothing
         if accounted:
-            lbdp_norms["sq"] = [float(v) for v in np.concatenate(accounted)]
+            lbdp_norms.update(task=task, batches=[[float(v) for v in batch] for batch in accounted[-PLAN_BATCHES:]])
         ledger.update(
             {
                 "accountant": acct.state_dict(),

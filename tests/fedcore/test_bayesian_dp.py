@@ -283,6 +283,23 @@ def test_calibrated_bdp_sigma_hits_the_target(target):
     assert 0.99 * target <= eps <= target
 
 
+def test_calibration_on_several_batches_plans_each_step_at_their_mean_cost():
+    # Prepare: two batches of the size a step is charged on, one of small norms and one of large
+    small, large = spread_norms(40, 0.0, 0.2, seed=1), spread_norms(40, 0.6, 1.0, seed=2)
+    q, steps, target = 0.05, 400, 3.0
+    # Execute
+    sigma = calibrate_sigma_bdp(sq_norms=[small, large], q=q, steps=steps, epsilon=target, delta=DELTA, estimator="ucb")
+    # Assert: the planned ε at that σ is the target, the plan lies between the two batches' own plans
+    costs = [bdp_step_cost(sq_norms=b, q=q, sigma=sigma, orders=LAM, estimator="ucb") for b in (small, large)]
+    eps = cost_epsilon(total_cost=steps * np.mean(costs, axis=0), orders=LAM, delta=DELTA)[0]
+    assert 0.99 * target <= eps <= target
+    alone = [
+        calibrate_sigma_bdp(sq_norms=b, q=q, steps=steps, epsilon=target, delta=DELTA, estimator="ucb")
+        for b in (small, large)
+    ]
+    assert alone[0] < sigma < alone[1]
+
+
 def test_calibration_accounts_for_what_is_already_spent():
     # Prepare: half the budget gone
     sq, q, target = spread_norms(), 0.02, 3.0

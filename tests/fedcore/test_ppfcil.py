@@ -468,13 +468,14 @@ def test_a_private_client_plans_its_budget_for_the_compression_steps_too(digits)
     assert sigma["after"] == pytest.approx(calibrate_sigma_classic(q=0.1, steps=8 * steps, epsilon=8.0, delta=1e-5))
 
 
-def _two_rounds(digits, **trainer):
+def _two_rounds(digits, n=None, **trainer):
     """Rounds 0 and 1 of the first task on one client, its model and ledger carried from the first to the second."""
-    _, first = _round(digits, task=0, round_index=0, norm="group", **trainer)
+    _, first = _round(digits, task=0, round_index=0, n=n, norm="group", **trainer)
     _, second = _round(
         digits,
         task=0,
         round_index=1,
+        n=n,
         norm="group",
         state=first.state,
         client_state=first.client_state,
@@ -498,31 +499,38 @@ def test_lbdp_scales_its_noise_to_the_clients_gradients_and_classic_dp_does_not(
     assert sig[("dp", 30.0)] == pytest.approx(sig[("dp", 1.0)])  # classic σ is a noise multiplier: data-blind
 
 
-def test_lbdp_takes_its_sigma_from_the_last_accounted_step_not_from_records_no_step_accounts(digits):
+def test_lbdp_plans_sigma_on_batches_its_account_was_charged_for_and_reads_no_records_for_it(digits):
     from fedcore.privacy.bayesian import calibrate_sigma_bdp
 
     kw = dict(PRIVATE, clip_norm=30.0, sample_rate=0.25)
     first, second = _two_rounds(digits, **kw)
-    ledger = first.client_state["ledger"]
-    kept = np.asarray(first.client_state["lbdp_norms"]["sq"])
-    assert "sq" not in json.dumps(ledger)  # the ledger is released with the run; the records' norms stay put
-    assert kept.size >= 2 and np.all((kept >= 0) & (kept <= 1)) and kept.mean() < 0.5
-    # the second round's σ is exactly the calibration on what the first round's last step was charged for
-    steps = ledger["accountant"]["steps"]
+    ledger, kept = first.client_state["ledger"], first.client_state["lbdp_norms"]
+    batches = [np.asarray(b) for b in kept["batches"]]
+    assert kept["task"] == 0 and 1 <= len(batches) <= 2
+    assert all(b.size >= 2 and np.all((b >= 0) & (b <= 1)) for b in batches)
+    assert "batches" not in ledger and "lbdp_norms" not in ledger  # the ledger is released; the norms stay put
+    # the second round's σ is the calibration on those batches, each step's planned cost their mean cost
+    spent = np.asarray(ledger["accountant"]["total_cost"])
+    plan = dict(q=0.25, epsilon=8.0, delta=1e-5, spent=spent, estimator="ucb")
     planned = (6 + 2) * 4  # 6 rounds at full participation, 2 of which also compress; 1 epoch / q = 4 steps each
-    expected = calibrate_sigma_bdp(
-        sq_norms=kept,
-        q=0.25,
-        steps=planned - steps,
-        epsilon=8.0,
-        delta=1e-5,
-        spent=np.asarray(ledger["accountant"]["total_cost"]),
-        estimator="ucb",
+    steps = planned - ledger["accountant"]["steps"]
+    assert second.metrics["sigma"] == pytest.approx(calibrate_sigma_bdp(sq_norms=batches, steps=steps, **plan))
+    assert second.metrics["sigma"] < 0.9 * first.metrics["sigma"]
+    # a new task brings new classes: its first round plans at d = 1 again, as if it had read nothing
+    _, switched = _round(
+        digits, task=1, round_index=2, norm="group", state=first.state, client_state=first.client_state, **kw
     )
-    assert second.metrics["sigma"] == pytest.approx(expected, rel=1e-12)
+    assert switched.metrics["sigma"] == pytest.approx(calibrate_sigma_bdp(sq_norms=np.ones(2), steps=steps, **plan))
     # the probe form reads 64 records first, so its very first round is already data-aware
     _, probed = _round(digits, task=0, round_index=0, norm="group", bdp_sigma_from="probe", **kw)
     assert probed.metrics["sigma"] < 0.5 * first.metrics["sigma"]
+
+
+def test_lbdp_on_a_client_whose_batches_are_too_small_for_a_spread_plans_at_d1_instead_of_failing(digits):
+    # 3 records at q = 0.1: most batches are empty or hold one record, which the ucb estimator cannot use
+    first, second = _two_rounds(digits, n=3, **dict(PRIVATE, sample_rate=0.1))
+    for upd in (first, second):
+        assert upd.metrics["steps"] == 10 and 0 < upd.metrics["epsilon"] <= 8.0
 
 
 @pytest.mark.parametrize("conversion", ["balle", "chernoff"])
