@@ -105,8 +105,8 @@ fedpd: setup
 ppfcil: setup
 	@git rev-parse --git-dir >/dev/null 2>&1 || (git init -q && echo "initialised a git repo for DVC")
 	$(BIN)/dvc repro ppfcil@mnist ppfcil@mnist-t10 ppfcil@cifar10 ppfcil@cifar10-t10 ppfcil@privacy ppfcil@privacy-eps ppfcil@privacy-nbafl \
-		ppfcil@privacy-lbdp ppfcil_privacy
-	@for g in mnist mnist-t10 cifar10 cifar10-t10 privacy privacy-eps privacy-nbafl privacy-lbdp; do \
+		ppfcil_privacy
+	@for g in mnist mnist-t10 cifar10 cifar10-t10 privacy privacy-eps privacy-nbafl; do \
 		echo; cat results/ppfcil/$$g/table.md; cat results/ppfcil/$$g/stats.md; done
 	@cat results/ppfcil/privacy/privacy.md
 
