@@ -192,7 +192,10 @@ def test_privacy_report_names_the_stage_that_builds_its_input(tmp_path):
 def test_privacy_report_joins_grids_on_the_same_data_and_refuses_others(tmp_path):
     from flows.reports.tables import ppfcil_privacy as _ppfcil_privacy
 
-    cfg = C.compose([f"paths.results={tmp_path}", "ppfcil.grids.privacy.methods=[ppfcil-nodp,lbdp-eps8,dp-eps8]"])
+    joined = "ppfcil.privacy_report_with=[privacy-eps,privacy-nbafl,privacy-lbdp]"
+    cfg = C.compose(
+        [f"paths.results={tmp_path}", "ppfcil.grids.privacy.methods=[ppfcil-nodp,lbdp-eps8,dp-eps8]", joined]
+    )
     fake = {
         "privacy": {"ppfcil-nodp": [0.5, 0.5], "lbdp-eps8": [0.4, 0.42], "dp-eps8": [0.3, 0.3]},
         "privacy-eps": {
@@ -238,7 +241,7 @@ def test_privacy_report_joins_grids_on_the_same_data_and_refuses_others(tmp_path
     # the share clipped, averaged over rounds, clients and seeds, and the median norm before clipping
     assert "| LBDP, C = 1 | 8 | lbdp-eps8 (privacy) | 0.410 ± 0.010 | 2 | 0.30 | 2.00 |" in text
     with pytest.raises(ValueError, match=r"grid 'privacy-lbdp' is not on grid 'privacy'.*\(clients differ\)"):
-        _ppfcil_privacy(C.compose([f"paths.results={tmp_path}", "ppfcil.grids.privacy-lbdp.clients=4"]))
+        _ppfcil_privacy(C.compose([f"paths.results={tmp_path}", joined, "ppfcil.grids.privacy-lbdp.clients=4"]))
 
 
 def test_the_flow_submit_ships_each_clients_data_of_the_current_task_once(monkeypatch):
