@@ -748,7 +748,11 @@ def round_config(cfg: DictConfig, system: str, *, method: str, seed: int, grid_n
     if method not in block.methods:
         raise ValueError(f"unknown {system} method {method!r}; valid names are: {', '.join(sorted(block.methods))}")
     m = OmegaConf.to_container(block.methods[method], resolve=True)
-    trainer = {**OmegaConf.to_container(block.trainer, resolve=True), **(m.get("trainer_params") or {})}
+    trainer = {
+        **OmegaConf.to_container(block.trainer, resolve=True),
+        **OmegaConf.to_container(g.get("trainer") or OmegaConf.create({}), resolve=True),  # the grid's, then the method's
+        **(m.get("trainer_params") or {}),
+    }
     return RoundConfig(
         rounds=grid_rounds(g, system),
         trainer=str(m["trainer"]),
