@@ -21,7 +21,8 @@ One local round of task t on a client:
 3. Herd ``per_class`` exemplars of each class of the task from the trained features into the
    client's fixed-size memory (checkpointed with the server as the client's state).
 4. Send the weights plus the numbers the server weights and selects by: new and cumulative
-   sample counts, and the local model's accuracy, loss and Cohen's kappa on the client's data.
+   sample counts, and the local model's accuracy, loss and Cohen's kappa on a share of the task's
+   data the client held out of training (``report_on``).
 
 Privacy (``privacy``): ``none``; ``lbdp`` (local Bayesian DP: DP-SGD with σ calibrated from the
 client's own clipped-gradient distribution, accounted by :class:`BayesianAccountant`); ``dp``
@@ -61,6 +62,7 @@ from fedcore.train.base import TRAINERS, ClientUpdate, LocalTrainer, State, augm
 CLASSIFIER_LOSSES = ("balanced", "plain")
 COMPRESSION = ("distil", "none")
 COMPRESS_SCHEDULES = ("after", "replace")
+REPORT_SOURCES = ("holdout", "train")  # what the accuracy, loss and kappa a client reports are measured on
 PRIVACY = ("none", "lbdp", "dp", "clip", "nbafl")
 EXEMPLAR_RULES = ("herding", "random", "none")
 NBAFL_SENSITIVITY = ("average", "worst")
@@ -108,6 +110,12 @@ class FCILTrainer(LocalTrainer):
         account on its own norms, the planned step cost being their mean; d = 1, the classic σ, in its first
         round of each task) or ``probe`` (the clipped norms of up to 64 records drawn for the purpose, which no
         step accounts).
+    report_on, holdout_fraction:
+        What the accuracy, loss and kappa a client reports (A_k of the multi-factor weights, and the vector
+        that selection compares) are measured on: ``holdout`` (the default: ``holdout_fraction`` of the
+        client's data of each task, drawn once per task and never trained on; a client with too little data
+        to hold out one sample reports on its training data) or ``train`` (the round's training data, which
+        a trained model fits almost perfectly).
     noise_source:
         Where the private forms draw their noise and their Poisson samples: ``secure`` (OS entropy, the
         default: nobody can regenerate them) or ``seeded`` (the round's torch generator, from the run's
@@ -147,6 +155,8 @@ class FCILTrainer(LocalTrainer):
         bdp_sigma_from: str = "accounted",
         nbafl_sensitivity: str = "average",
         noise_source: str = "secure",
+        report_on: str = "holdout",
+        holdout_fraction: float = 0.1,
         **kw,
     ) -> None:
         super().__init__(**kw)
@@ -174,6 +184,12 @@ class FCILTrainer(LocalTrainer):
         check_choice("epsilon_conversion", epsilon_conversion, CONVERSIONS)
         check_choice("bdp_sigma_from", bdp_sigma_from, SIGMA_SOURCES)
         check_choice("nbafl_sensitivity", nbafl_sensitivity, NBAFL_SENSITIVITY)
+        check_choice("report_on", report_on, REPORT_SOURCES)
+        if not 0 < holdout_fraction < 1:
+            raise ValueError(
+                f"holdout_fraction (the share of each task's data a client holds out to report its accuracy "
+                f"on) must be in (0, 1), got {holdout_fraction}; e.g. 0.1"
+            )
         from fedcore.privacy.dp import check_noise_source
 
         check_noise_source(noise_source)
@@ -227,8 +243,20 @@ class FCILTrainer(LocalTrainer):
         self.bdp_estimator, self.bdp_confidence = bdp_estimator, float(bdp_confidence)
         self.epsilon_conversion, self.bdp_sigma_from = epsilon_conversion, bdp_sigma_from
         self.nbafl_sensitivity, self.noise_source = nbafl_sensitivity, noise_source
+        self.report_on, self.holdout_fraction = report_on, float(holdout_fraction)
 
     needs_features = True
+
+    def _held_out(self, kept: Dict[str, Any] | None, *, task: int, n: int, seed: int) -> np.ndarray:
+        """Which of the client's ``n`` samples of ``task`` it holds out to report on: the same all task long."""
+        if self.report_on != "holdout":
+            return np.zeros(0, dtype=np.int64)
+        if kept is not None and int(kept["task"]) == task and int(kept["n"]) == n:
+            return np.asarray(kept["index"], dtype=np.int64)
+        k = int(self.holdout_fraction * n)
+        if k < 1 or k >= n:  # too little data to hold any out: the client reports on what it trained on
+            return np.zeros(0, dtype=np.int64)
+        return np.sort(np.random.default_rng([seed, task, n]).choice(n, size=k, replace=False))
 
     # ------------------------------------------------------------------ the round
     def train(
@@ -289,6 +317,9 @@ class FCILTrainer(LocalTrainer):
             if "memory" in cs
             else ExemplarMemory(capacity=self.memory, per_class=self.per_class)
         )
+        held = self._held_out(cs.get("holdout"), task=task, n=len(x), seed=int(b.get("seed", 0)))
+        xh, yh = x[held], y[held]
+        x, y = np.delete(x, held, axis=0), np.delete(y, held)
         mx, my = memory.data()
         keep = np.isin(my, np.flatnonzero(old.numpy())) if len(my) else np.zeros(0, bool)
         xs = np.concatenate([x, mx[keep]]) if keep.any() else x
@@ -384,8 +415,20 @@ class FCILTrainer(LocalTrainer):
             memory.update(cls=c, x=x[idx], order=np.asarray(order))
         if self.privacy == "nbafl" and not stopped:  # before the report: it describes the model the server gets
             ledger, privacy_metrics = self._nbafl_release(model, start, ledger, n=len(xt), planned=planned, g=g)
-        report = _local_report(model, xt, yt, seen=seen, num_classes=num_classes)
+        report = (
+            _local_report(
+                model,
+                to_tensor(xh, device=device),
+                torch.as_tensor(yh, dtype=torch.long, device=device),
+                seen=seen,
+                num_classes=num_classes,
+            )
+            if len(held)
+            else _local_report(model, xt, yt, seen=seen, num_classes=num_classes)
+        )
         new_state = {"memory": memory.state_dict(), "counts_by_task": counts_by_task}
+        if self.report_on == "holdout":
+            new_state["holdout"] = {"task": task, "n": int(len(x) + len(held)), "index": held.tolist()}
         if self.privacy != "none":
             new_state["ledger"] = ledger
         if lbdp_norms:

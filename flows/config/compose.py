@@ -750,7 +750,9 @@ def round_config(cfg: DictConfig, system: str, *, method: str, seed: int, grid_n
     m = OmegaConf.to_container(block.methods[method], resolve=True)
     trainer = {
         **OmegaConf.to_container(block.trainer, resolve=True),
-        **OmegaConf.to_container(g.get("trainer") or OmegaConf.create({}), resolve=True),  # the grid's, then the method's
+        **OmegaConf.to_container(
+            g.get("trainer") or OmegaConf.create({}), resolve=True
+        ),  # the grid's, then the method's
         **(m.get("trainer_params") or {}),
     }
     return RoundConfig(

@@ -19,6 +19,7 @@ from fedcore.incremental.evaluate import incremental_evaluate, task_end_metrics
 from fedcore.incremental.exemplars import ExemplarMemory
 from fedcore.incremental.schedule import TaskSchedule, incremental_view, make_schedule, split_by_task
 from fedcore.models.dual import DualNet
+from fedcore.tensors import to_tensor
 from fedcore.train import create_trainer
 from fedcore.train.base import ClientUpdate
 
@@ -215,6 +216,8 @@ def test_rounds_must_cover_the_tasks(digits):
         (dict(privacy="lbdp", rho=0.0, classifier_loss="plain"), "needs exemplars=random"),
         (dict(branches=3), "branches must be 2"),
         (dict(compres="none"), "compres"),
+        (dict(report_on="test"), "report_on"),
+        (dict(holdout_fraction=1.0), "holdout_fraction .* must be in \\(0, 1\\)"),
     ],
 )
 def test_bad_trainer_settings_are_refused_with_the_fix(kw, match):
@@ -327,11 +330,11 @@ def test_privacy_ledger_never_exceeds_the_budget_and_a_spent_client_stops_sendin
 
 
 # ------------------------------------------------------------------------------------ one client round
-def _round(digits, *, task, round_index, state=None, client_state=None, n=None, norm="batch", **trainer):
+def _round(digits, *, task, round_index, state=None, client_state=None, n=None, norm="batch", data=None, **trainer):
     """One fcil client round on 3 tasks of 2 classes, 2 rounds each (the last of each task compresses)."""
     x, y, _, _ = digits
     keep = np.isin(y, [2 * task, 2 * task + 1])
-    x, y = x[keep][:n], y[keep][:n]
+    x, y = data if data is not None else (x[keep][:n], y[keep][:n])
     spec = ModelSpec(name="dual-lenet", in_channels=1, num_classes=10, norm=norm)
     torch.manual_seed(0)
     model = spec.build()
@@ -368,6 +371,44 @@ def test_a_round_weights_distillation_by_old_over_seen_classes_and_herds_its_cla
     assert upd2.metrics["lambda"] == pytest.approx(4 / 6)  # old = the schedule's tasks 0 and 1, seen = 0..5
     assert int(upd2.state["task"]) == 2  # the model passed through task 1, which no round trained
     assert upd2.payload["total_examples"] == upd.payload["new_examples"] + upd2.payload["new_examples"]
+
+
+def test_a_client_reports_on_a_share_of_the_task_it_never_trains_on_the_same_share_all_task(digits):
+    x, y, _, _ = digits
+    keep = np.isin(y, [0, 1])
+    x, y = x[keep], y[keep]
+    model, upd = _round(digits, task=0, round_index=0, data=(x, y))
+    held = upd.client_state["holdout"]["index"]
+    assert len(held) == int(0.1 * len(x)) > 0 and upd.payload["new_examples"] == len(x) - len(held)
+    # what it reports is the trained model's accuracy on exactly those samples
+    model.eval()
+    with torch.no_grad():
+        z = L.masked(model(to_tensor(x[held])), _mask_of([0, 1]))
+    assert upd.payload["accuracy"] == pytest.approx(float((z.argmax(1).numpy() == y[held]).mean()))
+    # they never reach the weights: with those samples scrambled the trained model is bit-identical, the report not
+    x2, y2 = x.copy(), y.copy()
+    x2[held], y2[held] = 255 - x2[held], 1 - y2[held]
+    _, scrambled = _round(digits, task=0, round_index=0, data=(x2, y2))
+    assert all(torch.equal(v, scrambled.state[k]) for k, v in upd.state.items())
+    assert scrambled.payload["accuracy"] != upd.payload["accuracy"]
+    # the next round of the task holds out the same samples; the next task draws its own
+    _, again = _round(digits, task=0, round_index=1, state=upd.state, client_state=upd.client_state, data=(x, y))
+    assert np.array_equal(again.client_state["holdout"]["index"], held)
+    _, nxt = _round(digits, task=1, round_index=2, state=again.state, client_state=again.client_state)
+    assert nxt.client_state["holdout"]["task"] == 1
+
+
+def test_a_client_reports_on_its_training_data_when_asked_or_when_it_has_too_little_to_hold_out(digits):
+    _, on_train = _round(digits, task=0, round_index=0, n=100, report_on="train")
+    assert "holdout" not in on_train.client_state and on_train.payload["new_examples"] == 100
+    _, tiny = _round(digits, task=0, round_index=0, n=9)  # 10% of 9 is no sample
+    assert len(tiny.client_state["holdout"]["index"]) == 0 and tiny.payload["new_examples"] == 9
+
+
+def _mask_of(classes):
+    m = torch.zeros(10, dtype=torch.bool)
+    m[classes] = True
+    return m
 
 
 def _objective(*, compressing, rho=0.5, lam=0.5, **trainer):
@@ -495,7 +536,7 @@ def test_lbdp_scales_its_noise_to_the_clients_gradients_and_classic_dp_does_not(
         for c in (1.0, 30.0)
     }
     assert sig[("lbdp", 30.0)][0] == pytest.approx(sig[("dp", 30.0)][0], rel=2e-3)
-    assert sig[("lbdp", 30.0)][1] < 0.9 * sig[("dp", 30.0)][1] and sig[("lbdp", 30.0)][1] < 0.9 * sig[("lbdp", 1.0)][1]
+    assert sig[("lbdp", 30.0)][1] < 0.9 * sig[("dp", 30.0)][1] and sig[("lbdp", 30.0)][1] < sig[("lbdp", 1.0)][1]
     assert sig[("dp", 30.0)] == pytest.approx(sig[("dp", 1.0)])  # classic σ is a noise multiplier: data-blind
 
 
@@ -824,7 +865,8 @@ def test_nbafl_sends_plain_training_clipped_to_c_spends_one_upload_a_round_and_s
     assert noisy.payload["accuracy"] != nb.payload["accuracy"]  # the report describes the noised model it sends
     # without NbAFL's averaging assumption one record can move the clipped update by 2C, not 2C/m: m times the noise
     _, worst = _round(digits, task=0, round_index=0, n=60, norm="group", nbafl_sensitivity="worst", **nbafl)
-    assert worst.metrics["sigma"] == pytest.approx(60 * nb.metrics["sigma"])  # σ = std / C: C cancels
+    m = nb.payload["new_examples"]  # the 54 of the 60 samples it trains on (6 held out to report on)
+    assert m == 54 and worst.metrics["sigma"] == pytest.approx(m * nb.metrics["sigma"])  # σ = std / C: C cancels
 
 
 @pytest.mark.parametrize("privacy", ["dp", "nbafl"])
