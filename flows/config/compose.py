@@ -856,6 +856,10 @@ def validate_rounds(cfg: DictConfig, system: str) -> None:
             raise ValueError(
                 f"{system} grid {name!r}: clients_per_domain {counts} must be >= 0 with at least one client"
             )
+        if is_openset(system):
+            from flows.reports.evaluations import random_split
+
+            random_split(g, f"{system} grid {str(name)!r}")
         if is_openset(system) and g.get("unknown_sets") is not None:
             _check_unknown_sets(f"{system} grid {str(name)!r}", g.unknown_sets, g.set, domains)
         if is_incremental(system):  # before the rounds (tasks x rounds_per_task) are read: the message names them

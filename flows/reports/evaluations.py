@@ -116,7 +116,7 @@ def openset_inputs(cfg: DictConfig, system: str, grid_name: str, part, rcfg, *, 
     from fedcore.openset.evaluate import check_scores, openset_evaluate
 
     g = C.grid(cfg, system, grid_name)
-    view = grid_openset_view(g, part)
+    view = grid_openset_view(g, part, seed=rcfg.seed)
     dummy = rcfg.trainer == "proser"
     scores = check_scores(C.method_scores(cfg, system, method, rcfg.trainer), dummy=dummy)
     spec = C.grid_model_spec(cfg, system, grid_name, num_classes=view.num_known + int(dummy))
@@ -134,15 +134,48 @@ def openset_inputs(cfg: DictConfig, system: str, grid_name: str, part, rcfg, *, 
         fit=fit,
         device=rcfg.device,
         unknown_sets=unknown_scenarios(g, view),
+        folded=random_split(g),
     )
     return view.rounds, spec, evaluate
 
 
-def grid_openset_view(g: DictConfig, part):
-    """The open-set view of a partition under an open-set grid's ``known`` / ``unknown`` classes."""
+KNOWN_SPLITS = ("first", "random")
+
+
+def random_split(g: DictConfig, where: str = "open-set grid") -> bool:
+    """Whether an open-set grid draws its known classes per seed (``known_split: random``, the FedPD++
+    authors' protocol, which also reports max(AUROC, 1 − AUROC)) rather than taking the first ``known``."""
+    split = str(g.get("known_split") or "first")
+    if split not in KNOWN_SPLITS:
+        raise ValueError(f"{where}: unknown known_split {split!r}; valid values are: {', '.join(KNOWN_SPLITS)}")
+    if split == "random" and (
+        not isinstance(g.known, int) or g.get("unknown") is not None or g.get("unknown_sets") is not None
+    ):
+        raise ValueError(
+            f"{where}: known_split: random draws `known` classes by the seed: give known as a count (e.g. 6), "
+            "with unknown: null and no unknown_sets (they name classes the draw would change)"
+        )
+    return split == "random"
+
+
+def known_classes(g: DictConfig, num_classes: int, seed: int | None) -> Any:
+    """An open-set grid's known classes: its ``known`` as written, or with ``known_split: random`` the first
+    ``known`` classes of a permutation of all of them drawn from the cell's seed (ascending), so that a grid
+    of three seeds is judged on three splits and every method meets the same split at the same seed."""
+    known = OmegaConf.to_object(g.known) if OmegaConf.is_config(g.known) else int(g.known)
+    if not random_split(g):
+        return known
+    if seed is None:
+        raise ValueError("known_split: random needs the cell's seed to draw the known classes")
+    return sorted(int(c) for c in np.random.default_rng(int(seed)).permutation(num_classes)[:known])
+
+
+def grid_openset_view(g: DictConfig, part, *, seed: int | None = None):
+    """The open-set view of a partition under an open-set grid's ``known`` / ``unknown`` classes (drawn from
+    ``seed`` under ``known_split: random``)."""
     from fedcore.data.openset import make_split, openset_view
 
-    known = OmegaConf.to_object(g.known) if OmegaConf.is_config(g.known) else int(g.known)
+    known = known_classes(g, part.num_classes, seed)
     split = make_split(part.num_classes, known=known, unknown=None if g.unknown is None else list(g.unknown))
     return openset_view(part, split)
 
@@ -295,7 +328,7 @@ def _report_openset(run: GridRun) -> str:
     g = run.grid
     scores = {m: C.method_scores(run.cfg, run.system, m, run.trainers[m]) for m in g.methods}
     sets = g.get("unknown_sets")
-    counts = unknown_counts(grid_openset_view(g, run.part))
+    counts = None if sets is None else unknown_counts(grid_openset_view(g, run.part))
     target = run.cfg[run.system].get("target")
     return write_openset_report(
         run.rows,
@@ -306,6 +339,9 @@ def _report_openset(run: GridRun) -> str:
         target=str(target) if target in g.methods else None,
         unknown_sets=None if sets is None else OmegaConf.to_container(sets, resolve=True),
         unknown_counts=counts,
+        known={int(s): list(grid_openset_view(g, run.part, seed=int(s)).split.known) for s in g.seeds}
+        if random_split(g)
+        else None,
     )
 
 
@@ -323,8 +359,9 @@ def check_grid(cfg: DictConfig, system: str, grid_name: str, part) -> None:
     once, here, and not in every cell. A scored evaluation is an open-set one (``known`` classes)."""
     g = C.grid(cfg, system, grid_name)
     if of(system).scored:
-        view = grid_openset_view(g, part)
-        unknown_scenarios(g, view)
+        for seed in g.seeds if random_split(g) else [None]:
+            view = grid_openset_view(g, part, seed=seed)
+            unknown_scenarios(g, view)
 
 
 register(Evaluation("domains", inputs=domain_inputs, plot=_plot_domains, report=_report_domains, shares=True))
