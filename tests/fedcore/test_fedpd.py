@@ -26,6 +26,7 @@ from fedcore.openset.align import (
 from fedcore.openset.gdca import fuse
 from fedcore.openset.masks import delta_soft, make_mask, masks_from_scores, normalise, split_parts
 from fedcore.openset.sba import sba_costs
+from fedcore.tensors import to_tensor
 from fedcore.train import ClientUpdate, create_trainer
 
 
@@ -668,6 +669,54 @@ def test_proser_settings_are_checked():
         create_trainer("proser", delta_end=1.5)
     with pytest.raises(ValueError, match="no setting 'lamda'"):
         create_trainer("proser", lamda=1.0)
+
+
+def test_a_closed_set_round_trains_the_known_logits_alone_and_sends_no_masks():
+    x, y = _toy()
+    init, upd = _train("dpi", x, y, batch_size=len(y), local_epochs=1, weight_decay=0.0, momentum=0.0, closed_rounds=3)
+    assert upd.payload == {"closed_phase": True}  # round 2 of a 3-round closed phase
+    # one full-batch step of cross-entropy over the known classes' logits, the dummy's left out
+    torch.manual_seed(0)
+    ref = create_model("lenet", in_channels=1, num_classes=4)
+    ref.load_state_dict(init)
+    ref.train()
+    loss = nn.functional.cross_entropy(ref(to_tensor(x))[:, :-1], torch.as_tensor(y))
+    loss.backward()
+    with torch.no_grad():
+        for name, p_ in ref.named_parameters():
+            # float32 sums in another order: BatchNorm makes the first conv's gradient cancel, so 1 % of its step
+            assert torch.allclose(upd.state[name] - init[name], -0.05 * p_.grad, atol=5e-5), name
+    assert torch.equal(upd.state["fc.weight"][-1], init["fc.weight"][-1])  # the dummy's row has no gradient
+
+
+def test_proser_after_the_closed_phase_is_single_phase_proser_at_the_scaled_lr():
+    x, y = _toy()
+    _, two = _train("none", x, y, closed_rounds=2, open_lr_scale=0.01)  # round 2: the first PROSER round
+    _, one = _train("none", x, y, lr=0.0005)
+    assert all(torch.equal(v, one.state[k]) for k, v in two.state.items())
+    _, masked = _train("dpi", x, y, closed_rounds=2, open_lr_scale=0.01)
+    assert {"mask_close", "mask_open"} <= set(masked.payload)
+    with pytest.raises(ValueError, match="closed_rounds .* must be >= 0"):
+        create_trainer("proser", closed_rounds=-1)
+    with pytest.raises(ValueError, match=r"open_lr_scale .* must be in \(0, 1\], got 0.0; e.g. 0.01"):
+        create_trainer("proser", open_lr_scale=0.0)
+
+
+def test_fedpd_fuses_a_closed_set_round_whole_and_masks_its_parts_after():
+    data = _data()
+    cfg = RoundConfig(
+        rounds=2,
+        trainer="proser",
+        trainer_params={"lr": 0.05, "batch_size": 16, "importance": "dpi", "closed_rounds": 1},
+        strategy="fedpd",
+        strategy_params={"parts": "three"},
+        seed=0,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = run_rounds(data, SPEC, cfg)
+    assert "mask.whole" in res.records[0] and "mask.close" not in res.records[0]
+    assert {"mask.close", "mask.open", "mask.share"} <= set(res.records[1])
 
 
 # ---------------------------------------------------------------------------------------------- strategy
