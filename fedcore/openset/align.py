@@ -696,3 +696,9 @@ def apply_chain(tensors: Mapping[str, torch.Tensor], plan: Sequence[Layer], chai
 
 def identity_chain(plan: Sequence[Layer]) -> Chain:
     return Chain(P=[None] * len(plan))
+
+
+def identity_layers(chain: Chain) -> List[bool]:
+    """Per layer, whether ``chain`` keeps its order there: no transport, or one that is the identity
+    permutation (every unit's whole mass on its own index)."""
+    return [P is None or (P.shape[0] == P.shape[1] and bool((P.diagonal() == 1).all())) for P in chain.P]

@@ -499,6 +499,12 @@ def test_identical_clients_give_the_identity_and_the_plain_average():
         for k, v in states[0].items():
             if v.is_floating_point():
                 assert torch.allclose(fused.state[k].float(), v.float(), atol=1e-6), (part_transport, k)
+        # both other clients were found in place: no transport applied, and the round says so
+        assert fused.metrics["align_identity"] == fused.metrics["align_identity_layers"] == 1.0
+    soft = fuse(same, w, plan=plan, parts=parts, ref=0, method="sinkhorn", part_transport="whole")
+    assert soft.metrics["align_identity"] == 0.0  # a soft plan spreads mass even between identical models
+    moved = fuse([base.state_dict(), permuted(base)[0]], w[:2], plan=plan, parts=parts[:2], ref=0, **HARD)
+    assert moved.metrics["align_identity"] == 0.0 and moved.metrics["align_identity_layers"] < 1.0
     chain = align_chain(states[0], states[0], plan, bank_costs=sba_costs(*_banks(2, plan, seed=3), plan), **HARD)
     assert all(P is None or torch.equal(P, torch.eye(P.shape[0], dtype=P.dtype)) for P in chain.P)
 
