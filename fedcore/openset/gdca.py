@@ -86,7 +86,7 @@ def fuse(
     settings: Dict[str, Any] = dict(
         method=method, reg=reg, max_iter=max_iter, tol=tol, hard=hard, cost_dtype=cost_dtype
     )
-    ref_units: Dict[str, torch.Tensor] = {}  # the reference's unit rows, built once for every client's chain
+    ref_units: Dict[str, List[torch.Tensor]] = {}  # the reference's unit rows, built once for every client's chain
     param_keys = list(next(iter(parts[0].values())).keys())
     others = [k for k in states[0] if k not in param_keys]
     total = float(sum(weights))

@@ -544,6 +544,10 @@ def test_float32_costs_are_the_euclidean_distances():
     # a unit's distance to itself is float32's rounding of |a|^2 + |a|^2 - 2 a.a, far below any other distance
     self_distance = unit_distance(a, a)
     assert float(self_distance.diagonal().max()) < 1e-3 * float(self_distance.mean())
+    # rows given as column blocks (a layer's weights, then its bias and BatchNorm columns) are the same rows
+    blocks = unit_distance([a[:, :290], a[:, 290:]], [b[:, :290], b[:, 290:]])
+    assert torch.allclose(blocks.double(), exact, rtol=1e-5, atol=1e-4)
+    assert torch.equal(unit_distance([a.double()], [b.double()]), exact)  # float64: cdist, as a whole matrix
 
 
 def test_the_identity_shortcut_gives_the_solvers_answer():
