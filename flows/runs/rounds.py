@@ -47,10 +47,30 @@ def _runner(cfg: DictConfig):
 
 
 def _start_cell_run(
-    cfg: DictConfig, system: str, grid_name: str, method: str, rcfg: RoundConfig, part, *, started_ms: int | None = None
+    cfg: DictConfig,
+    system: str,
+    grid_name: str,
+    method: str,
+    rcfg: RoundConfig,
+    part,
+    *,
+    started_ms: int | None = None,
+    checkpoint_dir: Path | None = None,
 ):
-    run = tracking.start_run(f"{method}-s{rcfg.seed}", started_ms=started_ms)
+    """The MLflow run of a grid cell or a round run, active. ``checkpoint_dir``: a round run's checkpoints,
+    where its run id is kept, so that a resume continues that run (its charts go on from the round it
+    stopped at, beside the rounds logged before) instead of starting a second one."""
+    earlier = tracking.run_to_continue(checkpoint_dir) if cfg.flow.resume else None
+    if earlier is not None:
+        run = tracking.continue_run(earlier)
+    else:
+        run = tracking.start_run(f"{method}-s{rcfg.seed}", started_ms=started_ms)
     with tracking.failing_run(run):
+        if earlier is not None:
+            mlflow.set_tag("resumed", "true")
+        if checkpoint_dir is not None:
+            checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            (checkpoint_dir / tracking.RUN_ID_FILE).write_text(run.info.run_id)
         _describe_cell_run(run, cfg, system, grid_name, method, rcfg)
     return run
 
@@ -460,7 +480,7 @@ def rounds_flow(config: Dict[str, Any], system: str, grid: str) -> RoundsResult:
         )
         log(record)
 
-    with _start_cell_run(cfg, system, grid, label, rcfg, part):
+    with _start_cell_run(cfg, system, grid, label, rcfg, part, checkpoint_dir=ckpt):
         t0 = time.perf_counter()
         log = tracking.BackgroundRoundLog()  # MLflow writes overlap the next round
         try:

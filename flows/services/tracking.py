@@ -118,6 +118,29 @@ def start_run(run_name: str, *, started_ms: int | None = None) -> "mlflow.Active
     )
 
 
+RUN_ID_FILE = "mlflow_run_id"  # in a run's checkpoint folder: the MLflow run a resume continues
+
+
+def run_to_continue(checkpoint_dir: Path | None) -> str | None:
+    """The MLflow run an interrupted run (arrival or round run) wrote to, if this store holds it unfinished."""
+    path = None if checkpoint_dir is None else checkpoint_dir / RUN_ID_FILE
+    if path is None or not path.is_file():
+        return None
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = mlflow.MlflowClient().get_run(path.read_text().strip())
+    except MlflowException:  # another store, or deleted: a new run
+        return None
+    if (
+        run.info.status == "FINISHED"
+        or run.info.lifecycle_stage != "active"  # deleted in the UI: start afresh
+        or run.info.experiment_id != mlflow.tracking.fluent._get_experiment_id()
+    ):
+        return None
+    return run.info.run_id
+
+
 def continue_run(run_id: str) -> "mlflow.ActiveRun":
     """An earlier run made active again (a resumed arrival run), as :func:`start_run` guards a new one."""
     return _activated(lambda: run_id)
