@@ -637,6 +637,7 @@ def sweep_flow(config: Dict[str, Any], written: Dict[str, str] | None = None) ->
         ]
     results = []
     logged = tracking.finished_runs(str(cfg.flow.experiment), "adapt") if cfg.flow.resume else {}
+    failed = tracking.failed_runs(str(cfg.flow.experiment), "adapt") if cfg.flow.resume else {}
     done = as_completed(futures)
     if cfg.flow.progress:
         from tqdm.auto import tqdm
@@ -656,6 +657,7 @@ def sweep_flow(config: Dict[str, Any], written: Dict[str, str] | None = None) ->
             logger.info("%s seed %d: finished and logged before; not logged again", acfg.method, acfg.seed)
         else:
             with _start_experiment_run(cfg, acfg, spec, started_ms=res["started_ms"]) as run:
+                tracking.link_resumed(failed, run_name(acfg), acfg.fingerprint(), run.info.run_id)
                 _log_experiment(cfg, acfg, res["result"], spec=spec, partition=partition)
                 mlflow.log_metric("run_seconds", res["seconds"])
                 mlflow.set_tags(res.get("placement", {}))

@@ -264,6 +264,7 @@ def grid_flow(
         done = tqdm(done, total=len(futures), desc=f"{system} grid {grid}", unit="cell")
     rows = []
     logged = tracking.finished_runs(f"fedcore-{system}", f"{system}@{grid}") if cfg.flow.resume else {}
+    failed = tracking.failed_runs(f"fedcore-{system}", f"{system}@{grid}") if cfg.flow.resume else {}
     shared = evaluations.of(system).shares
     for i, fut in enumerate(done, 1):
         cell = fut.result()
@@ -293,6 +294,7 @@ def grid_flow(
             )
             continue
         with _start_cell_run(cfg, system, grid, m, configs[(m, s)], part, started_ms=cell["started_ms"]) as run:
+            tracking.link_resumed(failed, f"{m}-s{s}", configs[(m, s)].fingerprint(), run.info.run_id)
             mlflow.set_tags(cell.get("placement", {}))
             tracking.log_rounds(res.records)
             _log_shares(shares)

@@ -410,6 +410,34 @@ def finished_runs(experiment: str, stage: str) -> Dict[Tuple[str, str], Dict[str
     }
 
 
+def failed_runs(experiment: str, stage: str) -> Dict[Tuple[str, str], str]:
+    """(run name, config fingerprint) -> the id of the latest FAILED run of ``experiment`` tagged ``stage``: a
+    cell whose logging a stop signal cut short. The run that logs the cell on resume links to it
+    (:func:`link_resumed`), so that the two show as one record's halves rather than two records."""
+    exp = mlflow.get_experiment_by_name(experiment)
+    if exp is None:
+        return {}
+    runs = mlflow.MlflowClient().search_runs(
+        [exp.experiment_id],
+        f"tags.stage = '{stage}' and attributes.status = 'FAILED'",
+        order_by=["attributes.start_time ASC"],
+        max_results=50000,
+    )
+    return {
+        (r.info.run_name, r.data.tags.get("config_fingerprint", "")): r.info.run_id for r in runs if r.info.run_name
+    }
+
+
+def link_resumed(failed: Mapping[Tuple[str, str], str], name: str, fingerprint: str, run_id: str) -> None:
+    """Tag ``run_id`` ``resumed_from`` the failed run of the same cell, and that one ``superseded_by`` it."""
+    earlier = failed.get((name, fingerprint))
+    if earlier is None or earlier == run_id:
+        return
+    client = mlflow.MlflowClient()
+    client.set_tag(run_id, "resumed_from", earlier)
+    client.set_tag(earlier, "superseded_by", run_id)
+
+
 def logged_before(
     logged: Mapping[Tuple[str, str], Mapping[str, float]], name: str, fingerprint: str, metrics: Mapping[str, float]
 ) -> Dict[str, float] | None:

@@ -292,3 +292,14 @@ def test_a_resumed_grid_logs_no_cell_twice(quick):
     assert cells() == before and len(before) >= 2
     assert [(r["method"], r["seed"]) for r in rows] == [("fedavg", 0), ("fedpad", 0)]
     assert (results_dir(cfg, "fedpad", "quick") / "table.md").read_text() == table
+    # a cell whose logging a stop cut short (its run FAILED) is logged again on resume, linked to that run
+    cut = client.search_runs([exp.experiment_id], "tags.stage = 'fedpad@quick' and attributes.run_name = 'fedpad-s0'")[
+        0
+    ]
+    client.set_terminated(cut.info.run_id, "FAILED")
+    grid(cfg, "fedpad")
+    [again] = [
+        r for r in client.search_runs([exp.experiment_id], "tags.stage = 'fedpad@quick'") if r.info.run_id not in before
+    ]
+    assert again.info.run_name == "fedpad-s0" and again.data.tags["resumed_from"] == cut.info.run_id
+    assert client.get_run(cut.info.run_id).data.tags["superseded_by"] == again.info.run_id
