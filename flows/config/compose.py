@@ -857,8 +857,6 @@ def validate_rounds(cfg: DictConfig, system: str) -> None:
                 f"{system} grid {name!r}: clients_per_domain {counts} must be >= 0 with at least one client"
             )
         if is_openset(system):
-            from flows.reports.evaluations import random_split
-
             random_split(g, f"{system} grid {str(name)!r}")
         if is_openset(system) and g.get("unknown_sets") is not None:
             _check_unknown_sets(f"{system} grid {str(name)!r}", g.unknown_sets, g.set, domains)
@@ -893,6 +891,25 @@ def _check_domain_names(what: str, names: Any, set_name: str, domains: Tuple[str
         raise ValueError(
             f"{what} names {', '.join(unknown)}, not a domain of set {set_name!r}; its domains are: {', '.join(domains)}"
         )
+
+
+KNOWN_SPLITS = ("first", "random")
+
+
+def random_split(g: DictConfig, where: str = "open-set grid") -> bool:
+    """Whether an open-set grid draws its known classes per seed (``known_split: random``, the FedPD++
+    authors' protocol, which also reports max(AUROC, 1 − AUROC)) rather than taking the first ``known``."""
+    split = str(g.get("known_split") or "first")
+    if split not in KNOWN_SPLITS:
+        raise ValueError(f"{where}: unknown known_split {split!r}; valid values are: {', '.join(KNOWN_SPLITS)}")
+    if split == "random" and (
+        not isinstance(g.known, int) or g.get("unknown") is not None or g.get("unknown_sets") is not None
+    ):
+        raise ValueError(
+            f"{where}: known_split: random draws `known` classes by the seed: give known as a count (e.g. 6), "
+            "with unknown: null and no unknown_sets (they name classes the draw would change)"
+        )
+    return split == "random"
 
 
 def _check_schedule(where: str, g: DictConfig) -> None:

@@ -134,28 +134,9 @@ def openset_inputs(cfg: DictConfig, system: str, grid_name: str, part, rcfg, *, 
         fit=fit,
         device=rcfg.device,
         unknown_sets=unknown_scenarios(g, view),
-        folded=random_split(g),
+        folded=C.random_split(g),
     )
     return view.rounds, spec, evaluate
-
-
-KNOWN_SPLITS = ("first", "random")
-
-
-def random_split(g: DictConfig, where: str = "open-set grid") -> bool:
-    """Whether an open-set grid draws its known classes per seed (``known_split: random``, the FedPD++
-    authors' protocol, which also reports max(AUROC, 1 − AUROC)) rather than taking the first ``known``."""
-    split = str(g.get("known_split") or "first")
-    if split not in KNOWN_SPLITS:
-        raise ValueError(f"{where}: unknown known_split {split!r}; valid values are: {', '.join(KNOWN_SPLITS)}")
-    if split == "random" and (
-        not isinstance(g.known, int) or g.get("unknown") is not None or g.get("unknown_sets") is not None
-    ):
-        raise ValueError(
-            f"{where}: known_split: random draws `known` classes by the seed: give known as a count (e.g. 6), "
-            "with unknown: null and no unknown_sets (they name classes the draw would change)"
-        )
-    return split == "random"
 
 
 def known_classes(g: DictConfig, num_classes: int, seed: int | None) -> Any:
@@ -163,7 +144,7 @@ def known_classes(g: DictConfig, num_classes: int, seed: int | None) -> Any:
     ``known`` classes of a permutation of all of them drawn from the cell's seed (ascending), so that a grid
     of three seeds is judged on three splits and every method meets the same split at the same seed."""
     known = OmegaConf.to_object(g.known) if OmegaConf.is_config(g.known) else int(g.known)
-    if not random_split(g):
+    if not C.random_split(g):
         return known
     if seed is None:
         raise ValueError("known_split: random needs the cell's seed to draw the known classes")
@@ -340,7 +321,7 @@ def _report_openset(run: GridRun) -> str:
         unknown_sets=None if sets is None else OmegaConf.to_container(sets, resolve=True),
         unknown_counts=counts,
         known={int(s): list(grid_openset_view(g, run.part, seed=int(s)).split.known) for s in g.seeds}
-        if random_split(g)
+        if C.random_split(g)
         else None,
     )
 
@@ -359,7 +340,7 @@ def check_grid(cfg: DictConfig, system: str, grid_name: str, part) -> None:
     once, here, and not in every cell. A scored evaluation is an open-set one (``known`` classes)."""
     g = C.grid(cfg, system, grid_name)
     if of(system).scored:
-        for seed in g.seeds if random_split(g) else [None]:
+        for seed in g.seeds if C.random_split(g) else [None]:
             view = grid_openset_view(g, part, seed=seed)
             unknown_scenarios(g, view)
 
