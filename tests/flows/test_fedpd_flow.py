@@ -164,6 +164,10 @@ def test_open_set_grid_writes_auroc_tables_and_logs_alignment_per_round(tmp_path
     assert run.data.metrics["final_auroc"] == pytest.approx(summary["fedpd++"]["auroc"])
     history = client.get_metric_history(run.info.run_id, "transport_entropy")
     assert len(history) == 2  # one point per round
+    # how often alignment found nothing to move: in MLflow per round, not in the stage's outputs
+    assert len(client.get_metric_history(run.info.run_id, "align_identity")) == 2
+    assert "align_identity" not in records[-1]
+    assert "align_identity" not in (out / "cells/fedpd++-s0/rounds.csv").read_text()
     versions = client.search_model_versions("name='fedpd-quick'")
     assert [(v.tags["method"], v.tags["champion_metric"]) for v in versions] == [("fedpd++", "final_auroc")]
     assert versions[0].run_id == run.info.run_id
