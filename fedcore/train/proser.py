@@ -16,7 +16,8 @@ The model has one more output than there are known classes: the last logit is th
 
 Schedule: with ``closed_rounds = R`` the first R rounds train the closed-set classifier alone
 (cross-entropy over the known classes' logits; the dummy logit is left out, and no masks are sent, so
-the server fuses the whole model), and the rounds after them train with PROSER at ``lr × open_lr_scale``.
+the server fuses the whole model), and the rounds after them train with PROSER at ``lr × open_lr_scale``,
+the masks' threshold δ rising over those rounds alone.
 That is the PROSER and FedPD authors' code: a closed-set network first, then PROSER fine-tuning at a
 much smaller rate (the FedPD++ paper's "10⁻² closed, 10⁻⁴ open"). ``closed_rounds = 0`` (the default)
 trains PROSER from the first round at ``lr``.
@@ -113,7 +114,7 @@ class ProserTrainer(LocalTrainer):
         self._gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
 
     def round_lr(self, broadcast: Dict[str, Any]) -> float:
-        return self.lr if self._closed or not self.closed_rounds else self.lr * self.open_lr_scale
+        return self.lr if self._closed else self.lr * self.open_lr_scale
 
     def losses(self, model: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(L_close, L_open)`` of one batch (see the module docstring)."""
@@ -161,7 +162,13 @@ class ProserTrainer(LocalTrainer):
             return {}, {"closed_phase": True}
         if self.importance == "none":
             return {}, {}
-        delta = delta_soft(self._round, self._rounds, delta0=self.delta0, delta_end=self.delta_end)
+        # δ rises over the rounds that train the masks: those after the closed-set phase
+        delta = delta_soft(
+            self._round - self.closed_rounds,
+            max(self._rounds - self.closed_rounds, 1),
+            delta0=self.delta0,
+            delta_end=self.delta_end,
+        )
         masks = {
             part: {
                 k: m.cpu().half()

@@ -772,6 +772,12 @@ def grid_rounds(g: DictConfig, system: str) -> int:
     return int(g.tasks) * int(g.rounds_per_task) if is_incremental(system) else int(g.rounds)
 
 
+def grid_target(cfg: DictConfig, system: str, g: DictConfig) -> str | None:
+    """The method a grid's paired tests compare against the others: its own ``target``, else ``<system>.target``."""
+    target = g.get("target") or cfg[system].get("target")
+    return None if target is None else str(target)
+
+
 def single_round_config(cfg: DictConfig, system: str) -> RoundConfig:
     """One run from the ``trainer`` and ``strategy`` groups on the system's selected grid."""
     block, g = cfg[system], grid(cfg, system)
@@ -779,6 +785,13 @@ def single_round_config(cfg: DictConfig, system: str) -> RoundConfig:
         **OmegaConf.to_container(block.trainer, resolve=True),
         **OmegaConf.to_container(cfg.trainer.params, resolve=True),
     }
+    # the grid's trainer settings (as its cells take them) wherever the trainer group holds its library default
+    from flows.config.defaults import KINDS
+
+    library = KINDS["trainer"](str(cfg.trainer.name))
+    for key, value in OmegaConf.to_container(g.get("trainer") or OmegaConf.create({}), resolve=True).items():
+        if key not in trainer or trainer[key] == library.get(key):
+            trainer[key] = value
     return RoundConfig(
         rounds=grid_rounds(g, system),
         trainer=str(cfg.trainer.name),
@@ -841,6 +854,11 @@ def validate_rounds(cfg: DictConfig, system: str) -> None:
                 f"{system} grid {name!r}: methods is empty, so the grid would run nothing; list at least "
                 f"one of: {', '.join(sorted(map(str, block.methods)))}"
             )
+        if g.get("target") is not None and str(g.target) not in list(map(str, g.methods)):
+            raise ValueError(
+                f"{system} grid {name!r}: target={g.target!r} is not one of the grid's methods: "
+                f"{', '.join(map(str, g.methods))}"
+            )
         if str(g.model) not in MODELS:
             raise ValueError(
                 f"{system} grid {name!r}: unknown model {g.model!r}; valid names are: {', '.join(MODELS.names())}"
@@ -864,6 +882,12 @@ def validate_rounds(cfg: DictConfig, system: str) -> None:
             _check_schedule(f"{system} grid {str(name)!r}", g)
         for method in g.methods:
             rc = round_config(cfg, system, method=str(method), seed=0, grid_name=str(name))
+            closed = int(rc.trainer_params.get("closed_rounds") or 0)
+            if closed >= rc.rounds:
+                raise ValueError(
+                    f"{system} grid {name!r}, method {method!r}: closed_rounds ({closed}) must be below the grid's "
+                    f"rounds ({rc.rounds}), or PROSER never trains"
+                )
             if is_incremental(system):
                 _check_incremental(system, str(name), g, str(method), rc, norm=grid_norm(cfg, system, str(name)))
             if is_openset(system):

@@ -299,7 +299,7 @@ def _report_domains(run: GridRun) -> str:
 
 def _target(run: GridRun) -> str | None:
     """The method a grid is about: ``<system>.target``, else the method named as the system, if the grid ran it."""
-    target = str(run.cfg[run.system].get("target") or run.system)
+    target = C.grid_target(run.cfg, run.system, run.grid) or run.system
     return target if target in run.grid.methods else None
 
 
@@ -310,7 +310,7 @@ def _report_openset(run: GridRun) -> str:
     scores = {m: C.method_scores(run.cfg, run.system, m, run.trainers[m]) for m in g.methods}
     sets = g.get("unknown_sets")
     counts = None if sets is None else unknown_counts(grid_openset_view(g, run.part))
-    target = run.cfg[run.system].get("target")
+    target = C.grid_target(run.cfg, run.system, g)
     return write_openset_report(
         run.rows,
         domains=list(run.part.domains),
@@ -329,7 +329,7 @@ def _report_openset(run: GridRun) -> str:
 def _report_incremental(run: GridRun) -> str:
     from flows.reports.tables import write_incremental_report
 
-    target = run.cfg[run.system].get("target")
+    target = C.grid_target(run.cfg, run.system, run.grid)
     return write_incremental_report(
         run.rows, out=run.out, title=run.title, target=str(target) if target in run.grid.methods else None
     )

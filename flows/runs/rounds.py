@@ -372,7 +372,7 @@ def _log_shares(shares: List[Dict[str, float]]) -> None:
 def _target_method(cfg: DictConfig, system: str, g) -> str:
     """The method a grid is about: ``<system>.target`` (FedPD++, PP-FCIL), else the system's own name; a
     grid without it (an ablation grid such as FedPAD's digits_gamma) is represented by its last method."""
-    target = str(cfg[system].get("target") or system)
+    target = C.grid_target(cfg, system, g) or system
     return target if target in g.methods else str(g.methods[-1])
 
 

@@ -706,6 +706,7 @@ def test_proser_after_the_closed_phase_is_single_phase_proser_at_the_scaled_lr()
     assert all(torch.equal(v, one.state[k]) for k, v in two.state.items())
     _, masked = _train("dpi", x, y, closed_rounds=2, open_lr_scale=0.01)
     assert {"mask_close", "mask_open"} <= set(masked.payload)
+    assert masked.payload["delta"] == pytest.approx(0.5)  # δ₀: the first round that trains the masks
     with pytest.raises(ValueError, match="closed_rounds .* must be >= 0"):
         create_trainer("proser", closed_rounds=-1)
     with pytest.raises(ValueError, match=r"open_lr_scale .* must be in \(0, 1\], got 0.0; e.g. 0.01"):

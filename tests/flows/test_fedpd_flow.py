@@ -46,6 +46,10 @@ def test_bad_fedpd_settings_are_refused_with_the_fix():
         C.compose(["fedpd.methods.fedavg.scores=[proser]"])
     with pytest.raises(ValueError, match="unknown align 'ot'"):
         C.compose(["+fedpd.methods.fedpd.strategy_params.align=ot"])
+    with pytest.raises(ValueError, match="grid 'digits': target='nope' is not one of the grid's methods: fedavg,"):
+        C.compose(["+fedpd.grids.digits.target=nope"])
+    with pytest.raises(ValueError, match=r"closed_rounds \(20\) must be below the grid's rounds \(20\)"):
+        C.compose(["fedpd.grids.digits-paper.trainer.closed_rounds=20"])
 
 
 def test_a_random_known_split_is_drawn_by_the_seed_and_refused_where_classes_are_named():
