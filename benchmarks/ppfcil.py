@@ -10,7 +10,8 @@ round and its ratio to plain FedAvg (local SGD on a LeNet, the same epochs and b
 
 * ``fedavg``: the ``sgd`` trainer on a LeNet (118k parameters): the baseline;
 * ``ppfcil, training round``: the dual model with L_C + L_D + L_S (two views);
-* ``ppfcil, compression round``: distilling the dual model into one branch (L_M);
+* ``ppfcil, round with compression``: a task's last round, which trains as the others do and then distils
+  the dual model into one branch (L_M) for as many epochs;
 * ``ppfcil, LBDP round`` / ``classic DP round``: a first-task training round as DP-SGD (GroupNorm, rho = 0,
   Poisson rate 0.1), per-sample gradients with torch.func;
 and the exemplar memory's bytes per client and in all, after the whole run.
@@ -164,7 +165,7 @@ def main() -> None:
     )
     rows.append(
         (
-            "ppfcil, compression round",
+            "ppfcil, round with compression",
             time_step(
                 args.repeat,
                 global_state=states[4],

@@ -148,9 +148,9 @@ class FedPD(Strategy):
 
     # ------------------------------------------------------------------ pieces
     def _parts_of(self, client: int, update) -> Dict[str, Dict[str, torch.Tensor]]:
-        if self.parts == "none":
-            return split_parts({k: update.state[k] for k in self.param_keys}, {}, mode="none")
         p = update.payload
+        if self.parts == "none" or p.get("closed_phase"):  # a closed-set round has no open-set part to mask
+            return split_parts({k: update.state[k] for k in self.param_keys}, {}, mode="none")
         if "mask_close" not in p or "mask_open" not in p:
             raise ValueError(
                 f"client {client} sent no masks, but parts={self.parts} needs them: train with the proser "

@@ -362,10 +362,25 @@ def unit_matrix(
 
     ``tensors`` are weights, or masks keyed like them (a part's mask, row by row).
     """
-    cols = [align_inputs(tensors[layer.weight], prev, layer).reshape(layer.out, -1)]
-    for key in ((layer.bias,) if layer.bias else ()) + tuple(k for k in layer.bn if k.endswith(("weight", "bias"))):
-        cols.append(tensors[key].reshape(layer.out, 1))
-    return torch.cat(cols, 1).to(dtype)
+    return torch.cat(unit_blocks(tensors, layer, prev, dtype), 1)
+
+
+def unit_blocks(
+    tensors: Mapping[str, torch.Tensor],
+    layer: Layer,
+    prev: Optional[torch.Tensor],
+    dtype: torch.dtype = torch.float64,
+) -> List[torch.Tensor]:
+    """:func:`unit_matrix`'s columns as blocks (the weights, then bias and BN affine), the weights not copied
+    again: :func:`unit_distance` takes the blocks as they are, so a large layer is never concatenated."""
+    blocks = [align_inputs(tensors[layer.weight], prev, layer).reshape(layer.out, -1).to(dtype)]
+    small = [
+        tensors[key].reshape(layer.out, 1)
+        for key in ((layer.bias,) if layer.bias else ()) + tuple(k for k in layer.bn if k.endswith(("weight", "bias")))
+    ]
+    if small:
+        blocks.append(torch.cat(small, 1).to(dtype))
+    return blocks
 
 
 def permutation_source(P: torch.Tensor) -> Optional[torch.Tensor]:
@@ -398,13 +413,29 @@ def align_inputs(w: torch.Tensor, prev: Optional[torch.Tensor], layer: Layer) ->
 
 
 def unit_distance(
-    a: torch.Tensor, b: torch.Tensor, a_weight: Optional[torch.Tensor] = None, b_weight: Optional[torch.Tensor] = None
+    a: torch.Tensor | Sequence[torch.Tensor],
+    b: torch.Tensor | Sequence[torch.Tensor],
+    a_weight: Optional[torch.Tensor] = None,
+    b_weight: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Euclidean distances between the rows of ``a`` and ``b``; with weights, on the coordinates both hold.
 
     ``C_ij = sqrt(Σ_d wa_id · wb_jd · (a_id − b_jd)²)``: two units are close when they agree where
-    both parts have mass, whatever the mask patterns are elsewhere.
+    both parts have mass, whatever the mask patterns are elsewhere. ``a`` and ``b`` may be lists of
+    column blocks (:func:`unit_blocks`), the rows being their concatenations.
     """
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        a_blocks, b_blocks = list(a), list(b)
+        if a_weight is not None or a_blocks[0].dtype == torch.float64:
+            return unit_distance(torch.cat(a_blocks, 1), torch.cat(b_blocks, 1), a_weight, b_weight)
+        # block by block into one accumulator: ‖a‖² + ‖b‖² − 2 Σ_blocks a·b, no block copied
+        sq = (
+            sum(torch.linalg.vector_norm(x, dim=1).square() for x in a_blocks)[:, None]
+            + sum(torch.linalg.vector_norm(y, dim=1).square() for y in b_blocks)[None]
+        )
+        for x, y in zip(a_blocks, b_blocks):
+            sq = sq.addmm_(x, y.t(), alpha=-2.0)
+        return sq.clamp_min_(0).sqrt_()
     if a_weight is None:
         if a.dtype == torch.float64:
             return torch.cdist(a, b)
@@ -418,8 +449,8 @@ def unit_distance(
 
 
 def transport(
-    a: torch.Tensor,
-    b: torch.Tensor,
+    a: torch.Tensor | Sequence[torch.Tensor],
+    b: torch.Tensor | Sequence[torch.Tensor],
     *,
     method: str = "sinkhorn",
     reg: float = 0.05,
@@ -454,11 +485,15 @@ def transport(
     """
     if method not in ALIGN_METHODS or method == "none":
         raise ValueError(f"unknown alignment {method!r}; use one of sinkhorn, hungarian (or none to skip alignment)")
-    n = a.shape[0]
+    a_blocks = [a] if isinstance(a, torch.Tensor) else list(a)
+    b_blocks = [b] if isinstance(b, torch.Tensor) else list(b)
+    n = a_blocks[0].shape[0]
     where = f"{where}: " if where else ""
-    if b.shape[0] != n:
-        raise ValueError(f"{where}{n} units against {b.shape[0]}: alignment needs the same architecture everywhere")
-    C = unit_distance(a.to(dtype), b.to(dtype), a_weight, b_weight)
+    if b_blocks[0].shape[0] != n:
+        raise ValueError(
+            f"{where}{n} units against {b_blocks[0].shape[0]}: alignment needs the same architecture everywhere"
+        )
+    C = unit_distance([x.to(dtype) for x in a_blocks], [y.to(dtype) for y in b_blocks], a_weight, b_weight)
     scale = float(C.mean())
     Cn = C / scale if scale > 0 else C
     if extra is not None and extra_weight > 0:
@@ -578,7 +613,7 @@ def align_chain(
     cost_dtype: str = "float64",
     quality: bool = False,
     where: str = "",
-    ref_units: Optional[Dict[str, torch.Tensor]] = None,
+    ref_units: Optional[Dict[str, List[torch.Tensor]]] = None,
 ) -> Chain:
     """Transports aligning ``state`` to ``ref`` layer by layer, each carried into the next layer's inputs.
 
@@ -608,24 +643,25 @@ def align_chain(
             continue
         members = [layer] + [plan[m] for m in layer.joint]
 
-        def units(tensors, aligned, members=members):
-            return torch.cat(
-                [
-                    unit_matrix(tensors, m, chain.P[m.src] if aligned and m.src is not None else None, dtype)
-                    for m in members
-                ],
-                1,
-            )
+        def units(tensors, aligned, members=members) -> List[torch.Tensor]:
+            return [
+                block
+                for m in members
+                for block in unit_blocks(tensors, m, chain.P[m.src] if aligned and m.src is not None else None, dtype)
+            ]
 
-        a = units(state, True)
+        a_blocks = units(state, True)
         if ref_units is not None and mask is None:
             key = f"{layer.name}:{cost_dtype}"
-            b = ref_units[key] if key in ref_units else ref_units.setdefault(key, units(ref, False))
+            b_blocks = ref_units[key] if key in ref_units else ref_units.setdefault(key, units(ref, False))
         else:
-            b = units(ref, False)
+            b_blocks = units(ref, False)
+        a: torch.Tensor | List[torch.Tensor] = a_blocks
+        b: torch.Tensor | List[torch.Tensor] = b_blocks
         wa = wb = None
-        if mask is not None:
-            ma, mb = units(mask, True), units(ref_mask, False)
+        if mask is not None:  # a part's masks weight the coordinates: whole matrices
+            a, b = torch.cat(a_blocks, 1), torch.cat(b_blocks, 1)
+            ma, mb = torch.cat(units(mask, True), 1), torch.cat(units(ref_mask, False), 1)
             if part_cost == "masked":
                 a, b = a * ma, b * mb
             else:
@@ -644,7 +680,7 @@ def align_chain(
                 hard=hard,
                 where=f"{where} {layer.name} SBA".strip(),
             )
-            a = _reorder_rows(a, first)
+            a = _reorder_rows(a, first) if isinstance(a, torch.Tensor) else [_reorder_rows(x, first) for x in a]
             wa = _reorder_rows(wa, first) if wa is not None else None
             extra = None
         solve: Dict[str, Any] = dict(a_weight=wa, b_weight=wb, extra=extra, extra_weight=sba_weight, dtype=dtype)
@@ -696,3 +732,9 @@ def apply_chain(tensors: Mapping[str, torch.Tensor], plan: Sequence[Layer], chai
 
 def identity_chain(plan: Sequence[Layer]) -> Chain:
     return Chain(P=[None] * len(plan))
+
+
+def identity_layers(chain: Chain) -> List[bool]:
+    """Per layer, whether ``chain`` keeps its order there: no transport, or one that is the identity
+    permutation (every unit's whole mass on its own index)."""
+    return [P is None or (P.shape[0] == P.shape[1] and bool((P.diagonal() == 1).all())) for P in chain.P]

@@ -61,8 +61,13 @@ def openset_evaluate(
     fit: Tuple[np.ndarray, np.ndarray] | None = None,
     device: str = "cpu",
     unknown_sets: Mapping[str, Mapping[str, np.ndarray]] | None = None,
+    folded: bool = False,
 ) -> Dict[str, float]:
     """Open-set metrics of ``state`` on every domain (see the module docstring).
+
+    ``folded`` adds ``auroc_max.<score>[.<domain>]``: max(AUROC, 1 − AUROC) per domain, then the mean over
+    domains, which is what the FedPD++ authors' evaluation reports (a score ranked backwards counts as
+    its mirror image). ``auroc`` stays the signed one.
 
     ``unknown_sets``: ``{scenario: {domain: bool mask over unknown[domain]}}``
     (:func:`fedcore.data.openset.unknown_masks`).
@@ -102,10 +107,14 @@ def openset_evaluate(
                 sk, su = scorer.score(lk), scorer.score(lu)
             else:
                 out[f"auroc.{s}.{d}"] = out[f"oscr.{s}.{d}"] = float("nan")
+                if folded:
+                    out[f"auroc_max.{s}.{d}"] = float("nan")
                 for name in unknown_sets or {}:
                     out[f"auroc_{name}.{s}.{d}"] = float("nan")
                 continue
             out[f"auroc.{s}.{d}"] = auroc(sk, su)
+            if folded:
+                out[f"auroc_max.{s}.{d}"] = max(out[f"auroc.{s}.{d}"], 1.0 - out[f"auroc.{s}.{d}"])
             out[f"oscr.{s}.{d}"] = oscr(sk, correct, su)
             for name, masks in (unknown_sets or {}).items():
                 out[f"auroc_{name}.{s}.{d}"] = auroc(sk, su[masks[d]])
@@ -113,9 +122,11 @@ def openset_evaluate(
     out["avg_acc"] = float(np.mean([out[f"acc.{d}"] for d in domains]))
     out["worst_acc"] = float(min(out[f"acc.{d}"] for d in domains))
     for s in scores:
-        for m in ("auroc", "oscr"):
+        for m in ("auroc", "oscr", *(("auroc_max",) if folded else ())):
             out[f"{m}.{s}"] = float(np.mean([out[f"{m}.{s}.{d}"] for d in domains]))
     out["auroc"], out["oscr"] = out[f"auroc.{scores[0]}"], out[f"oscr.{scores[0]}"]
+    if folded:
+        out["auroc_max"] = out[f"auroc_max.{scores[0]}"]
     for name in unknown_sets or {}:
         for s in scores:
             out[f"auroc_{name}.{s}"] = float(np.mean([out[f"auroc_{name}.{s}.{d}"] for d in domains]))

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from fedcore.openset.align import Layer, align_chain, apply_chain, identity_chain
+from fedcore.openset.align import Layer, align_chain, apply_chain, identity_chain, identity_layers
 from fedcore.openset.sba import sba_costs
 from fedcore.registry import check_choice
 
@@ -86,7 +86,7 @@ def fuse(
     settings: Dict[str, Any] = dict(
         method=method, reg=reg, max_iter=max_iter, tol=tol, hard=hard, cost_dtype=cost_dtype
     )
-    ref_units: Dict[str, torch.Tensor] = {}  # the reference's unit rows, built once for every client's chain
+    ref_units: Dict[str, List[torch.Tensor]] = {}  # the reference's unit rows, built once for every client's chain
     param_keys = list(next(iter(parts[0].values())).keys())
     others = [k for k in states[0] if k not in param_keys]
     total = float(sum(weights))
@@ -101,6 +101,8 @@ def fuse(
     entropies: List[float] = []
     quality_vals: List[float] = []
     per_client: Dict[int, Dict[str, float]] = {}
+    kept: List[bool] = []  # per aligned client: every chain the identity, so nothing was applied
+    kept_layers: List[bool] = []  # per layer transport that acts: the identity
     for k, (state, w, cut) in enumerate(zip(states, weights, parts)):
         if method == "none" or k == ref:
             whole = identity_chain(plan)
@@ -143,6 +145,13 @@ def fuse(
                 entropies.extend(ch.entropies)
             quality_vals.extend(whole.quality)
             per_client[names[k]] = {"align_cost": float(np.mean(whole.costs)) if whole.costs else 0.0}
+            acting = {id(c): c for c in chains.values()}.values()
+            for ch in acting:
+                kept_layers.extend(identity_layers(ch))
+            kept.append(all(all(identity_layers(ch)) for ch in acting))
+            if kept[-1]:  # nothing to align: the client's weights go in as they are
+                whole = identity_chain(plan)
+                chains = {p: whole for p in cut}
         for p, masks in cut.items():
             masked = {key: state[key].double() * masks[key].double() for key in param_keys}
             aligned = apply_chain(masked, plan, chains[p])
@@ -168,4 +177,7 @@ def fuse(
         metrics.update({f"align_cost.{p}": float(np.mean(v)) for p, v in costs.items() if v})
     if quality_vals:
         metrics["align_quality"] = float(np.mean(quality_vals))
+    if kept:
+        metrics["align_identity"] = float(np.mean(kept))
+        metrics["align_identity_layers"] = float(np.mean(kept_layers)) if kept_layers else 1.0
     return Fused(state=out, metrics=metrics, per_client=per_client)

@@ -92,6 +92,10 @@ class LocalTrainer:
     ) -> None:
         """Called once before training, with the model already holding the global weights."""
 
+    def round_lr(self, broadcast: Dict[str, Any]) -> float:
+        """The learning rate this round starts at (``lr``; a trainer with phases may change it per round)."""
+        return self.lr
+
     def loss(self, model: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(model(xb), yb)
 
@@ -145,7 +149,9 @@ class LocalTrainer:
         g: torch.Generator,
         device: torch.device | str,
     ) -> ClientUpdate:
-        opt = torch.optim.SGD(model.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+        opt = torch.optim.SGD(
+            model.parameters(), lr=self.round_lr(broadcast), momentum=self.momentum, weight_decay=self.weight_decay
+        )
         xt, yt = to_tensor(x, device=device), torch.as_tensor(np.array(y), device=device)
         total, count, steps = 0.0, 0, 0
         per_round = self.local_epochs * len(range(0, len(xt), self.batch_size))

@@ -12,7 +12,15 @@ The model has one more output than there are known classes: the last logit is th
   as the dummy class, weighted ``γ``.
 
 ``L_open`` = β · placeholder + γ · mixture. Defaults are the PROSER authors' (β = 1, γ = 0.01,
-α = 1); the FedPD++ paper's two learning rates (10⁻² closed, 10⁻⁴ open) would be γ = β = 0.01.
+α = 1).
+
+Schedule: with ``closed_rounds = R`` the first R rounds train the closed-set classifier alone
+(cross-entropy over the known classes' logits; the dummy logit is left out, and no masks are sent, so
+the server fuses the whole model), and the rounds after them train with PROSER at ``lr × open_lr_scale``,
+the masks' threshold δ rising over those rounds alone.
+That is the PROSER and FedPD authors' code: a closed-set network first, then PROSER fine-tuning at a
+much smaller rate (the FedPD++ paper's "10⁻² closed, 10⁻⁴ open"). ``closed_rounds = 0`` (the default)
+trains PROSER from the first round at ``lr``.
 
 When ``importance`` is not ``none`` the trainer scores every parameter for each loss
 (:mod:`fedcore.openset.dpi`, :mod:`fedcore.openset.masks`): DPI sums ``|∇L · ω| · Δt`` over every local step of
@@ -38,8 +46,8 @@ from fedcore.train.base import TRAINERS, LocalTrainer, State
 
 @TRAINERS.register("proser")
 class ProserTrainer(LocalTrainer):
-    """Parameters: ``beta``, ``gamma``, ``mix_alpha`` (PROSER); ``importance``, ``mask``, ``score_norm``,
-    ``delta0``, ``delta_end``, ``mask_rounds`` (FedPD++'s masks; ``mask_rounds`` is T of δ's schedule,
+    """Parameters: ``beta``, ``gamma``, ``mix_alpha`` (PROSER); ``closed_rounds``, ``open_lr_scale`` (the
+    two-phase schedule, above); ``importance``, ``mask``, ``score_norm``, ``delta0``, ``delta_end``, ``mask_rounds`` (FedPD++'s masks; ``mask_rounds`` is T of δ's schedule,
     by default the run's number of rounds, which the engine broadcasts)."""
 
     constant_lr_because = "DPI's path integral takes the lr as its time step"
@@ -56,6 +64,8 @@ class ProserTrainer(LocalTrainer):
         delta0: float = 0.5,
         delta_end: float = 0.8,
         mask_rounds: int | None = None,
+        closed_rounds: int = 0,
+        open_lr_scale: float = 1.0,
         **kw,
     ) -> None:
         super().__init__(**kw)
@@ -75,6 +85,16 @@ class ProserTrainer(LocalTrainer):
                 f"mask_rounds (T of the threshold schedule) must be >= 1, got {mask_rounds}; "
                 "leave it unset to use the run's number of rounds"
             )
+        if closed_rounds < 0:
+            raise ValueError(
+                f"closed_rounds (rounds of closed-set training before PROSER) must be >= 0, got {closed_rounds}"
+            )
+        if not 0 < open_lr_scale <= 1:
+            raise ValueError(
+                f"open_lr_scale (PROSER's lr as a share of the closed-set lr) must be in (0, 1], got "
+                f"{open_lr_scale}; e.g. 0.01 for the paper's 1e-2 closed / 1e-4 open"
+            )
+        self.closed_rounds, self.open_lr_scale = int(closed_rounds), float(open_lr_scale)
         self.beta, self.gamma, self.mix_alpha = float(beta), float(gamma), float(mix_alpha)
         self.importance, self.mask, self.score_norm = importance, mask, score_norm
         self.delta0, self.delta_end = float(delta0), float(delta_end)
@@ -86,11 +106,15 @@ class ProserTrainer(LocalTrainer):
     ) -> None:
         self._pre, self._post = mix_split(model)  # a model without a mixing layer fails here, before training
         self._round = int(broadcast.get("round", 0))
+        self._closed = self._round < self.closed_rounds
         self._rounds = self.mask_rounds or int(broadcast.get("rounds", 1))
         self._params = dict(model.named_parameters())
         self._scores = empty_scores(self._params)
         self._g_close: Optional[Dict[str, torch.Tensor]] = None
         self._gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+
+    def round_lr(self, broadcast: Dict[str, Any]) -> float:
+        return self.lr if self._closed else self.lr * self.open_lr_scale
 
     def losses(self, model: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(L_close, L_open)`` of one batch (see the module docstring)."""
@@ -113,6 +137,8 @@ class ProserTrainer(LocalTrainer):
         return l_close, l_open
 
     def loss(self, model: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        if self._closed:  # the closed-set phase: the known classes' logits only
+            return nn.functional.cross_entropy(model(xb)[:, :-1], yb)
         l_close, l_open = self.losses(model, xb, yb)
         if self.importance == "none":
             return l_close + l_open
@@ -122,18 +148,27 @@ class ProserTrainer(LocalTrainer):
         return l_open + l_close.detach()  # backward of this gives the open-set gradient only; its value is the total
 
     def after_backward(self, model: nn.Module) -> None:
-        if self.importance == "none":
+        if self.importance == "none" or self._closed:
             return
         g_open = {k: torch.zeros_like(p) if p.grad is None else p.grad.detach() for k, p in self._params.items()}
         g_close = cast(Dict[str, torch.Tensor], self._g_close)  # set by loss() for this step
-        importance_step(self._scores, self._params, g_close=g_close, g_open=g_open, dt=self.lr, mode=self.importance)
+        dt = self.round_lr({})
+        importance_step(self._scores, self._params, g_close=g_close, g_open=g_open, dt=dt, mode=self.importance)
         for k, p in self._params.items():
             p.grad = g_open[k] + g_close[k]
 
     def finish(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: int):
+        if self._closed:
+            return {}, {"closed_phase": True}
         if self.importance == "none":
             return {}, {}
-        delta = delta_soft(self._round, self._rounds, delta0=self.delta0, delta_end=self.delta_end)
+        # δ rises over the rounds that train the masks: those after the closed-set phase
+        delta = delta_soft(
+            self._round - self.closed_rounds,
+            max(self._rounds - self.closed_rounds, 1),
+            delta0=self.delta0,
+            delta_end=self.delta_end,
+        )
         masks = {
             part: {
                 k: m.cpu().half()

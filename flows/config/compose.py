@@ -772,6 +772,12 @@ def grid_rounds(g: DictConfig, system: str) -> int:
     return int(g.tasks) * int(g.rounds_per_task) if is_incremental(system) else int(g.rounds)
 
 
+def grid_target(cfg: DictConfig, system: str, g: DictConfig) -> str | None:
+    """The method a grid's paired tests compare against the others: its own ``target``, else ``<system>.target``."""
+    target = g.get("target") or cfg[system].get("target")
+    return None if target is None else str(target)
+
+
 def single_round_config(cfg: DictConfig, system: str) -> RoundConfig:
     """One run from the ``trainer`` and ``strategy`` groups on the system's selected grid."""
     block, g = cfg[system], grid(cfg, system)
@@ -779,6 +785,13 @@ def single_round_config(cfg: DictConfig, system: str) -> RoundConfig:
         **OmegaConf.to_container(block.trainer, resolve=True),
         **OmegaConf.to_container(cfg.trainer.params, resolve=True),
     }
+    # the grid's trainer settings (as its cells take them) wherever the trainer group holds its library default
+    from flows.config.defaults import KINDS
+
+    library = KINDS["trainer"](str(cfg.trainer.name))
+    for key, value in OmegaConf.to_container(g.get("trainer") or OmegaConf.create({}), resolve=True).items():
+        if key not in trainer or trainer[key] == library.get(key):
+            trainer[key] = value
     return RoundConfig(
         rounds=grid_rounds(g, system),
         trainer=str(cfg.trainer.name),
@@ -841,6 +854,11 @@ def validate_rounds(cfg: DictConfig, system: str) -> None:
                 f"{system} grid {name!r}: methods is empty, so the grid would run nothing; list at least "
                 f"one of: {', '.join(sorted(map(str, block.methods)))}"
             )
+        if g.get("target") is not None and str(g.target) not in list(map(str, g.methods)):
+            raise ValueError(
+                f"{system} grid {name!r}: target={g.target!r} is not one of the grid's methods: "
+                f"{', '.join(map(str, g.methods))}"
+            )
         if str(g.model) not in MODELS:
             raise ValueError(
                 f"{system} grid {name!r}: unknown model {g.model!r}; valid names are: {', '.join(MODELS.names())}"
@@ -856,12 +874,20 @@ def validate_rounds(cfg: DictConfig, system: str) -> None:
             raise ValueError(
                 f"{system} grid {name!r}: clients_per_domain {counts} must be >= 0 with at least one client"
             )
+        if is_openset(system):
+            random_split(g, f"{system} grid {str(name)!r}")
         if is_openset(system) and g.get("unknown_sets") is not None:
             _check_unknown_sets(f"{system} grid {str(name)!r}", g.unknown_sets, g.set, domains)
         if is_incremental(system):  # before the rounds (tasks x rounds_per_task) are read: the message names them
             _check_schedule(f"{system} grid {str(name)!r}", g)
         for method in g.methods:
             rc = round_config(cfg, system, method=str(method), seed=0, grid_name=str(name))
+            closed = int(rc.trainer_params.get("closed_rounds") or 0)
+            if closed >= rc.rounds:
+                raise ValueError(
+                    f"{system} grid {name!r}, method {method!r}: closed_rounds ({closed}) must be below the grid's "
+                    f"rounds ({rc.rounds}), or PROSER never trains"
+                )
             if is_incremental(system):
                 _check_incremental(system, str(name), g, str(method), rc, norm=grid_norm(cfg, system, str(name)))
             if is_openset(system):
@@ -889,6 +915,25 @@ def _check_domain_names(what: str, names: Any, set_name: str, domains: Tuple[str
         raise ValueError(
             f"{what} names {', '.join(unknown)}, not a domain of set {set_name!r}; its domains are: {', '.join(domains)}"
         )
+
+
+KNOWN_SPLITS = ("first", "random")
+
+
+def random_split(g: DictConfig, where: str = "open-set grid") -> bool:
+    """Whether an open-set grid draws its known classes per seed (``known_split: random``, the FedPD++
+    authors' protocol, which also reports max(AUROC, 1 − AUROC)) rather than taking the first ``known``."""
+    split = str(g.get("known_split") or "first")
+    if split not in KNOWN_SPLITS:
+        raise ValueError(f"{where}: unknown known_split {split!r}; valid values are: {', '.join(KNOWN_SPLITS)}")
+    if split == "random" and (
+        not isinstance(g.known, int) or g.get("unknown") is not None or g.get("unknown_sets") is not None
+    ):
+        raise ValueError(
+            f"{where}: known_split: random draws `known` classes by the seed: give known as a count (e.g. 6), "
+            "with unknown: null and no unknown_sets (they name classes the draw would change)"
+        )
+    return split == "random"
 
 
 def _check_schedule(where: str, g: DictConfig) -> None:

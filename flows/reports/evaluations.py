@@ -116,7 +116,7 @@ def openset_inputs(cfg: DictConfig, system: str, grid_name: str, part, rcfg, *, 
     from fedcore.openset.evaluate import check_scores, openset_evaluate
 
     g = C.grid(cfg, system, grid_name)
-    view = grid_openset_view(g, part)
+    view = grid_openset_view(g, part, seed=rcfg.seed)
     dummy = rcfg.trainer == "proser"
     scores = check_scores(C.method_scores(cfg, system, method, rcfg.trainer), dummy=dummy)
     spec = C.grid_model_spec(cfg, system, grid_name, num_classes=view.num_known + int(dummy))
@@ -134,15 +134,29 @@ def openset_inputs(cfg: DictConfig, system: str, grid_name: str, part, rcfg, *, 
         fit=fit,
         device=rcfg.device,
         unknown_sets=unknown_scenarios(g, view),
+        folded=C.random_split(g),
     )
     return view.rounds, spec, evaluate
 
 
-def grid_openset_view(g: DictConfig, part):
-    """The open-set view of a partition under an open-set grid's ``known`` / ``unknown`` classes."""
+def known_classes(g: DictConfig, num_classes: int, seed: int | None) -> Any:
+    """An open-set grid's known classes: its ``known`` as written, or with ``known_split: random`` the first
+    ``known`` classes of a permutation of all of them drawn from the cell's seed (ascending), so that a grid
+    of three seeds is judged on three splits and every method meets the same split at the same seed."""
+    known = OmegaConf.to_object(g.known) if OmegaConf.is_config(g.known) else int(g.known)
+    if not C.random_split(g):
+        return known
+    if seed is None:
+        raise ValueError("known_split: random needs the cell's seed to draw the known classes")
+    return sorted(int(c) for c in np.random.default_rng(int(seed)).permutation(num_classes)[:known])
+
+
+def grid_openset_view(g: DictConfig, part, *, seed: int | None = None):
+    """The open-set view of a partition under an open-set grid's ``known`` / ``unknown`` classes (drawn from
+    ``seed`` under ``known_split: random``)."""
     from fedcore.data.openset import make_split, openset_view
 
-    known = OmegaConf.to_object(g.known) if OmegaConf.is_config(g.known) else int(g.known)
+    known = known_classes(g, part.num_classes, seed)
     split = make_split(part.num_classes, known=known, unknown=None if g.unknown is None else list(g.unknown))
     return openset_view(part, split)
 
@@ -285,7 +299,7 @@ def _report_domains(run: GridRun) -> str:
 
 def _target(run: GridRun) -> str | None:
     """The method a grid is about: ``<system>.target``, else the method named as the system, if the grid ran it."""
-    target = str(run.cfg[run.system].get("target") or run.system)
+    target = C.grid_target(run.cfg, run.system, run.grid) or run.system
     return target if target in run.grid.methods else None
 
 
@@ -295,8 +309,8 @@ def _report_openset(run: GridRun) -> str:
     g = run.grid
     scores = {m: C.method_scores(run.cfg, run.system, m, run.trainers[m]) for m in g.methods}
     sets = g.get("unknown_sets")
-    counts = unknown_counts(grid_openset_view(g, run.part))
-    target = run.cfg[run.system].get("target")
+    counts = None if sets is None else unknown_counts(grid_openset_view(g, run.part))
+    target = C.grid_target(run.cfg, run.system, g)
     return write_openset_report(
         run.rows,
         domains=list(run.part.domains),
@@ -306,13 +320,16 @@ def _report_openset(run: GridRun) -> str:
         target=str(target) if target in g.methods else None,
         unknown_sets=None if sets is None else OmegaConf.to_container(sets, resolve=True),
         unknown_counts=counts,
+        known={int(s): list(grid_openset_view(g, run.part, seed=int(s)).split.known) for s in g.seeds}
+        if C.random_split(g)
+        else None,
     )
 
 
 def _report_incremental(run: GridRun) -> str:
     from flows.reports.tables import write_incremental_report
 
-    target = run.cfg[run.system].get("target")
+    target = C.grid_target(run.cfg, run.system, run.grid)
     return write_incremental_report(
         run.rows, out=run.out, title=run.title, target=str(target) if target in run.grid.methods else None
     )
@@ -323,8 +340,9 @@ def check_grid(cfg: DictConfig, system: str, grid_name: str, part) -> None:
     once, here, and not in every cell. A scored evaluation is an open-set one (``known`` classes)."""
     g = C.grid(cfg, system, grid_name)
     if of(system).scored:
-        view = grid_openset_view(g, part)
-        unknown_scenarios(g, view)
+        for seed in g.seeds if C.random_split(g) else [None]:
+            view = grid_openset_view(g, part, seed=seed)
+            unknown_scenarios(g, view)
 
 
 register(Evaluation("domains", inputs=domain_inputs, plot=_plot_domains, report=_report_domains, shares=True))

@@ -8,7 +8,9 @@ lacks a field (or holds NaN).
 
 How long a step took (:data:`WALL_CLOCK`) is left out of every file written here and of the other stage
 outputs: it differs on every run, and an output that holds it could never be rebuilt to the bytes
-``dvc.lock`` records. MLflow keeps it, per step and per run.
+``dvc.lock`` records. So is how the server went about a round (:data:`SERVER_DIAGNOSTICS`: how often
+FedPD++'s alignment found nothing to move), which says how a result was computed, not what it is.
+MLflow keeps both, per step and per run.
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ ROUNDS_CSV = "rounds.csv"  # one row per round (flows.runs.rounds)
 
 # The record fields that measure the machine, not the method: logged to MLflow, never written to a stage output.
 WALL_CLOCK = frozenset({"agg_seconds", "adapt_seconds"})
+SERVER_DIAGNOSTICS = frozenset({"align_identity", "align_identity_layers"})
+MLFLOW_ONLY = WALL_CLOCK | SERVER_DIAGNOSTICS
 
 
 def reproducible(records: Sequence[Mapping[str, Any]]) -> List[Dict[str, Any]]:
-    """``records`` without their :data:`WALL_CLOCK` fields: what a stage output may hold."""
-    return [{k: v for k, v in rec.items() if k not in WALL_CLOCK} for rec in records]
+    """``records`` without their :data:`MLFLOW_ONLY` fields: what a stage output may hold."""
+    return [{k: v for k, v in rec.items() if k not in MLFLOW_ONLY} for rec in records]
 
 
 def _cell(value: Any) -> Any:
@@ -43,7 +47,7 @@ def _cell(value: Any) -> Any:
 
 def write_records_csv(records: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
     """``records`` as a CSV: a column per scalar field (lists and dicts, such as ``clients``, and the
-    :data:`WALL_CLOCK` fields are left out).
+    :data:`MLFLOW_ONLY` fields are left out).
 
     Parameters
     ----------

@@ -204,8 +204,12 @@ def write_openset_report(
     target: str | None,
     unknown_sets: Mapping[str, Mapping[str, List[int]]] | None = None,
     unknown_counts: Mapping[str, Mapping[int, int]] | None = None,
+    known: Mapping[int, List[int]] | None = None,
 ) -> str:
     """table.md, summary.json, scores.json, stats.md and methods.png of an open-set grid.
+
+    ``known`` (seed -> its known classes) marks a grid whose known classes were drawn per seed: table.md
+    then names each seed's split and adds the authors' max(AUROC, 1 − AUROC) beside the signed AUROC.
 
     A method scored several ways (FedAvg: MSP and OpenMax) gives one row per score,
     ``<method>+<score>``. The paired tests use (seed × domain) blocks of AUROC. With
@@ -235,7 +239,7 @@ def write_openset_report(
             name = m if len(scores[m]) == 1 else f"{m}+{s}"
             col = {
                 k: np.array([r["summary"][f"final_{k}"] for r in rs])
-                for k in ("avg_acc", "worst_acc", f"auroc.{s}", f"oscr.{s}")
+                for k in ("avg_acc", "worst_acc", f"auroc.{s}", f"oscr.{s}", *((f"auroc_max.{s}",) if known else ()))
             }
             agg.append(
                 {
@@ -247,6 +251,14 @@ def write_openset_report(
                     "auroc_std": float(col[f"auroc.{s}"].std()),
                     "oscr_mean": float(col[f"oscr.{s}"].mean()),
                     "oscr_std": float(col[f"oscr.{s}"].std()),
+                    **(
+                        {
+                            "auroc_max_mean": float(col[f"auroc_max.{s}"].mean()),
+                            "auroc_max_std": float(col[f"auroc_max.{s}"].std()),
+                        }
+                        if known
+                        else {}
+                    ),
                     "domains": {d: float(np.mean([r["summary"][f"final_auroc.{s}.{d}"] for r in rs])) for d in domains},
                     "agg_ms": 1000 * float(np.mean([r["summary"]["agg_seconds_mean"] for r in rs])),
                     "mib_per_round": float(np.mean([r["summary"]["bytes_per_round"] for r in rs])) / 2**20,
@@ -265,16 +277,23 @@ def write_openset_report(
             )
             per_block[name] = [r["summary"][f"final_auroc.{s}.{d}"] for r in rs for d in domains]
     seeds = max(a["n"] for a in agg)
-    head = f"| method | closed acc | AUROC | OSCR | {' | '.join(domains)} | MiB/round |"
+    folded = " max(AUROC, 1 − AUROC) |" if known else ""
+    head = f"| method | closed acc | AUROC |{folded} OSCR | {' | '.join(domains)} | MiB/round |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for a in agg:
         lines.append(
             f"| {a['method']} | {a['acc_mean']:.3f} ± {a['acc_std']:.3f} | {a['auroc_mean']:.3f} ± "
-            f"{a['auroc_std']:.3f} | {a['oscr_mean']:.3f} ± {a['oscr_std']:.3f} | "
+            f"{a['auroc_std']:.3f} | "
+            + (f"{a['auroc_max_mean']:.3f} ± {a['auroc_max_std']:.3f} | " if known else "")
+            + f"{a['oscr_mean']:.3f} ± {a['oscr_std']:.3f} | "
             + " | ".join(f"{a['domains'][d]:.3f}" for d in domains)
             + f" | {a['mib_per_round']:.2f} |"
         )
     table = "\n".join(lines)
+    if known:
+        table += "\n\nKnown classes, drawn per seed: " + "; ".join(
+            f"seed {s}: {', '.join(map(str, cs))}" for s, cs in sorted(known.items())
+        )
     extra = _unknown_sets_table(agg, unknown_sets, unknown_counts) if unknown_sets else ""
     (out / "table.md").write_text(
         f"{title}: final-round closed-set accuracy, AUROC and OSCR (mean over domains), "
@@ -289,6 +308,7 @@ def write_openset_report(
                     "auroc": a["auroc_mean"],
                     "auroc_std": a["auroc_std"],
                     "oscr": a["oscr_mean"],
+                    **({"auroc_max": a["auroc_max_mean"]} if known else {}),
                     **{f"auroc.{d}": v for d, v in a["domains"].items()},
                     **{f"auroc_{u}": float(v.mean()) for u, v in a["scenarios"].items()},
                 }

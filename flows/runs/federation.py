@@ -270,9 +270,6 @@ def run_name(acfg) -> str:
     return f"{acfg.method}+{acfg.aggregator}{form}-s{acfg.seed}"
 
 
-RUN_ID_FILE = "mlflow_run_id"  # in an arrival run's checkpoint folder: the MLflow run a resume continues
-
-
 def _start_experiment_run(
     cfg: DictConfig, acfg, spec: ModelSpec, *, started_ms: int | None = None, checkpoint_dir: Path | None = None
 ):
@@ -280,7 +277,7 @@ def _start_experiment_run(
     created after it ended (a sweep cell); its end time is set by the caller. ``checkpoint_dir``: an
     arrival run's checkpoints, where its MLflow run id is kept, so that a resume continues that run
     (its charts go on from the arrival it stopped at) instead of starting a second one."""
-    earlier = _run_to_continue(checkpoint_dir) if cfg.flow.resume else None
+    earlier = tracking.run_to_continue(checkpoint_dir) if cfg.flow.resume else None
     if earlier is not None:
         run = tracking.continue_run(earlier)
     else:
@@ -290,7 +287,7 @@ def _start_experiment_run(
             mlflow.set_tag("resumed", "true")
         if checkpoint_dir is not None:
             checkpoint_dir.mkdir(parents=True, exist_ok=True)
-            (checkpoint_dir / RUN_ID_FILE).write_text(run.info.run_id)
+            (checkpoint_dir / tracking.RUN_ID_FILE).write_text(run.info.run_id)
         _describe_experiment_run(run, cfg, acfg, earlier)
     return run
 
@@ -343,26 +340,6 @@ def _describe_experiment_run(run, cfg: DictConfig, acfg, earlier: str | None) ->
     src = source_model_path(cfg)
     if src.is_file():
         mlflow.set_tag("source_model_sha256", tracking.file_sha256(src))
-
-
-def _run_to_continue(checkpoint_dir: Path | None) -> str | None:
-    """The MLflow run an interrupted arrival run wrote to, if this store holds it unfinished."""
-    path = None if checkpoint_dir is None else checkpoint_dir / RUN_ID_FILE
-    if path is None or not path.is_file():
-        return None
-    from mlflow.exceptions import MlflowException
-
-    try:
-        run = mlflow.MlflowClient().get_run(path.read_text().strip())
-    except MlflowException:  # another store, or deleted: a new run
-        return None
-    if (
-        run.info.status == "FINISHED"
-        or run.info.lifecycle_stage != "active"  # deleted in the UI: start afresh
-        or run.info.experiment_id != mlflow.tracking.fluent._get_experiment_id()
-    ):
-        return None
-    return run.info.run_id
 
 
 class _NotAccepted(RuntimeError):
@@ -660,6 +637,7 @@ def sweep_flow(config: Dict[str, Any], written: Dict[str, str] | None = None) ->
         ]
     results = []
     logged = tracking.finished_runs(str(cfg.flow.experiment), "adapt") if cfg.flow.resume else {}
+    failed = tracking.failed_runs(str(cfg.flow.experiment), "adapt") if cfg.flow.resume else {}
     done = as_completed(futures)
     if cfg.flow.progress:
         from tqdm.auto import tqdm
@@ -679,6 +657,7 @@ def sweep_flow(config: Dict[str, Any], written: Dict[str, str] | None = None) ->
             logger.info("%s seed %d: finished and logged before; not logged again", acfg.method, acfg.seed)
         else:
             with _start_experiment_run(cfg, acfg, spec, started_ms=res["started_ms"]) as run:
+                tracking.link_resumed(failed, run_name(acfg), acfg.fingerprint(), run.info.run_id)
                 _log_experiment(cfg, acfg, res["result"], spec=spec, partition=partition)
                 mlflow.log_metric("run_seconds", res["seconds"])
                 mlflow.set_tags(res.get("placement", {}))

@@ -47,10 +47,30 @@ def _runner(cfg: DictConfig):
 
 
 def _start_cell_run(
-    cfg: DictConfig, system: str, grid_name: str, method: str, rcfg: RoundConfig, part, *, started_ms: int | None = None
+    cfg: DictConfig,
+    system: str,
+    grid_name: str,
+    method: str,
+    rcfg: RoundConfig,
+    part,
+    *,
+    started_ms: int | None = None,
+    checkpoint_dir: Path | None = None,
 ):
-    run = tracking.start_run(f"{method}-s{rcfg.seed}", started_ms=started_ms)
+    """The MLflow run of a grid cell or a round run, active. ``checkpoint_dir``: a round run's checkpoints,
+    where its run id is kept, so that a resume continues that run (its charts go on from the round it
+    stopped at, beside the rounds logged before) instead of starting a second one."""
+    earlier = tracking.run_to_continue(checkpoint_dir) if cfg.flow.resume else None
+    if earlier is not None:
+        run = tracking.continue_run(earlier)
+    else:
+        run = tracking.start_run(f"{method}-s{rcfg.seed}", started_ms=started_ms)
     with tracking.failing_run(run):
+        if earlier is not None:
+            mlflow.set_tag("resumed", "true")
+        if checkpoint_dir is not None:
+            checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            (checkpoint_dir / tracking.RUN_ID_FILE).write_text(run.info.run_id)
         _describe_cell_run(run, cfg, system, grid_name, method, rcfg)
     return run
 
@@ -244,6 +264,7 @@ def grid_flow(
         done = tqdm(done, total=len(futures), desc=f"{system} grid {grid}", unit="cell")
     rows = []
     logged = tracking.finished_runs(f"fedcore-{system}", f"{system}@{grid}") if cfg.flow.resume else {}
+    failed = tracking.failed_runs(f"fedcore-{system}", f"{system}@{grid}") if cfg.flow.resume else {}
     shared = evaluations.of(system).shares
     for i, fut in enumerate(done, 1):
         cell = fut.result()
@@ -273,6 +294,7 @@ def grid_flow(
             )
             continue
         with _start_cell_run(cfg, system, grid, m, configs[(m, s)], part, started_ms=cell["started_ms"]) as run:
+            tracking.link_resumed(failed, f"{m}-s{s}", configs[(m, s)].fingerprint(), run.info.run_id)
             mlflow.set_tags(cell.get("placement", {}))
             tracking.log_rounds(res.records)
             _log_shares(shares)
@@ -350,7 +372,7 @@ def _log_shares(shares: List[Dict[str, float]]) -> None:
 def _target_method(cfg: DictConfig, system: str, g) -> str:
     """The method a grid is about: ``<system>.target`` (FedPD++, PP-FCIL), else the system's own name; a
     grid without it (an ablation grid such as FedPAD's digits_gamma) is represented by its last method."""
-    target = str(cfg[system].get("target") or system)
+    target = C.grid_target(cfg, system, g) or system
     return target if target in g.methods else str(g.methods[-1])
 
 
@@ -460,7 +482,7 @@ def rounds_flow(config: Dict[str, Any], system: str, grid: str) -> RoundsResult:
         )
         log(record)
 
-    with _start_cell_run(cfg, system, grid, label, rcfg, part):
+    with _start_cell_run(cfg, system, grid, label, rcfg, part, checkpoint_dir=ckpt):
         t0 = time.perf_counter()
         log = tracking.BackgroundRoundLog()  # MLflow writes overlap the next round
         try:

@@ -118,6 +118,29 @@ def start_run(run_name: str, *, started_ms: int | None = None) -> "mlflow.Active
     )
 
 
+RUN_ID_FILE = "mlflow_run_id"  # in a run's checkpoint folder: the MLflow run a resume continues
+
+
+def run_to_continue(checkpoint_dir: Path | None) -> str | None:
+    """The MLflow run an interrupted run (arrival or round run) wrote to, if this store holds it unfinished."""
+    path = None if checkpoint_dir is None else checkpoint_dir / RUN_ID_FILE
+    if path is None or not path.is_file():
+        return None
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = mlflow.MlflowClient().get_run(path.read_text().strip())
+    except MlflowException:  # another store, or deleted: a new run
+        return None
+    if (
+        run.info.status == "FINISHED"
+        or run.info.lifecycle_stage != "active"  # deleted in the UI: start afresh
+        or run.info.experiment_id != mlflow.tracking.fluent._get_experiment_id()
+    ):
+        return None
+    return run.info.run_id
+
+
 def continue_run(run_id: str) -> "mlflow.ActiveRun":
     """An earlier run made active again (a resumed arrival run), as :func:`start_run` guards a new one."""
     return _activated(lambda: run_id)
@@ -385,6 +408,34 @@ def finished_runs(experiment: str, stage: str) -> Dict[Tuple[str, str], Dict[str
         for r in runs
         if r.info.run_name
     }
+
+
+def failed_runs(experiment: str, stage: str) -> Dict[Tuple[str, str], str]:
+    """(run name, config fingerprint) -> the id of the latest FAILED run of ``experiment`` tagged ``stage``: a
+    cell whose logging a stop signal cut short. The run that logs the cell on resume links to it
+    (:func:`link_resumed`), so that the two show as one record's halves rather than two records."""
+    exp = mlflow.get_experiment_by_name(experiment)
+    if exp is None:
+        return {}
+    runs = mlflow.MlflowClient().search_runs(
+        [exp.experiment_id],
+        f"tags.stage = '{stage}' and attributes.status = 'FAILED'",
+        order_by=["attributes.start_time ASC"],
+        max_results=50000,
+    )
+    return {
+        (r.info.run_name, r.data.tags.get("config_fingerprint", "")): r.info.run_id for r in runs if r.info.run_name
+    }
+
+
+def link_resumed(failed: Mapping[Tuple[str, str], str], name: str, fingerprint: str, run_id: str) -> None:
+    """Tag ``run_id`` ``resumed_from`` the failed run of the same cell, and that one ``superseded_by`` it."""
+    earlier = failed.get((name, fingerprint))
+    if earlier is None or earlier == run_id:
+        return
+    client = mlflow.MlflowClient()
+    client.set_tag(run_id, "resumed_from", earlier)
+    client.set_tag(earlier, "superseded_by", run_id)
 
 
 def logged_before(

@@ -15,5 +15,5 @@ SYSTEM = System(
     partition_stage="partition_fedpd",
     cron="30 3 * * *",
     description="FedPD++, FedPD and FedAvg + PROSER/MSP on an open-set domain grid (AUROC, OSCR)",
-    grid_keys=GRID_KEYS | {"known", "unknown", "unknown_sets"},  # its known and unknown classes
+    grid_keys=GRID_KEYS | {"known", "unknown", "unknown_sets", "known_split"},  # its known and unknown classes
 )

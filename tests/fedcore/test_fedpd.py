@@ -26,6 +26,7 @@ from fedcore.openset.align import (
 from fedcore.openset.gdca import fuse
 from fedcore.openset.masks import delta_soft, make_mask, masks_from_scores, normalise, split_parts
 from fedcore.openset.sba import sba_costs
+from fedcore.tensors import to_tensor
 from fedcore.train import ClientUpdate, create_trainer
 
 
@@ -498,6 +499,12 @@ def test_identical_clients_give_the_identity_and_the_plain_average():
         for k, v in states[0].items():
             if v.is_floating_point():
                 assert torch.allclose(fused.state[k].float(), v.float(), atol=1e-6), (part_transport, k)
+        # both other clients were found in place: no transport applied, and the round says so
+        assert fused.metrics["align_identity"] == fused.metrics["align_identity_layers"] == 1.0
+    soft = fuse(same, w, plan=plan, parts=parts, ref=0, method="sinkhorn", part_transport="whole")
+    assert soft.metrics["align_identity"] == 0.0  # a soft plan spreads mass even between identical models
+    moved = fuse([base.state_dict(), permuted(base)[0]], w[:2], plan=plan, parts=parts[:2], ref=0, **HARD)
+    assert moved.metrics["align_identity"] == 0.0 and moved.metrics["align_identity_layers"] < 1.0
     chain = align_chain(states[0], states[0], plan, bank_costs=sba_costs(*_banks(2, plan, seed=3), plan), **HARD)
     assert all(P is None or torch.equal(P, torch.eye(P.shape[0], dtype=P.dtype)) for P in chain.P)
 
@@ -537,6 +544,10 @@ def test_float32_costs_are_the_euclidean_distances():
     # a unit's distance to itself is float32's rounding of |a|^2 + |a|^2 - 2 a.a, far below any other distance
     self_distance = unit_distance(a, a)
     assert float(self_distance.diagonal().max()) < 1e-3 * float(self_distance.mean())
+    # rows given as column blocks (a layer's weights, then its bias and BatchNorm columns) are the same rows
+    blocks = unit_distance([a[:, :290], a[:, 290:]], [b[:, :290], b[:, 290:]])
+    assert torch.allclose(blocks.double(), exact, rtol=1e-5, atol=1e-4)
+    assert torch.equal(unit_distance([a.double()], [b.double()]), exact)  # float64: cdist, as a whole matrix
 
 
 def test_the_identity_shortcut_gives_the_solvers_answer():
@@ -668,6 +679,55 @@ def test_proser_settings_are_checked():
         create_trainer("proser", delta_end=1.5)
     with pytest.raises(ValueError, match="no setting 'lamda'"):
         create_trainer("proser", lamda=1.0)
+
+
+def test_a_closed_set_round_trains_the_known_logits_alone_and_sends_no_masks():
+    x, y = _toy()
+    init, upd = _train("dpi", x, y, batch_size=len(y), local_epochs=1, weight_decay=0.0, momentum=0.0, closed_rounds=3)
+    assert upd.payload == {"closed_phase": True}  # round 2 of a 3-round closed phase
+    # one full-batch step of cross-entropy over the known classes' logits, the dummy's left out
+    torch.manual_seed(0)
+    ref = create_model("lenet", in_channels=1, num_classes=4)
+    ref.load_state_dict(init)
+    ref.train()
+    loss = nn.functional.cross_entropy(ref(to_tensor(x))[:, :-1], torch.as_tensor(y))
+    loss.backward()
+    with torch.no_grad():
+        for name, p_ in ref.named_parameters():
+            # float32 sums in another order: BatchNorm makes the first conv's gradient cancel, so 1 % of its step
+            assert torch.allclose(upd.state[name] - init[name], -0.05 * p_.grad, atol=5e-5), name
+    assert torch.equal(upd.state["fc.weight"][-1], init["fc.weight"][-1])  # the dummy's row has no gradient
+
+
+def test_proser_after_the_closed_phase_is_single_phase_proser_at_the_scaled_lr():
+    x, y = _toy()
+    _, two = _train("none", x, y, closed_rounds=2, open_lr_scale=0.01)  # round 2: the first PROSER round
+    _, one = _train("none", x, y, lr=0.0005)
+    assert all(torch.equal(v, one.state[k]) for k, v in two.state.items())
+    _, masked = _train("dpi", x, y, closed_rounds=2, open_lr_scale=0.01)
+    assert {"mask_close", "mask_open"} <= set(masked.payload)
+    assert masked.payload["delta"] == pytest.approx(0.5)  # δ₀: the first round that trains the masks
+    with pytest.raises(ValueError, match="closed_rounds .* must be >= 0"):
+        create_trainer("proser", closed_rounds=-1)
+    with pytest.raises(ValueError, match=r"open_lr_scale .* must be in \(0, 1\], got 0.0; e.g. 0.01"):
+        create_trainer("proser", open_lr_scale=0.0)
+
+
+def test_fedpd_fuses_a_closed_set_round_whole_and_masks_its_parts_after():
+    data = _data()
+    cfg = RoundConfig(
+        rounds=2,
+        trainer="proser",
+        trainer_params={"lr": 0.05, "batch_size": 16, "importance": "dpi", "closed_rounds": 1},
+        strategy="fedpd",
+        strategy_params={"parts": "three"},
+        seed=0,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = run_rounds(data, SPEC, cfg)
+    assert "mask.whole" in res.records[0] and "mask.close" not in res.records[0]
+    assert {"mask.close", "mask.open", "mask.share"} <= set(res.records[1])
 
 
 # ---------------------------------------------------------------------------------------------- strategy

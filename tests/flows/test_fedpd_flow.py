@@ -46,6 +46,58 @@ def test_bad_fedpd_settings_are_refused_with_the_fix():
         C.compose(["fedpd.methods.fedavg.scores=[proser]"])
     with pytest.raises(ValueError, match="unknown align 'ot'"):
         C.compose(["+fedpd.methods.fedpd.strategy_params.align=ot"])
+    with pytest.raises(ValueError, match="grid 'digits': target='nope' is not one of the grid's methods: fedavg,"):
+        C.compose(["+fedpd.grids.digits.target=nope"])
+    with pytest.raises(ValueError, match=r"closed_rounds \(20\) must be below the grid's rounds \(20\)"):
+        C.compose(["fedpd.grids.digits-paper.trainer.closed_rounds=20"])
+
+
+def test_a_random_known_split_is_drawn_by_the_seed_and_refused_where_classes_are_named():
+    from flows.reports.evaluations import known_classes
+
+    g = C.grid(C.compose(["+fedpd.grids.quick.known_split=random"]), "fedpd", "quick")
+    splits = {s: known_classes(g, 10, s) for s in range(4)}
+    assert all(len(k) == 6 and k == sorted(set(k)) and set(k) <= set(range(10)) for k in splits.values())
+    assert known_classes(g, 10, 1) == splits[1] and len({tuple(k) for k in splits.values()}) == 4
+    assert known_classes(C.grid(C.compose([]), "fedpd", "quick"), 10, 1) == 6  # first-k: the first 6, any seed
+    with pytest.raises(ValueError, match="unknown known_split 'rand'; valid values are: first, random"):
+        C.compose(["+fedpd.grids.quick.known_split=rand"])
+    with pytest.raises(ValueError, match="known_split: random draws `known` classes by the seed"):
+        C.compose(["+fedpd.grids.quick.known_split=random", "fedpd.grids.quick.unknown=[6,7]"])
+
+
+def test_the_folded_auroc_mirrors_a_score_ranked_backwards_and_the_report_names_each_split(tmp_path):
+    from fedcore.engine.spec import ModelSpec
+    from fedcore.openset.evaluate import openset_evaluate
+    from flows.reports.tables import write_openset_report
+
+    spec = ModelSpec(name="lenet", in_channels=1, num_classes=3)
+    rng = np.random.default_rng(0)
+    known = {"a": (rng.integers(0, 255, (40, 28, 28, 1), dtype=np.uint8), rng.integers(0, 3, 40))}
+    unknown = {"a": rng.integers(0, 255, (30, 28, 28, 1), dtype=np.uint8)}
+    out = openset_evaluate(spec.build().state_dict(), spec, known, unknown, scores=["msp"], folded=True)
+    a = out["auroc.msp.a"]
+    assert out["auroc_max.msp.a"] == max(a, 1 - a) == out["auroc_max"] and a != 0.5
+    assert "auroc_max" not in openset_evaluate(spec.build().state_dict(), spec, known, unknown, scores=["msp"])
+    summary = {
+        "final_avg_acc": 0.8,
+        "final_worst_acc": 0.7,
+        "final_auroc.msp": 0.4,
+        "final_auroc_max.msp": 0.6,
+        "final_oscr.msp": 0.3,
+        "final_auroc.msp.a": 0.4,
+        "agg_seconds_mean": 0.01,
+        "bytes_per_round": 1e6,
+    }
+    rows = [{"method": "m", "seed": s, "summary": summary, "seconds": 1.0} for s in (0, 1)]
+    write_openset_report(
+        rows, domains=["a"], out=tmp_path, title="t", scores={"m": ["msp"]}, target=None, known={0: [1, 2], 1: [0, 3]}
+    )
+    text = (tmp_path / "table.md").read_text()
+    assert "| method | closed acc | AUROC | max(AUROC, 1 − AUROC) | OSCR |" in text
+    assert "| m | 0.800 ± 0.000 | 0.400 ± 0.000 | 0.600 ± 0.000 | 0.300 ± 0.000 |" in text
+    assert "seed 0: 1, 2; seed 1: 0, 3" in text
+    assert json.loads((tmp_path / "summary.json").read_text())["m"]["auroc_max"] == 0.6
 
 
 SCENARIOS = (
@@ -116,9 +168,41 @@ def test_open_set_grid_writes_auroc_tables_and_logs_alignment_per_round(tmp_path
     assert run.data.metrics["final_auroc"] == pytest.approx(summary["fedpd++"]["auroc"])
     history = client.get_metric_history(run.info.run_id, "transport_entropy")
     assert len(history) == 2  # one point per round
+    # how often alignment found nothing to move: in MLflow per round, not in the stage's outputs
+    assert len(client.get_metric_history(run.info.run_id, "align_identity")) == 2
+    assert "align_identity" not in records[-1]
+    assert "align_identity" not in (out / "cells/fedpd++-s0/rounds.csv").read_text()
     versions = client.search_model_versions("name='fedpd-quick'")
     assert [(v.tags["method"], v.tags["champion_metric"]) for v in versions] == [("fedpd++", "final_auroc")]
     assert versions[0].run_id == run.info.run_id
+
+
+@pytest.mark.slow
+def test_a_grid_on_random_known_splits_trains_each_seed_on_its_own_classes_and_reports_both_aurocs(tmp_path):
+    from flows.reports.evaluations import known_classes
+    from flows.runs.rounds import grid, results_dir
+    from flows.runs.steps import partition_domains as _partition_domains
+
+    extra = ("+fedpd.grids.quick.known_split=random", "fedpd.grids.quick.rounds=1", "fedpd.grids.quick.seeds=[0,1]")
+    cfg = C.compose(overrides(tmp_path, *extra, "fedpd.grids.quick.methods=[fedavg-proser]"))
+    _partition_domains(cfg, "fedpd")
+    grid(cfg, "fedpd")
+    out = results_dir(cfg, "fedpd", "quick")
+    g = C.grid(cfg, "fedpd", "quick")
+    split = {s: known_classes(g, 10, s) for s in (0, 1)}
+    assert split[0] != split[1]
+    assert (
+        f"seed 0: {', '.join(map(str, split[0]))}; seed 1: {', '.join(map(str, split[1]))}"
+        in (out / "table.md").read_text()
+    )
+    for s in (0, 1):
+        rec = json.loads((out / f"cells/fedavg-proser-s{s}/rounds.json").read_text())[-1]
+        for d in ("mnist", "fonts", "sklearn"):
+            assert rec[f"auroc_max.proser.{d}"] == max(rec[f"auroc.proser.{d}"], 1 - rec[f"auroc.proser.{d}"])
+    run = MlflowClient(C.tracking_uri(cfg)).search_runs(
+        [MlflowClient(C.tracking_uri(cfg)).get_experiment_by_name("fedcore-fedpd").experiment_id]
+    )[0]
+    assert run.data.metrics["final_auroc_max"] >= max(0.5, run.data.metrics["final_auroc"])
 
 
 def test_method_names_mlflow_refuses_in_keys_are_logged_under_safe_keys(tmp_path):

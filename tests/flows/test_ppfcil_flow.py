@@ -44,6 +44,20 @@ def test_the_ppfcil_experiment_composes_and_every_grid_method_builds():
     )
 
 
+def test_a_grids_trainer_settings_reach_its_cells_and_a_single_run_on_it_under_a_methods_own():
+    cfg = C.compose(["trainer=fcil", "strategy=ppfcil", "ppfcil.grid=privacy"])
+    cell = C.round_config(cfg, "ppfcil", method="dp-eps1", seed=0, grid_name="privacy").trainer_params
+    assert (cell["compress_schedule"], cell["report_on"], cell["lr"]) == ("replace", "train", 0.05)
+    single = C.single_round_config(cfg, "ppfcil").trainer_params
+    assert (single["compress_schedule"], single["report_on"]) == ("replace", "train")
+    mnist = C.round_config(cfg, "ppfcil", method="ppfcil", seed=0, grid_name="mnist").trainer_params
+    assert (mnist.get("compress_schedule", "after"), mnist.get("report_on", "holdout")) == ("after", "holdout")
+    own = C.compose(
+        ["trainer=fcil", "strategy=ppfcil", "ppfcil.grid=privacy", "ppfcil.grids.privacy.trainer.report_on=holdout"]
+    )
+    assert C.single_round_config(own, "ppfcil").trainer_params["report_on"] == "holdout"  # set on the grid itself
+
+
 @pytest.mark.parametrize(
     "extra, match",
     [

@@ -191,30 +191,34 @@ def test_failed_and_killed_client_tasks_are_rerun_with_unchanged_results(quick):
 
 @pytest.mark.slow
 def test_a_round_flow_stopped_after_a_round_resumes_from_its_checkpoint_with_unchanged_results(quick):
-    """flow.stop_after=1 ends the run once round 0 is checkpointed; resume=true runs round 1 alone, and the
-    records are the uninterrupted run's."""
+    """flow.stop_after=1 ends the run once round 0 is checkpointed; resume=true runs round 1 alone, the
+    records are the uninterrupted run's, and the resume continues the same MLflow run from round 0."""
     from fedcore.engine import RunInterrupted
     from flows.runs.rounds import single
 
     extra = (f"paths.checkpoints={quick['tmp']}/ckpt3",)
+    expected = plain_run(quick)
+    client = MlflowClient(C.tracking_uri(quick["cfg"]))
+
+    def runs():
+        exp = client.get_experiment_by_name("fedcore-fedpad")
+        return client.search_runs([exp.experiment_id], "attributes.run_name = 'proto+fedpad-s0'") if exp else []
+
+    before = {r.info.run_id for r in runs()}
     with pytest.raises(RunInterrupted):
         single(C.compose(rounds_overrides(quick["tmp"], "flow.stop_after=1", *extra)), "fedpad")
     cfg = C.compose(rounds_overrides(quick["tmp"], "flow.resume=true", *extra))
     res = single(cfg, "fedpad")
-    assert strip(res.records) == strip(plain_run(quick).records)
-    client = MlflowClient(C.tracking_uri(cfg))
-    [resumed, interrupted] = client.search_runs(
-        [client.get_experiment_by_name("fedcore-fedpad").experiment_id],
-        "attributes.run_name = 'proto+fedpad-s0'",
-        order_by=["attributes.start_time DESC"],
-        max_results=2,
-    )
-    n = len(plain_run(quick).records[0]["clients"])
-    assert [list(prefect_task_runs(prefect_flow_run(r).id)) for r in (interrupted, resumed)] == [
-        [f"round-000-{n}-clients"],
-        [f"round-001-{n}-clients"],
-    ]
-    assert [m.step for m in client.get_metric_history(resumed.info.run_id, "worst_acc")] == [1]
+    assert strip(res.records) == strip(expected.records)
+    new = [r for r in runs() if r.info.run_id not in before]
+    assert len(new) == 1 and new[0].data.tags["resumed"] == "true"  # one record: the interrupted run, continued
+    [run] = new
+    assert run.info.status == "FINISHED"
+    n = len(expected.records[0]["clients"])
+    assert list(prefect_task_runs(prefect_flow_run(run).id)) == [f"round-001-{n}-clients"]  # the resume's flow run
+    history = client.get_metric_history(run.info.run_id, "worst_acc")
+    assert [m.step for m in history] == [0, 1]
+    assert [m.value for m in history] == [r["worst_acc"] for r in expected.records]
 
 
 @pytest.mark.slow
@@ -288,3 +292,14 @@ def test_a_resumed_grid_logs_no_cell_twice(quick):
     assert cells() == before and len(before) >= 2
     assert [(r["method"], r["seed"]) for r in rows] == [("fedavg", 0), ("fedpad", 0)]
     assert (results_dir(cfg, "fedpad", "quick") / "table.md").read_text() == table
+    # a cell whose logging a stop cut short (its run FAILED) is logged again on resume, linked to that run
+    cut = client.search_runs([exp.experiment_id], "tags.stage = 'fedpad@quick' and attributes.run_name = 'fedpad-s0'")[
+        0
+    ]
+    client.set_terminated(cut.info.run_id, "FAILED")
+    grid(cfg, "fedpad")
+    [again] = [
+        r for r in client.search_runs([exp.experiment_id], "tags.stage = 'fedpad@quick'") if r.info.run_id not in before
+    ]
+    assert again.info.run_name == "fedpad-s0" and again.data.tags["resumed_from"] == cut.info.run_id
+    assert client.get_run(cut.info.run_id).data.tags["superseded_by"] == again.info.run_id
