@@ -372,7 +372,7 @@ def unit_blocks(
     dtype: torch.dtype = torch.float64,
 ) -> List[torch.Tensor]:
     """:func:`unit_matrix`'s columns as blocks (the weights, then bias and BN affine), the weights not copied
-    again: :func:`unit_distance` takes the blocks as they are, so a large layer is never concatenated."""
+    again: :func:`unit_distance` takes float32 blocks as they are (unmasked), without concatenating them."""
     blocks = [align_inputs(tensors[layer.weight], prev, layer).reshape(layer.out, -1).to(dtype)]
     small = [
         tensors[key].reshape(layer.out, 1)

@@ -146,8 +146,8 @@ def fuse(
             quality_vals.extend(whole.quality)
             per_client[names[k]] = {"align_cost": float(np.mean(whole.costs)) if whole.costs else 0.0}
             acting = {id(c): c for c in chains.values()}.values()
-            for ch in acting:
-                kept_layers.extend(identity_layers(ch))
+            for ch in acting:  # the transports solved (a tied or last layer has none of its own)
+                kept_layers.extend(k for k, P in zip(identity_layers(ch), ch.P) if P is not None)
             kept.append(all(all(identity_layers(ch)) for ch in acting))
             if kept[-1]:  # nothing to align: the client's weights go in as they are
                 whole = identity_chain(plan)

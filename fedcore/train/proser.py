@@ -24,7 +24,7 @@ trains PROSER from the first round at ``lr``.
 
 When ``importance`` is not ``none`` the trainer scores every parameter for each loss
 (:mod:`fedcore.openset.dpi`, :mod:`fedcore.openset.masks`): DPI sums ``|∇L · ω| · Δt`` over every local step of
-the round (Δt = the learning rate; the path is the round's local optimisation, since the masks go to the
+the round (Δt = the round's learning rate; the path is the round's local optimisation, since the masks go to the
 server every round), ``gradient`` keeps the last step only. The closed- and open-set gradients come
 from two backward passes, summed before the optimizer step, so the update is the same as one
 backward pass of the total loss. The masks go back to the server in the update's payload.

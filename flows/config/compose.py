@@ -922,7 +922,8 @@ KNOWN_SPLITS = ("first", "random")
 
 def random_split(g: DictConfig, where: str = "open-set grid") -> bool:
     """Whether an open-set grid draws its known classes per seed (``known_split: random``, the FedPD++
-    authors' protocol, which also reports max(AUROC, 1 − AUROC)) rather than taking the first ``known``."""
+    authors' public FedPD code's evaluation, which also reports max(AUROC, 1 − AUROC)) rather than taking the first
+    ``known``."""
     split = str(g.get("known_split") or "first")
     if split not in KNOWN_SPLITS:
         raise ValueError(f"{where}: unknown known_split {split!r}; valid values are: {', '.join(KNOWN_SPLITS)}")

@@ -71,7 +71,15 @@ def _start_cell_run(
         if checkpoint_dir is not None:
             checkpoint_dir.mkdir(parents=True, exist_ok=True)
             (checkpoint_dir / tracking.RUN_ID_FILE).write_text(run.info.run_id)
-        _describe_cell_run(run, cfg, system, grid_name, method, rcfg)
+        try:
+            _describe_cell_run(run, cfg, system, grid_name, method, rcfg)
+        except mlflow.exceptions.MlflowException as e:
+            if earlier is None or "Changing param values" not in str(e):
+                raise
+            raise ValueError(
+                f"the grid's settings changed since the interrupted run {earlier}, which this resume continues: "
+                "resume with the settings it ran with, or set flow.resume=false to start afresh"
+            ) from None
     return run
 
 

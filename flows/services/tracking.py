@@ -133,7 +133,7 @@ def run_to_continue(checkpoint_dir: Path | None) -> str | None:
     except MlflowException:  # another store, or deleted: a new run
         return None
     if (
-        run.info.status == "FINISHED"
+        run.info.status not in ("FAILED", "KILLED")  # finished, or still running in another process
         or run.info.lifecycle_stage != "active"  # deleted in the UI: start afresh
         or run.info.experiment_id != mlflow.tracking.fluent._get_experiment_id()
     ):
@@ -424,7 +424,9 @@ def failed_runs(experiment: str, stage: str) -> Dict[Tuple[str, str], str]:
         max_results=50000,
     )
     return {
-        (r.info.run_name, r.data.tags.get("config_fingerprint", "")): r.info.run_id for r in runs if r.info.run_name
+        (r.info.run_name, r.data.tags.get("config_fingerprint", "")): r.info.run_id
+        for r in runs
+        if r.info.run_name and "superseded_by" not in r.data.tags  # linked already: not linked again
     }
 
 

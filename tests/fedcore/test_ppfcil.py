@@ -394,6 +394,9 @@ def test_a_client_reports_on_a_share_of_the_task_it_never_trains_on_the_same_sha
     # the next round of the task holds out the same samples; the next task draws its own
     _, again = _round(digits, task=0, round_index=1, state=upd.state, client_state=upd.client_state, data=(x, y))
     assert np.array_equal(again.client_state["holdout"]["index"], held)
+    kept = {**upd.client_state, "holdout": {**upd.client_state["holdout"], "index": list(range(len(held)))}}
+    _, told = _round(digits, task=0, round_index=1, state=upd.state, client_state=kept, data=(x, y))
+    assert told.client_state["holdout"]["index"] == list(range(len(held)))  # the kept share, not a fresh draw
     _, nxt = _round(digits, task=1, round_index=2, state=again.state, client_state=again.client_state)
     assert nxt.client_state["holdout"]["task"] == 1
 
