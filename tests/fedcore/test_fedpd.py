@@ -694,8 +694,10 @@ def test_a_closed_set_round_trains_the_known_logits_alone_and_sends_no_masks():
     loss.backward()
     with torch.no_grad():
         for name, p_ in ref.named_parameters():
-            # float32 sums in another order: BatchNorm makes the first conv's gradient cancel, so 1 % of its step
-            assert torch.allclose(upd.state[name] - init[name], -0.05 * p_.grad, atol=5e-5), name
+            # float32 sums in another order, which BatchNorm's cancellations amplify: a few % of a step at most,
+            # where the dummy's logit in the loss would move every step by a third or more
+            step, expected = upd.state[name] - init[name], -0.05 * p_.grad
+            assert float((step - expected).norm() / expected.norm()) < 0.05, name
     assert torch.equal(upd.state["fc.weight"][-1], init["fc.weight"][-1])  # the dummy's row has no gradient
 
 
