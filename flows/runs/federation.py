@@ -277,17 +277,10 @@ def _start_experiment_run(
     created after it ended (a sweep cell); its end time is set by the caller. ``checkpoint_dir``: an
     arrival run's checkpoints, where its MLflow run id is kept, so that a resume continues that run
     (its charts go on from the arrival it stopped at) instead of starting a second one."""
-    earlier = tracking.run_to_continue(checkpoint_dir) if cfg.flow.resume else None
-    if earlier is not None:
-        run = tracking.continue_run(earlier)
-    else:
-        run = tracking.start_run(run_name(acfg), started_ms=started_ms)
+    run, earlier = tracking.resumable_run(
+        run_name(acfg), resume=bool(cfg.flow.resume), checkpoint_dir=checkpoint_dir, started_ms=started_ms
+    )
     with tracking.failing_run(run):
-        if earlier is not None:
-            mlflow.set_tag("resumed", "true")
-        if checkpoint_dir is not None:
-            checkpoint_dir.mkdir(parents=True, exist_ok=True)
-            (checkpoint_dir / tracking.RUN_ID_FILE).write_text(run.info.run_id)
         _describe_experiment_run(run, cfg, acfg, earlier)
     return run
 

@@ -60,17 +60,10 @@ def _start_cell_run(
     """The MLflow run of a grid cell or a round run, active. ``checkpoint_dir``: a round run's checkpoints,
     where its run id is kept, so that a resume continues that run (its charts go on from the round it
     stopped at, beside the rounds logged before) instead of starting a second one."""
-    earlier = tracking.run_to_continue(checkpoint_dir) if cfg.flow.resume else None
-    if earlier is not None:
-        run = tracking.continue_run(earlier)
-    else:
-        run = tracking.start_run(f"{method}-s{rcfg.seed}", started_ms=started_ms)
+    run, earlier = tracking.resumable_run(
+        f"{method}-s{rcfg.seed}", resume=bool(cfg.flow.resume), checkpoint_dir=checkpoint_dir, started_ms=started_ms
+    )
     with tracking.failing_run(run):
-        if earlier is not None:
-            mlflow.set_tag("resumed", "true")
-        if checkpoint_dir is not None:
-            checkpoint_dir.mkdir(parents=True, exist_ok=True)
-            (checkpoint_dir / tracking.RUN_ID_FILE).write_text(run.info.run_id)
         try:
             _describe_cell_run(run, cfg, system, grid_name, method, rcfg)
         except mlflow.exceptions.MlflowException as e:

@@ -141,6 +141,23 @@ def run_to_continue(checkpoint_dir: Path | None) -> str | None:
     return run.info.run_id
 
 
+def resumable_run(
+    name: str, *, resume: bool, checkpoint_dir: Path | None, started_ms: int | None = None
+) -> Tuple["mlflow.ActiveRun", str | None]:
+    """(the active run, the id of the run it continues or None): with ``resume``, the unfinished run whose id
+    ``checkpoint_dir`` keeps, tagged ``resumed``; else a new run ``name``. Its id is kept in ``checkpoint_dir``
+    so that a later resume continues it, and its charts go on from where it stopped."""
+    earlier = run_to_continue(checkpoint_dir) if resume else None
+    run = continue_run(earlier) if earlier is not None else start_run(name, started_ms=started_ms)
+    with failing_run(run):
+        if earlier is not None:
+            mlflow.set_tag("resumed", "true")
+        if checkpoint_dir is not None:
+            checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            (checkpoint_dir / RUN_ID_FILE).write_text(run.info.run_id)
+    return run, earlier
+
+
 def continue_run(run_id: str) -> "mlflow.ActiveRun":
     """An earlier run made active again (a resumed arrival run), as :func:`start_run` guards a new one."""
     return _activated(lambda: run_id)
