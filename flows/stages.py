@@ -175,6 +175,10 @@ def main(argv=None) -> int:
             from flows.services import tracking
 
             tracking.fail_active_runs()
+        if "prefect" in sys.modules:
+            from flows.services import runtime
+
+            runtime.crash_task_runs_left()
         print(f"stopped by {signals.describe()}; resume with flow.resume=true", file=sys.stderr)
     return signals.exit_status()
 

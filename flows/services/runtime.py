@@ -16,6 +16,7 @@ import functools
 import logging
 import os
 import socket
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -95,12 +96,32 @@ def _free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
+class _OwnSession:
+    """``subprocess`` as Prefect's server module sees it: the temporary server starts in a session of its own.
+
+    A terminal's Ctrl-C goes to the whole foreground process group. Had the server been in it, it would stop
+    at the same moment as the run it serves, so the run could not mark its flow and task runs crashed, and
+    Prefect's client would retry the dead server for a minute. The driver stops the server itself: on the
+    way out of a run, after a stop signal (:func:`stop_temporary_server_now`), and at exit."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(subprocess, name)
+
+    @staticmethod
+    def Popen(*args: Any, **kwargs: Any) -> subprocess.Popen:  # noqa: N802 (subprocess's own name)
+        kwargs.setdefault("start_new_session", True)
+        return subprocess.Popen(*args, **kwargs)
+
+
 def _temporary_server(port: int | None = None) -> "SubprocessASGIServer":
     """Prefect's own ephemeral-server singleton (no port key): a Prefect client in this process that
     finds no API URL in its settings then reuses this server instead of starting another. ``port``:
     the one to start it on, unless it already has one (default: a free loopback port)."""
+    from prefect.server.api import server as prefect_server
     from prefect.server.api.server import SubprocessASGIServer
 
+    if not isinstance(prefect_server.subprocess, _OwnSession):
+        prefect_server.subprocess = _OwnSession()  # type: ignore[assignment]
     server = SubprocessASGIServer()
     if server.port is None:
         server.port = _free_loopback_port() if port is None else port
@@ -160,9 +181,57 @@ def is_temporary_api(url: str | None = None) -> bool:
 
 
 def temporary_server_gone() -> bool:
-    """Whether the temporary server started here has exited (a Ctrl-C to the process group stops it)."""
+    """Whether the temporary server started here has exited (it is in a session of its own, so a Ctrl-C to the
+    run's process group does not stop it; it may still have died)."""
     process = getattr(_SERVER, "server_process", None)
     return process is not None and process.poll() is not None
+
+
+_CRASHED_FLOW_RUNS: List[Any] = []
+
+
+def crash_open_task_runs(flow: Any, flow_run: Any, state: Any) -> None:
+    """A flow's ``on_crashed`` hook: its task runs still pending or running are marked crashed too.
+
+    A stop signal ends the flow run on the driver, and Ray's workers are stopped with it before they
+    can report their own task runs; without this the Prefect UI would show a crashed flow run holding
+    running tasks. A worker may still report a state in the moment before Ray is down, so
+    :func:`crash_task_runs_left` sweeps again once it is (``python -m flows.stages`` calls it)."""
+    _CRASHED_FLOW_RUNS.append(flow_run.id)
+    _crash_open_task_runs([flow_run.id])
+
+
+def crash_task_runs_left() -> None:
+    """After a stop, with Ray down: the crashed flow runs' task runs still open are marked crashed."""
+    if _CRASHED_FLOW_RUNS:
+        _crash_open_task_runs(list(_CRASHED_FLOW_RUNS))
+
+
+def _crash_open_task_runs(flow_run_ids: List[Any]) -> None:
+    if temporary_server_gone():  # nothing to correct there, and the client would only retry
+        return
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterId,
+        TaskRunFilter,
+        TaskRunFilterState,
+        TaskRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Crashed
+
+    open_states = [StateType.PENDING, StateType.SCHEDULED, StateType.RUNNING]
+    try:
+        with get_client(sync_client=True) as client:
+            runs = client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=flow_run_ids)),
+                task_run_filter=TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(any_=open_states))),
+            )
+            for run in runs:
+                client.set_task_run_state(run.id, Crashed(message="its flow run crashed"), force=True)
+    except Exception as exc:  # a record left open is not worth failing the stop for
+        log.warning("could not mark the crashed flow run's open task runs: %s", exc)
 
 
 def stop_temporary_server_now() -> None:

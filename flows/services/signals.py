@@ -1,7 +1,8 @@
 """Stopping a run on SIGTERM or SIGINT: promptly, with a non-zero exit, and nothing started or logged after.
 
 systemd, Kubernetes and ``timeout`` stop a job with SIGTERM; a user presses Ctrl-C (SIGINT to the
-whole process group, the temporary Prefect server and Ray's processes included). This is installed by
+whole process group, Ray's processes included; the temporary Prefect server runs in a session of its own,
+so that the run can still close its records there). This is installed by
 ``python -m flows.stages`` (what ``dvc repro`` runs); a nightly deployment's run, started by a Prefect
 worker, is cancelled through Prefect and handled by Prefect.
 Three things made that unreliable:
@@ -9,8 +10,10 @@ Three things made that unreliable:
 * During a flow run Prefect swaps in its own SIGTERM handler, which raises ``TerminationSignal`` in
   whatever the main thread is running. If that is a weakref callback or a ``__del__``, Python prints
   "Exception ignored in ..." and discards it, and the run goes on to the end with exit status 0.
-* After Ctrl-C the temporary Prefect server is gone, and every API call the unwinding flow makes waits
-  out its retries (70 s and more).
+* Had the temporary Prefect server stopped with the run (Ctrl-C reaches the whole process group), every
+  API call the unwinding flow makes would wait out its retries (70 s and more), and the flow run would
+  stay "running" in Prefect: the server is therefore started in its own session
+  (``flows.services.runtime``), and stopped by the driver on the way out.
 * A cell or arrival that came back just after the signal was still logged.
 
 So the first signal sets :data:`STOP` and a deadline before anything is raised (Prefect's handler is
@@ -98,9 +101,9 @@ def finishing() -> None:
 
 def exit_now(code: int) -> None:
     """End the process with ``code`` after a stop, skipping exit handlers: Prefect's and Ray's would wait on
-    services the signal has already stopped (Ctrl-C reaches the temporary Prefect server too). The runs
-    are marked by then, and every write is committed. The temporary Prefect server, which Prefect stops
-    in an exit handler, is sent SIGTERM here (a SIGTERM to the driver alone does not reach it)."""
+    Ray processes the signal has already stopped, or retry a Prefect server that has died. The runs are
+    marked by then, and every write is committed. The temporary Prefect server, which Prefect stops in an
+    exit handler and which no signal to the run reaches (it has a session of its own), is sent SIGTERM here."""
     from flows.services import runtime
 
     runtime.stop_temporary_server_now()
@@ -132,7 +135,7 @@ def _note(signum: int) -> None:
 
 def _deadline(signum: int) -> None:
     """Exit at the deadline; or sooner, once the run has had :data:`SETTLE_S` to mark its runs, if the
-    temporary Prefect server it reports to is gone (Ctrl-C reaches it too): all that is left then is
+    temporary Prefect server it reports to has died: all that is left then is
     Prefect's client retrying a dead server, which took 70 s and more."""
     from flows.services import runtime
 

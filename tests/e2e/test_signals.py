@@ -1,14 +1,18 @@
-"""SIGTERM and Ctrl-C stop a real run promptly, with a non-zero exit, nothing started after, and a resume that
-gives the uninterrupted run's metrics (flows/services/signals.py).
+"""SIGTERM and Ctrl-C stop a real run promptly, with a non-zero exit, nothing started after, its MLflow and
+Prefect records closed, and a resume that gives the uninterrupted run's metrics (flows/services/signals.py).
 
-SIGTERM goes to the driver by pid, as systemd, Kubernetes and ``timeout`` send it; SIGINT to the whole process
-group, as a terminal sends Ctrl-C (the temporary Prefect server and Ray's processes get it too). Only the run
-that is stopped starts as a user starts it; the uninterrupted reference and the resume run in the test's process.
-``benchmarks/stop.py`` repeats both at random moments and reports the times to exit.
+Each signal stops each kind of run (an arrival run, a round grid) twice: once, then again after the first resume
+has made progress; the second resume runs to the end. SIGTERM goes to the driver by pid, as systemd, Kubernetes
+and ``timeout`` send it; SIGINT to the whole process group, as a terminal sends Ctrl-C (the temporary Prefect
+server and Ray's processes get it too). Only the run that is stopped starts as a user starts it; the
+uninterrupted reference and the final resume run in the test's process. ``benchmarks/stop.py`` repeats the
+stops at random moments and reports the times to exit.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -79,20 +83,41 @@ def _summary(stdout: str) -> dict:
     return json.loads(stdout[stdout.rfind("\n{") + 1 :])
 
 
-def _finish(step: str, overrides: list[str], capsys) -> str:
+def _finish(step: str, overrides: list[str]) -> str:
     """A run to its end (the reference, the resume) in this process, on the tests' shared Ray and Prefect server;
     returns what it printed."""
     from flows.stages import main
 
-    capsys.readouterr()
-    code = main([step, *overrides])
-    out, err = capsys.readouterr()
-    assert code == 0, err[-3000:]
-    return out
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([step, *overrides])
+    assert code == 0, err.getvalue()[-3000:]
+    return out.getvalue()
 
 
-def test_sigterm_stops_an_arrival_run_and_resume_continues_it(tiny, tmp_path, capsys):
-    # Prepare: the session's tiny federation; the uninterrupted run in a folder of its own
+def _check_stopped(proc: subprocess.Popen, sig: int, seconds: float, folder: Path, log: Path) -> None:
+    """What every stop leaves: 128 + the signal within the bound, the stop announced and no exception lost,
+    no MLflow run left running, and the Prefect flow runs (in the database of the stopped run's own temporary
+    server, which Ctrl-C does not reach) crashed, with none of their task runs left open."""
+    err = log.read_text()
+    assert proc.returncode == 128 + sig, err[-3000:]
+    assert seconds < EXIT_BOUND_S, f"took {seconds:.1f}s to exit"
+    assert f"{signal.Signals(sig).name}: stopping" in err and "Exception ignored" not in err, err[-3000:]
+    assert not _query(folder / "mlruns.db", "select name from runs where status = 'RUNNING'")
+    prefect_db = log.parent / "prefect-home" / "prefect.db"
+    flow_runs = _query(prefect_db, "select name, state_type from flow_run")
+    assert flow_runs and all(state == "CRASHED" for _, state in flow_runs), flow_runs
+    still_open = "select name, state_type from task_run where state_type in ('PENDING', 'SCHEDULED', 'RUNNING')"
+    assert not _query(prefect_db, still_open)
+
+
+SIGNALS = [pytest.param(signal.SIGTERM, id="SIGTERM"), pytest.param(signal.SIGINT, id="SIGINT")]
+
+
+@pytest.fixture(scope="module")
+def arrival_clean(tiny, tmp_path_factory):
+    """The arrival run uninterrupted: its overrides (given a folder) and the summary it printed."""
+
     def overrides(folder: Path, *extra: str) -> list[str]:
         return tiny_overrides(tiny["tmp"]) + [
             "adapt.passes=6",
@@ -102,39 +127,53 @@ def test_sigterm_stops_an_arrival_run_and_resume_continues_it(tiny, tmp_path, ca
             *extra,
         ]
 
-    clean = _summary(_finish("arrival", overrides(tmp_path / "clean"), capsys))
-    db = tmp_path / "stopped" / "mlruns.db"
+    clean = _summary(_finish("arrival", overrides(tmp_path_factory.mktemp("arrival-clean"))))
+    return overrides, clean
+
+
+@pytest.mark.parametrize("sig", SIGNALS)
+def test_a_signal_stops_an_arrival_run_twice_and_the_resume_continues_it(sig, tiny, arrival_clean, tmp_path):
+    # Prepare: the uninterrupted run's numbers; the stopped run's own folder
+    overrides, clean = arrival_clean
+    folder = tmp_path / "stopped"
+    db = folder / "mlruns.db"
+    total = len(tiny["partition"].targets) * 6
 
     def logged() -> int:
         rows = _query(db, f"select count(*) from metrics {PARENT} and key = 'online_acc'")
         return rows[0][0] if rows else 0
 
-    # Execute: SIGTERM once two arrivals are on the run's charts, then resume
-    proc = _start("arrival", overrides(tmp_path / "stopped"), tmp_path / "stopped.log")
-    _, seconds = _stop_when(proc, lambda: logged() >= 2, signal.SIGTERM)
-    at_signal_upper = logged()
-    err = (tmp_path / "stopped.log").read_text()
-    resumed = _summary(_finish("arrival", overrides(tmp_path / "stopped", "flow.resume=true"), capsys))
+    # Execute: stop once two arrivals are on the run's charts; resume and stop again once two more are; resume
+    stops = []
+    for attempt, extra in enumerate(([], ["flow.resume=true"])):
+        before = logged()
+        log = tmp_path / f"stop{attempt}" / "log.txt"
+        proc = _start("arrival", overrides(folder, *extra), log)
+        _, seconds = _stop_when(proc, lambda before=before: logged() >= before + 2, sig)
+        stops.append((proc, seconds, log, logged()))
+    resumed = _summary(_finish("arrival", overrides(folder, "flow.resume=true")))
 
-    # Assert: exit 143 within the bound; no arrival began after the signal (the two in flight may land);
-    # the run was marked failed, not left running; the resume is one run with the clean run's numbers
-    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
-    assert seconds < EXIT_BOUND_S, f"took {seconds:.1f}s to exit"
-    assert "SIGTERM: stopping" in err and "Exception ignored" not in err
-    total = len(tiny["partition"].targets) * 6
-    assert at_signal_upper < total, "the run had finished before the signal"
+    # Assert: each stop within the bound and closed; neither came after the run had finished; the resumed run
+    # is the one MLflow run, with the clean run's numbers and each arrival on its charts once, from arrival 0
+    for proc, seconds, log, at_exit in stops:
+        _check_stopped(proc, sig, seconds, folder, log)
+        assert at_exit < total, "the run had finished before the signal"
     runs = _query(db, "select run_uuid, status from runs where name = 'bpa+ugsa-s0'")
     assert len(runs) == 1 and runs[0][1] == "FINISHED", runs
     assert resumed == clean
     steps = sorted(s for (s,) in _query(db, f"select step from metrics {PARENT} and key = 'online_acc'"))
-    assert steps == list(range(total)), "each arrival on the charts once, from arrival 0"
+    assert steps == list(range(total))
 
 
-def test_ctrl_c_stops_a_grid_at_once_and_logs_no_cell_after(tmp_path, capsys):
-    # Prepare: a four-cell FedPAD grid on tiny digit domains, and its uninterrupted run
+@pytest.fixture(scope="module")
+def grid_clean(tmp_path_factory):
+    """A four-cell FedPAD grid on tiny digit domains run uninterrupted: its overrides (given a folder) and the
+    folder it wrote."""
+    domains = tmp_path_factory.mktemp("grid-domains")
+
     def overrides(folder: Path, *extra: str) -> list[str]:
         return [
-            f"paths.domains={tmp_path}/domains",
+            f"paths.domains={domains}",
             f"paths.results={folder}/results",
             f"paths.checkpoints={folder}/ckpt",
             f"flow.tracking_uri=sqlite:///{folder}/mlruns.db",
@@ -147,34 +186,50 @@ def test_ctrl_c_stops_a_grid_at_once_and_logs_no_cell_after(tmp_path, capsys):
             *extra,
         ]
 
-    _finish("partition_domains", overrides(tmp_path / "clean"), capsys)
-    _finish("fedpad", overrides(tmp_path / "clean"), capsys)
-    db = tmp_path / "stopped" / "mlruns.db"
+    clean = tmp_path_factory.mktemp("grid-clean")
+    _finish("partition_domains", overrides(clean))
+    _finish("fedpad", overrides(clean))
+    return overrides, clean
+
+
+@pytest.mark.parametrize("sig", SIGNALS)
+def test_a_signal_stops_a_grid_twice_and_logs_no_cell_after(sig, grid_clean, tmp_path):
+    # Prepare: the uninterrupted grid; the stopped grid's own folder
+    overrides, clean = grid_clean
+    folder = tmp_path / "stopped"
+    db = folder / "mlruns.db"
 
     def cells() -> list:
-        return _query(db, "select name, status, start_time from runs")
+        return _query(db, "select name, status from runs")
 
-    # Execute: Ctrl-C once the first cell is logged, then resume
-    proc = _start("fedpad", overrides(tmp_path / "stopped"), tmp_path / "stopped.log")
-    at_signal, seconds = _stop_when(proc, lambda: len(cells()) >= 1, signal.SIGINT, seen=cells)
-    err = (tmp_path / "stopped.log").read_text()
-    stopped = cells()
-    _finish("fedpad", overrides(tmp_path / "stopped", "flow.resume=true"), capsys)
+    def finished() -> set:
+        return {name for name, status in cells() if status == "FINISHED"}
 
-    # Assert: exit 130 within the bound; no cell run created after the signal, none left running; resumed,
-    # every cell logged once and the same table as the uninterrupted grid's (timings aside)
-    assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
-    assert seconds < EXIT_BOUND_S, f"took {seconds:.1f}s to exit"
-    # a cell run that was open at the signal ends failed; none is created or finishes after it
-    assert {n for n, _, _ in stopped} <= {n for n, _, _ in at_signal}, (at_signal, stopped)
-    open_at_signal = {n for n, status, _ in at_signal if status != "FINISHED"}
-    assert not open_at_signal & {n for n, status, _ in stopped if status == "FINISHED"}, (at_signal, stopped)
-    assert len(stopped) < 4 and all(status != "RUNNING" for _, status, _ in stopped), stopped
-    names = sorted(name for name, status, _ in cells() if status == "FINISHED")
+    # Execute: stop once the first cell is being logged; resume and stop again once one more cell has finished;
+    # resume to the end
+    stops = []
+    for attempt, extra in enumerate(([], ["flow.resume=true"])):
+        done = finished()
+        ready = (lambda: len(cells()) >= 1) if attempt == 0 else (lambda done=done: len(finished() - done) >= 1)
+        log = tmp_path / f"stop{attempt}" / "log.txt"
+        proc = _start("fedpad", overrides(folder, *extra), log)
+        at_signal, seconds = _stop_when(proc, ready, sig, seen=cells)
+        stops.append((proc, seconds, log, at_signal, cells()))
+    _finish("fedpad", overrides(folder, "flow.resume=true"))
+
+    # Assert: each stop within the bound and closed; no cell run created after a signal, and none open at it
+    # finished after it; resumed, every cell logged once and the uninterrupted grid's outputs byte for byte
+    for proc, seconds, log, at_signal, after in stops:
+        _check_stopped(proc, sig, seconds, folder, log)
+        assert {n for n, _ in after} <= {n for n, _ in at_signal}, (at_signal, after)
+        open_at_signal = {n for n, status in at_signal if status != "FINISHED"}
+        assert not open_at_signal & {n for n, status in after if status == "FINISHED"}, (at_signal, after)
+    assert len({n for n, status in stops[-1][4] if status == "FINISHED"}) < 4, "the grid had finished at the signal"
+    names = sorted(name for name, status in cells() if status == "FINISHED")
     assert names == sorted(f"{m}-s{s}" for m in ("fedavg", "fedpad") for s in range(2))
 
-    def outputs(folder: Path) -> dict:  # the stage's outputs hold no timings, so the resumed run wrote the same bytes
-        grid = folder / "results" / "fedpad" / "quick"
+    def outputs(grid_folder: Path) -> dict:  # the stage's outputs hold no timings: a resume writes the same bytes
+        grid = grid_folder / "results" / "fedpad" / "quick"
         return {f: (grid / f).read_bytes() for f in ("summary.json", "table.md", "scores.json")}
 
-    assert outputs(tmp_path / "stopped") == outputs(tmp_path / "clean")
+    assert outputs(folder) == outputs(clean)
