@@ -9,7 +9,8 @@ Three things made that unreliable:
 
 * During a flow run Prefect swaps in its own SIGTERM handler, which raises ``TerminationSignal`` in
   whatever the main thread is running. If that is a weakref callback or a ``__del__``, Python prints
-  "Exception ignored in ..." and discards it, and the run goes on to the end with exit status 0.
+  "Exception ignored in ..." and discards it, and the run goes on to the end with exit status 0. (The
+  same holds for the exception this module raises; a lost one is not printed, see below.)
 * Had the temporary Prefect server stopped with the run (Ctrl-C reaches the whole process group), every
   API call the unwinding flow makes would wait out its retries (70 s and more), and the flow run would
   stay "running" in Prefect: the server is therefore started in its own session
@@ -180,12 +181,29 @@ def _handle(signum: int, frame: Any) -> None:
         raise Stopped(signum)
 
 
+def _quiet_lost_stop(previous: Any) -> Any:
+    """``sys.unraisablehook`` that says nothing of a stop raised where Python discards exceptions (a weakref
+    callback, a ``__del__``): the stop is noted already, and :func:`check` raises it again where it counts.
+    Python's default would print "Exception ignored in ..." and a traceback that reads as if the stop failed."""
+    from prefect.exceptions import TerminationSignal
+
+    def hook(unraisable: Any) -> None:
+        if STOP.is_set() and isinstance(unraisable.exc_value, (Stopped, TerminationSignal)):
+            return
+        previous(unraisable)
+
+    hook.quiets_stop = True  # type: ignore[attr-defined]
+    return hook
+
+
 def install() -> None:
     """Handle SIGTERM and SIGINT in this (the driver's main) thread, Prefect's flow-run handler included."""
     if threading.current_thread() is not threading.main_thread():
         return
     signal.signal(signal.SIGTERM, _handle)
     signal.signal(signal.SIGINT, _handle)
+    if not getattr(sys.unraisablehook, "quiets_stop", False):
+        sys.unraisablehook = _quiet_lost_stop(sys.unraisablehook)
     import prefect.utilities.engine as engine
 
     prefect_handler = engine._prefect_sigterm_handler

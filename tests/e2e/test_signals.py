@@ -199,11 +199,11 @@ def test_a_signal_stops_a_grid_twice_and_logs_no_cell_after(sig, grid_clean, tmp
     folder = tmp_path / "stopped"
     db = folder / "mlruns.db"
 
-    def cells() -> list:
-        return _query(db, "select name, status from runs")
+    def cells() -> list:  # (run id, cell, status): a stopped cell's failed run and its resumed one share a name
+        return _query(db, "select run_uuid, name, status from runs")
 
     def finished() -> set:
-        return {name for name, status in cells() if status == "FINISHED"}
+        return {name for _, name, status in cells() if status == "FINISHED"}
 
     # Execute: stop once the first cell is being logged; resume and stop again once one more cell has finished;
     # resume to the end
@@ -221,11 +221,11 @@ def test_a_signal_stops_a_grid_twice_and_logs_no_cell_after(sig, grid_clean, tmp
     # finished after it; resumed, every cell logged once and the uninterrupted grid's outputs byte for byte
     for proc, seconds, log, at_signal, after in stops:
         _check_stopped(proc, sig, seconds, folder, log)
-        assert {n for n, _ in after} <= {n for n, _ in at_signal}, (at_signal, after)
-        open_at_signal = {n for n, status in at_signal if status != "FINISHED"}
-        assert not open_at_signal & {n for n, status in after if status == "FINISHED"}, (at_signal, after)
-    assert len({n for n, status in stops[-1][4] if status == "FINISHED"}) < 4, "the grid had finished at the signal"
-    names = sorted(name for name, status in cells() if status == "FINISHED")
+        assert {run for run, _, _ in after} <= {run for run, _, _ in at_signal}, (at_signal, after)
+        open_at_signal = {run for run, _, status in at_signal if status != "FINISHED"}
+        assert not open_at_signal & {run for run, _, status in after if status == "FINISHED"}, (at_signal, after)
+    assert len({n for _, n, status in stops[-1][4] if status == "FINISHED"}) < 4, "the grid had finished at the signal"
+    names = sorted(name for _, name, status in cells() if status == "FINISHED")
     assert names == sorted(f"{m}-s{s}" for m in ("fedavg", "fedpad") for s in range(2))
 
     def outputs(grid_folder: Path) -> dict:  # the stage's outputs hold no timings: a resume writes the same bytes

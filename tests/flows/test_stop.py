@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import signal
+import sys
+import weakref
 
 import pytest
 
@@ -37,6 +39,37 @@ def test_the_first_signal_stops_with_its_status_and_a_second_exits_at_once(stopp
     with pytest.raises(signals.Stopped):
         signals._handle(signal.SIGINT, None)
     assert stopping == [128 + signal.SIGINT]  # the second signal: exit at once
+
+
+def test_a_stop_lost_in_a_weakref_callback_is_not_printed_and_other_lost_errors_are(stopping, monkeypatch):
+    # Prepare: the hook that install() puts in front of Python's own, which records what reaches it
+    printed: list = []
+    hook = signals._quiet_lost_stop(printed.append)
+
+    class Holder:
+        pass
+
+    def lose(exc: BaseException) -> None:  # raised in a weakref callback, where Python discards it
+        held = Holder()
+        ref = weakref.ref(held, lambda _: _raise(exc))
+        monkeypatch.setattr(sys, "unraisablehook", hook)
+        del held  # the callback runs here
+        assert ref() is None
+
+    # Execute: an error before any signal, then a stop after one
+    lose(RuntimeError("a real error"))
+    with pytest.raises(signals.Stopped):
+        signals._handle(signal.SIGTERM, None)
+    lose(signals.Stopped(signal.SIGTERM))
+
+    # Assert: the real error still reaches Python's hook; the lost stop does not, and check() raises it again
+    assert [type(u.exc_value) for u in printed] == [RuntimeError]
+    with pytest.raises(signals.Stopped):
+        signals.check()
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
 
 
 def test_prefects_own_resend_of_sigterm_is_the_same_stop(stopping, monkeypatch):
