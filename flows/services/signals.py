@@ -21,7 +21,9 @@ So the first signal sets :data:`STOP` and a deadline before anything is raised (
 wrapped to do the same). Flows call :func:`check` before they start or log a cell, round or arrival,
 which raises :class:`Stopped` there even when the first exception was lost; and if the process is
 still alive :data:`GRACE_S` seconds later, a watchdog thread ends it with ``os._exit``. A second signal
-ends it at once. The exit status is 128 + the signal's number (143 for SIGTERM, 130 for SIGINT).
+ends it at once. The exit status is 128 + the signal's number (143 for SIGTERM, 130 for SIGINT). A closed
+terminal's SIGHUP stops a run the same way (129), unless it is ignored (``nohup``): the temporary Prefect
+server, in a session of its own, would not get it, so the run stops it.
 Checkpoints are written atomically (:mod:`fedcore.engine.checkpoint`), so any of these exits leaves the
 last completed arrival or round to resume from.
 """
@@ -197,11 +199,13 @@ def _quiet_lost_stop(previous: Any) -> Any:
 
 
 def install() -> None:
-    """Handle SIGTERM and SIGINT in this (the driver's main) thread, Prefect's flow-run handler included."""
+    """Handle SIGTERM, SIGINT and SIGHUP in this (the driver's main) thread, Prefect's flow-run handler included."""
     if threading.current_thread() is not threading.main_thread():
         return
     signal.signal(signal.SIGTERM, _handle)
     signal.signal(signal.SIGINT, _handle)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # a closed terminal; `nohup`'s ignore stands
+        signal.signal(signal.SIGHUP, _handle)
     if not getattr(sys.unraisablehook, "quiets_stop", False):
         sys.unraisablehook = _quiet_lost_stop(sys.unraisablehook)
     import prefect.utilities.engine as engine

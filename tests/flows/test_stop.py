@@ -17,7 +17,7 @@ def stopping(monkeypatch):
     exits: list[int] = []
     monkeypatch.setattr(signals, "_deadline", lambda signum: None)
     monkeypatch.setattr(signals, "exit_now", lambda code: exits.append(code))
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     signals.reset()
     yield exits
     signals.reset()
@@ -89,6 +89,22 @@ def test_prefects_own_resend_of_sigterm_is_the_same_stop(stopping, monkeypatch):
     with pytest.raises(signals.Stopped):
         signals._handle(signal.SIGTERM, None)  # Prefect restores ours and sends the signal again
     assert stopping == []  # not taken for a second signal
+
+
+@pytest.mark.parametrize("before", [signal.SIG_DFL, signal.SIG_IGN], ids=["terminal", "nohup"])
+def test_a_closed_terminal_stops_a_run_unless_hangups_are_ignored(stopping, monkeypatch, before):
+    import prefect.utilities.engine as engine
+
+    monkeypatch.setattr(engine, "_prefect_sigterm_handler", engine._prefect_sigterm_handler)
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
+    signal.signal(signal.SIGHUP, before)
+    signals.install()
+    if before is signal.SIG_IGN:
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        return
+    with pytest.raises(signals.Stopped):
+        signal.getsignal(signal.SIGHUP)(signal.SIGHUP, None)
+    assert signals.exit_status() == 128 + signal.SIGHUP and signals.describe() == "SIGHUP"
 
 
 def test_the_deadline_knows_when_the_main_thread_has_left_the_flow_body():
