@@ -126,7 +126,7 @@ def load(
                 f"{choices[0]}: {path.name} is conf/ already composed, so its config groups are chosen; a dot-list "
                 f"override can change a setting but cannot choose another group. Drop --params to compose conf/ "
                 f"with it (`python -m flows.stages <stage> {' '.join(overrides)}`), or run it through DVC: "
-                f"`dvc exp run -S {choices[0]}`"
+                f"`dvc exp run <stage> -S {choices[0]}`"
             )
         base = cfg
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([o.lstrip("+") for o in overrides]))

@@ -166,9 +166,9 @@ def _files(path: Path) -> List[Path]:
 
 def _fix(out: LockedOut) -> str:
     return (
-        f"restore the recorded copy with `dvc checkout --force {out.path}` (it replaces what is there) or rebuild "
-        f"it with `dvc repro {out.stage}` (if you rebuilt it yourself outside DVC, `dvc commit {out.stage}` "
-        "records it)"
+        f"restore the recorded copy with `dvc checkout --force {out.path}` (it replaces what is there; where this "
+        f"clone's DVC cache lacks it, `make pull` fetches it first) or rebuild it with `dvc repro {out.stage}` (if "
+        f"you rebuilt it yourself outside DVC, `dvc commit --force {out.stage}` records it)"
     )
 
 
