@@ -23,6 +23,7 @@ config. ``adapt`` is the sweep over ``sweep.*`` that writes results/ for DVC.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
@@ -179,7 +180,8 @@ def main(argv=None) -> int:
             from flows.services import runtime
 
             runtime.crash_task_runs_left()
-        print(f"stopped by {signals.describe()}; resume with flow.resume=true", file=sys.stderr)
+        with contextlib.suppress(OSError):  # a closed terminal (SIGHUP) or pipe: the stop stands without the line
+            print(f"stopped by {signals.describe()}; resume with flow.resume=true", file=sys.stderr)
     return signals.exit_status()
 
 

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Tuple
 
@@ -96,21 +97,58 @@ def _free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
+# Runs the temporary Prefect server as its child, in a session of its own, and ends it when the driver has gone:
+# its stdin is a pipe whose other end only the driver holds, so the pipe closes however the driver ends
+# (SIGKILL, a native crash, the OOM killer included). A SIGTERM (Prefect's own stop) is passed on to the server.
+_SERVER_GUARD = r"""
+import os, select, signal, subprocess, sys
+server = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL)
+signal.signal(signal.SIGTERM, lambda signum, frame: server.terminate())
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+while server.poll() is None:
+    try:
+        ready = select.select([0], [], [], 0.5)[0]
+    except InterruptedError:
+        continue
+    if ready and not os.read(0, 1):
+        server.terminate()
+        try:
+            server.wait(5)
+        except subprocess.TimeoutExpired:
+            server.kill()
+sys.exit(server.wait())
+"""
+_GUARD_PIPES: List[int] = []  # the driver's ends, open for as long as it lives
+
+
 class _OwnSession:
-    """``subprocess`` as Prefect's server module sees it: the temporary server starts in a session of its own.
+    """``subprocess`` as Prefect's server module sees it: the temporary server starts in a session of its own,
+    under a guard (:data:`_SERVER_GUARD`) that ends it when the driver has gone.
 
     A terminal's Ctrl-C goes to the whole foreground process group. Had the server been in it, it would stop
     at the same moment as the run it serves, so the run could not mark its flow and task runs crashed, and
-    Prefect's client would retry the dead server for a minute. The driver stops the server itself: on the
-    way out of a run, after a stop signal (:func:`stop_temporary_server_now`), and at exit."""
+    Prefect's client would retry the dead server for a minute. The driver stops the server itself when it
+    exits (Prefect's exit handler, or :func:`stop_temporary_server_now` after a stop signal); the guard
+    covers an exit that runs neither."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(subprocess, name)
 
     @staticmethod
     def Popen(*args: Any, **kwargs: Any) -> subprocess.Popen:  # noqa: N802 (subprocess's own name)
-        kwargs.setdefault("start_new_session", True)
-        return subprocess.Popen(*args, **kwargs)
+        command = list(kwargs.pop("args") if "args" in kwargs else args[0])
+        read, write = os.pipe()  # not inherited by the driver's other children (PEP 446)
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-c", _SERVER_GUARD, *command], stdin=read, start_new_session=True, **kwargs
+            )
+        except BaseException:
+            os.close(write)
+            raise
+        finally:
+            os.close(read)
+        _GUARD_PIPES.append(write)
+        return process
 
 
 def _temporary_server(port: int | None = None) -> "SubprocessASGIServer":
@@ -205,10 +243,19 @@ def crash_task_runs_left() -> None:
     """After a stop, with Ray down: the crashed flow runs' task runs still open are marked crashed."""
     if _CRASHED_FLOW_RUNS:
         _crash_open_task_runs(list(_CRASHED_FLOW_RUNS))
+        _CRASHED_FLOW_RUNS.clear()
 
 
 def _crash_open_task_runs(flow_run_ids: List[Any]) -> None:
+    """Mark the flow runs' open task runs crashed: once, with no client retries and a short timeout, and not
+    past half the stop's grace time, so that a slow or unreachable Prefect server cannot hold up the rest
+    of the stop (MLflow's runs are closed after this)."""
+    from flows.services import signals
+
     if temporary_server_gone():  # nothing to correct there, and the client would only retry
+        return
+    since = signals.received_at()
+    if since is not None and time.time() - since > signals.GRACE_S / 2:
         return
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
@@ -219,17 +266,23 @@ def _crash_open_task_runs(flow_run_ids: List[Any]) -> None:
         TaskRunFilterStateType,
     )
     from prefect.client.schemas.objects import StateType
+    from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
     from prefect.states import Crashed
 
-    open_states = [StateType.PENDING, StateType.SCHEDULED, StateType.RUNNING]
+    open_states = TaskRunFilterStateType(any_=[StateType.PENDING, StateType.SCHEDULED, StateType.RUNNING])
     try:
-        with get_client(sync_client=True) as client:
-            runs = client.read_task_runs(
-                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=flow_run_ids)),
-                task_run_filter=TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(any_=open_states))),
-            )
-            for run in runs:
-                client.set_task_run_state(run.id, Crashed(message="its flow run crashed"), force=True)
+        with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: 0}):
+            with get_client(httpx_settings={"timeout": 5.0}, sync_client=True) as client:
+                for _ in range(50):  # each pass marks what it read, so the next reads the rest
+                    runs = client.read_task_runs(
+                        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=flow_run_ids)),
+                        task_run_filter=TaskRunFilter(state=TaskRunFilterState(type=open_states)),
+                        limit=200,
+                    )
+                    for run in runs:
+                        client.set_task_run_state(run.id, Crashed(message="its flow run crashed"), force=True)
+                    if len(runs) < 200:
+                        break
     except Exception as exc:  # a record left open is not worth failing the stop for
         log.warning("could not mark the crashed flow run's open task runs: %s", exc)
 

@@ -110,8 +110,9 @@ def exit_now(code: int) -> None:
     from flows.services import runtime
 
     runtime.stop_temporary_server_now()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed terminal or pipe: nothing to flush to
+            stream.flush()
     os._exit(code)
 
 
@@ -120,20 +121,23 @@ def _note(signum: int) -> None:
     if _received.get("finishing"):
         exit_now(128 + signum)
     if STOP.is_set():
-        os.write(2, f"\n{signal.Signals(signum).name} again: exiting now\n".encode())
+        _say(f"\n{signal.Signals(signum).name} again: exiting now\n")
         exit_now(128 + signum)
     _received.update(signum=signum, at=time.time())
     STOP.set()
-    name = signal.Signals(signum).name
-    os.write(
-        2,
-        (
-            f"\n{name}: stopping; no new cell, round or arrival starts or is logged. The run is marked "
-            f"failed and exits within {GRACE_S:.0f} s (send it again to exit at once); resume with "
-            "flow.resume=true\n"
-        ).encode(),
-    )
     threading.Thread(target=_deadline, args=(signum,), name="fedcore-stop-deadline", daemon=True).start()
+    _say(
+        f"\n{signal.Signals(signum).name}: stopping; no new cell, round or arrival starts or is logged. The run "
+        f"is marked failed and exits within {GRACE_S:.0f} s (send it again to exit at once); resume with "
+        "flow.resume=true\n"
+    )
+
+
+def _say(text: str) -> None:
+    """A line on stderr, if there still is one: a closed terminal fails writes (EIO) before its SIGHUP
+    arrives, and a pipe whose reader has gone fails them too (EPIPE); the stop goes on either way."""
+    with contextlib.suppress(OSError):
+        os.write(2, text.encode())
 
 
 def _deadline(signum: int) -> None:
@@ -146,13 +150,14 @@ def _deadline(signum: int) -> None:
     while time.monotonic() - start < GRACE_S:
         time.sleep(0.25)
         if time.monotonic() - start >= SETTLE_S and runtime.temporary_server_gone() and not _in_flow_body():
-            os.write(2, b"the temporary Prefect server has stopped: exiting\n")
+            _say("the temporary Prefect server has stopped: exiting\n")
             exit_now(128 + signum)
-    os.write(2, f"still running {GRACE_S:.0f} s after {signal.Signals(signum).name}: exiting\n".encode())
+    _say(f"still running {GRACE_S:.0f} s after {signal.Signals(signum).name}: exiting\n")
     if os.environ.get("FEDCORE_STOP_TRACE"):  # where it was stuck, for a report
         import faulthandler
 
-        faulthandler.dump_traceback(all_threads=True)
+        with contextlib.suppress(OSError, ValueError):
+            faulthandler.dump_traceback(all_threads=True)
     exit_now(128 + signum)
 
 

@@ -3,10 +3,10 @@ Prefect records closed, and a resume that gives the uninterrupted run's metrics 
 
 Each signal stops each kind of run (an arrival run, a round grid) twice: once, then again after the first resume
 has made progress; the second resume runs to the end. SIGTERM goes to the driver by pid, as systemd, Kubernetes
-and ``timeout`` send it; SIGINT to the whole process group, as a terminal sends Ctrl-C (the temporary Prefect
-server and Ray's processes get it too). Only the run that is stopped starts as a user starts it; the
-uninterrupted reference and the final resume run in the test's process. ``benchmarks/stop.py`` repeats the
-stops at random moments and reports the times to exit.
+and ``timeout`` send it; SIGINT to the whole process group, as a terminal sends Ctrl-C (Ray's processes get it
+too; the temporary Prefect server, in a session of its own, does not). Only the run that is stopped starts as a
+user starts it; the uninterrupted reference and the final resume run in the test's process.
+``benchmarks/stop.py`` repeats the stops at random moments and reports the times to exit.
 """
 
 from __future__ import annotations
@@ -104,11 +104,31 @@ def _check_stopped(proc: subprocess.Popen, sig: int, seconds: float, folder: Pat
     assert seconds < EXIT_BOUND_S, f"took {seconds:.1f}s to exit"
     assert f"{signal.Signals(sig).name}: stopping" in err and "Exception ignored" not in err, err[-3000:]
     assert not _query(folder / "mlruns.db", "select name from runs where status = 'RUNNING'")
-    prefect_db = log.parent / "prefect-home" / "prefect.db"
-    flow_runs = _query(prefect_db, "select name, state_type from flow_run")
+    prefect_home = log.parent / "prefect-home"
+    _gone(prefect_home)  # the run's temporary server (in a session of its own) went with it; its database is closed
+    with sqlite3.connect(f"file:{prefect_home / 'prefect.db'}?mode=ro", uri=True) as con:
+        flow_runs = con.execute("select name, state_type from flow_run").fetchall()
+        task_runs = con.execute("select name, state_type from task_run").fetchall()
     assert flow_runs and all(state == "CRASHED" for _, state in flow_runs), flow_runs
-    still_open = "select name, state_type from task_run where state_type in ('PENDING', 'SCHEDULED', 'RUNNING')"
-    assert not _query(prefect_db, still_open)
+    assert task_runs and all(state in ("COMPLETED", "CRASHED") for _, state in task_runs), task_runs
+
+
+def _gone(prefect_home: Path, timeout: float = 10) -> None:
+    """Wait until no process has ``prefect_home`` as its PREFECT_HOME (the stopped run's temporary server)."""
+    mark = f"PREFECT_HOME={prefect_home}".encode()
+    end = time.monotonic() + timeout
+    while True:
+        left = []
+        for environ in Path("/proc").glob("[0-9]*/environ"):
+            try:
+                if mark in environ.read_bytes().split(b"\0"):
+                    left.append(environ.parent.name)
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
+        if not left:
+            return
+        assert time.monotonic() < end, f"processes of the stopped run still alive: {left}"
+        time.sleep(0.2)
 
 
 SIGNALS = [pytest.param(signal.SIGTERM, id="SIGTERM"), pytest.param(signal.SIGINT, id="SIGINT")]
@@ -149,15 +169,16 @@ def test_a_signal_stops_an_arrival_run_twice_and_the_resume_continues_it(sig, ti
         before = logged()
         log = tmp_path / f"stop{attempt}" / "log.txt"
         proc = _start("arrival", overrides(folder, *extra), log)
-        _, seconds = _stop_when(proc, lambda before=before: logged() >= before + 2, sig)
-        stops.append((proc, seconds, log, logged()))
+        at_signal, seconds = _stop_when(proc, lambda before=before: logged() >= before + 2, sig, seen=logged)
+        stops.append((proc, seconds, log, at_signal, logged()))
     resumed = _summary(_finish("arrival", overrides(folder, "flow.resume=true")))
 
     # Assert: each stop within the bound and closed; neither came after the run had finished; the resumed run
     # is the one MLflow run, with the clean run's numbers and each arrival on its charts once, from arrival 0
-    for proc, seconds, log, at_exit in stops:
+    for proc, seconds, log, at_signal, at_exit in stops:
         _check_stopped(proc, sig, seconds, folder, log)
         assert at_exit < total, "the run had finished before the signal"
+        assert at_exit <= at_signal + 2, "arrivals logged after the signal (beyond the two being logged at it)"
     runs = _query(db, "select run_uuid, status from runs where name = 'bpa+ugsa-s0'")
     assert len(runs) == 1 and runs[0][1] == "FINISHED", runs
     assert resumed == clean

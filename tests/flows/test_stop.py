@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+import time
 import weakref
+from pathlib import Path
 
 import pytest
 
@@ -99,12 +102,41 @@ def test_a_closed_terminal_stops_a_run_unless_hangups_are_ignored(stopping, monk
     monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
     signal.signal(signal.SIGHUP, before)
     signals.install()
+    assert getattr(sys.unraisablehook, "quiets_stop", False)  # a stop lost in a weakref callback stays quiet
     if before is signal.SIG_IGN:
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
         return
     with pytest.raises(signals.Stopped):
         signal.getsignal(signal.SIGHUP)(signal.SIGHUP, None)
     assert signals.exit_status() == 128 + signal.SIGHUP and signals.describe() == "SIGHUP"
+
+
+def test_a_stop_goes_on_when_stderr_is_gone(stopping, monkeypatch):
+    """A closed terminal fails writes before its SIGHUP arrives (as a pipe whose reader has gone does): the stop
+    is still raised and its deadline still set, though its line cannot be written."""
+    # Prepare: stderr a pipe nobody reads
+    started: list[int] = []
+    monkeypatch.setattr(signals, "_deadline", started.append)
+    read, write = os.pipe()
+    os.close(read)
+    saved = os.dup(2)
+
+    # Execute
+    try:
+        os.dup2(write, 2)
+        with pytest.raises(signals.Stopped):
+            signals._handle(signal.SIGHUP, None)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(write)
+
+    # Assert
+    for _ in range(50):
+        if started:
+            break
+        time.sleep(0.02)
+    assert started == [signal.SIGHUP] and signals.exit_status() == 128 + signal.SIGHUP
 
 
 def test_the_deadline_knows_when_the_main_thread_has_left_the_flow_body():
@@ -225,3 +257,47 @@ def test_fail_active_runs_ends_every_open_run(tmp_path):
         r.info.run_name: r.info.status for r in mlflow.search_runs(experiment_names=["open-runs"], output_format="list")
     }
     assert statuses == {"parent": "FAILED", "child": "FAILED"} and parent.info.run_id
+
+
+def test_the_temporary_servers_guard_keeps_it_from_ctrl_c_and_ends_it_when_the_driver_has_gone():
+    """The shim Prefect's server module starts its server with: a session of its own (a terminal's Ctrl-C does
+    not reach it), and a guard that ends it once the pipe only the driver holds is closed, as it is however the
+    driver ends (closed here by hand)."""
+    # Prepare: a stand-in server, started as Prefect starts its own
+    from flows.services import runtime
+
+    guard = runtime._OwnSession().Popen(
+        args=[sys.executable, "-c", "import time; time.sleep(120)"], env=dict(os.environ)
+    )
+    pipe = runtime._GUARD_PIPES[-1]
+    try:
+        deadline = time.monotonic() + 10
+        while not _children(guard.pid):
+            assert time.monotonic() < deadline, "the guard started no server"
+            time.sleep(0.05)
+        (server,) = _children(guard.pid)
+
+        # Execute: the driver's end of the pipe closes
+        assert os.getsid(guard.pid) != os.getsid(0) and os.getsid(server) == os.getsid(guard.pid)
+        runtime._GUARD_PIPES.remove(pipe)
+        os.close(pipe)
+
+        # Assert: the guard ended the server and exited
+        guard.wait(timeout=10)  # it waits for the server it ended, so both are gone
+        assert not Path(f"/proc/{server}").exists()
+    finally:
+        if guard.poll() is None:
+            guard.kill()
+            guard.wait()
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
