@@ -144,10 +144,14 @@ def _setup(root: Path) -> Tuple[Remote, Path]:
     settings = _settings(root)
     name = settings.get("core.remote", ("", ""))[0]
     if not name:
+        make_default = (
+            f"make it the default with `dvc remote default {REMOTE}`"
+            if f"remote.{REMOTE}.url" in settings
+            else f"add one with `dvc remote add -d {REMOTE} <url>`"
+        )
         raise RemoteError(
             f"No default DVC remote in {root}: .dvc/config should name '{REMOTE}' "
-            f"(core.remote). Restore it with `git checkout .dvc/config`, or add one with "
-            f"`dvc remote add -d {REMOTE} <url>`. {HOW_TO_SET}"
+            f"(core.remote). Restore it with `git checkout .dvc/config`, or {make_default}. {HOW_TO_SET}"
         )
     url, origin = settings.get(f"remote.{name}.url", ("", ""))
     wanted = os.environ.get(ENV, "").strip()

@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -437,3 +439,23 @@ def test_make_targets_run_the_wrapper(target):
     # `make -n` prints the recipe without running it (nor the set-up it depends on)
     out = sh("make", "-n", target, "STAGES=adapt@mnist fedpad@quick", cwd=ROOT).stdout
     assert f"python -m flows.services.remote {target} adapt@mnist fedpad@quick" in out
+
+
+@pytest.mark.parametrize("defined", [True, False], ids=["remote-defined", "no-remote"])
+def test_a_missing_default_remote_names_a_command_that_sets_one(base, tmp_path, defined):
+    """With no default remote, the error's command, run as written (a URL put in for ``<url>``), sets one:
+    `dvc remote default` where the project's remote is still defined (adding it again would be refused)."""
+    # Prepare: the project's set-up less its default; the remote itself removed too, or kept
+    project = make_project(tmp_path / "p", tmp_path / "runs.log")
+    dvc("config", "--unset", "core.remote", cwd=project)
+    if not defined:
+        dvc("remote", "remove", R.REMOTE, cwd=project)
+
+    # Execute: the command the error names
+    with pytest.raises(R.RemoteError, match="No default DVC remote") as err:
+        R.configure(project)
+    command = next(c for c in re.findall(r"`([^`]+)`", str(err.value)) if c.startswith("dvc remote"))
+    dvc(*shlex.split(command.replace("<url>", str(tmp_path / "store")))[1:], cwd=project)
+
+    # Assert: a remote is configured now
+    assert R.configure(project).name == R.REMOTE
