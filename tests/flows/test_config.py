@@ -324,7 +324,7 @@ def test_settings_of_the_right_kind_and_open_blocks_still_compose():
 
 def test_params_file_refuses_a_group_choice_and_an_unknown_key():
     with pytest.raises(
-        ValueError, match=r"method=tent: params.yaml is conf/ already composed.*dvc exp run -S method=tent"
+        ValueError, match=r"method=tent: params.yaml is conf/ already composed.*dvc exp run <stage> -S method=tent"
     ):
         C.load(C.PARAMS, ["method=tent"])
     with pytest.raises(ValueError, match=r"flow.num_cpu=2: flow has no setting 'num_cpu'"):
