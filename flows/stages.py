@@ -177,9 +177,7 @@ def main(argv=None) -> int:
 
             tracking.fail_active_runs()
         if "prefect" in sys.modules:
-            from flows.services import runtime
-
-            runtime.crash_task_runs_left()
+            signals.crash_task_runs_left()
         with contextlib.suppress(OSError):  # a closed terminal (SIGHUP) or pipe: the stop stands without the line
             print(f"stopped by {signals.describe()}; resume with flow.resume=true", file=sys.stderr)
     return signals.exit_status()

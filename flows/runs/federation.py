@@ -92,7 +92,7 @@ def _pretrain_run_name(cfg: DictConfig) -> str:
     return f"pretrain-{cfg.data.name}-{cfg.model.name}"
 
 
-@flow(name="source-pretraining", log_prints=True, on_crashed=[runtime.crash_open_task_runs])
+@flow(name="source-pretraining", log_prints=True, on_crashed=[signals.crash_open_task_runs])
 def source_pretraining(config: Dict[str, Any], written: Dict[str, str] | None = None) -> str:
     """FedAvg on the source data, a Prefect task per round; returns the saved source model's path.
 
@@ -494,7 +494,7 @@ def arrival(cfg: DictConfig) -> ArrivalsResult:
         runtime.shutdown_ray()
 
 
-@flow(name="sequential-arrival", log_prints=True, on_crashed=[runtime.crash_open_task_runs])
+@flow(name="sequential-arrival", log_prints=True, on_crashed=[signals.crash_open_task_runs])
 def sequential_arrival(config: Dict[str, Any]) -> ArrivalsResult:
     """One experiment's arrivals, a pass over the clients per Prefect task; each arrival checkpointed and
     logged to MLflow as it comes back. ``config``: the resolved config it reads
@@ -605,7 +605,7 @@ def sweep(cfg: DictConfig, *, written: Mapping[str, str] | None = None) -> List[
         runtime.shutdown_ray()
 
 
-@flow(name="sweep", log_prints=True, on_crashed=[runtime.crash_open_task_runs])
+@flow(name="sweep", log_prints=True, on_crashed=[signals.crash_open_task_runs])
 def sweep_flow(config: Dict[str, Any], written: Dict[str, str] | None = None) -> List[Dict[str, Any]]:
     """Every cell of ``sweep`` (methods x aggregators x privacy forms x seeds) as a task on a Ray worker, each
     logged to MLflow as it ends; returns the cells' summaries in grid order. ``config``: the resolved config

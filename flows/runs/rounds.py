@@ -236,7 +236,7 @@ def _cell_configs(cfg: DictConfig, system: str, grid_name: str) -> List[Tuple[Tu
     ]
 
 
-@flow(name="round-grid", log_prints=True, on_crashed=[runtime.crash_open_task_runs])
+@flow(name="round-grid", log_prints=True, on_crashed=[signals.crash_open_task_runs])
 def grid_flow(
     config: Dict[str, Any], system: str, grid: str, written: Dict[str, str] | None = None
 ) -> List[Dict[str, Any]]:
@@ -450,7 +450,7 @@ def _single_dir(cfg: DictConfig, system: str, grid_name: str, rcfg: RoundConfig)
     return C.resolve_path(cfg.paths.checkpoints) / system / grid_name / f"single-{label}-s{rcfg.seed}"
 
 
-@flow(name="round-run", log_prints=True, on_crashed=[runtime.crash_open_task_runs])
+@flow(name="round-run", log_prints=True, on_crashed=[signals.crash_open_task_runs])
 def rounds_flow(config: Dict[str, Any], system: str, grid: str) -> RoundsResult:
     """One run of the ``trainer`` and ``strategy`` groups on ``grid``'s data: a Prefect task per round whose
     clients run as Ray tasks, each round logged to MLflow as it ends. ``config``: the resolved config the run

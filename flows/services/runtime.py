@@ -19,7 +19,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Tuple
 
@@ -223,68 +222,6 @@ def temporary_server_gone() -> bool:
     run's process group does not stop it; it may still have died)."""
     process = getattr(_SERVER, "server_process", None)
     return process is not None and process.poll() is not None
-
-
-_CRASHED_FLOW_RUNS: List[Any] = []
-
-
-def crash_open_task_runs(flow: Any, flow_run: Any, state: Any) -> None:
-    """A flow's ``on_crashed`` hook: its task runs still pending or running are marked crashed too.
-
-    A stop signal ends the flow run on the driver, and Ray's workers are stopped with it before they
-    can report their own task runs; without this the Prefect UI would show a crashed flow run holding
-    running tasks. A worker may still report a state in the moment before Ray is down, so
-    :func:`crash_task_runs_left` sweeps again once it is (``python -m flows.stages`` calls it)."""
-    _CRASHED_FLOW_RUNS.append(flow_run.id)
-    _crash_open_task_runs([flow_run.id])
-
-
-def crash_task_runs_left() -> None:
-    """After a stop, with Ray down: the crashed flow runs' task runs still open are marked crashed."""
-    if _CRASHED_FLOW_RUNS:
-        _crash_open_task_runs(list(_CRASHED_FLOW_RUNS))
-        _CRASHED_FLOW_RUNS.clear()
-
-
-def _crash_open_task_runs(flow_run_ids: List[Any]) -> None:
-    """Mark the flow runs' open task runs crashed: once, with no client retries and a short timeout, and not
-    past half the stop's grace time, so that a slow or unreachable Prefect server cannot hold up the rest
-    of the stop (MLflow's runs are closed after this)."""
-    from flows.services import signals
-
-    if temporary_server_gone():  # nothing to correct there, and the client would only retry
-        return
-    since = signals.received_at()
-    if since is not None and time.time() - since > signals.GRACE_S / 2:
-        return
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        FlowRunFilter,
-        FlowRunFilterId,
-        TaskRunFilter,
-        TaskRunFilterState,
-        TaskRunFilterStateType,
-    )
-    from prefect.client.schemas.objects import StateType
-    from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
-    from prefect.states import Crashed
-
-    open_states = TaskRunFilterStateType(any_=[StateType.PENDING, StateType.SCHEDULED, StateType.RUNNING])
-    try:
-        with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: 0}):
-            with get_client(httpx_settings={"timeout": 5.0}, sync_client=True) as client:
-                for _ in range(50):  # each pass marks what it read, so the next reads the rest
-                    runs = client.read_task_runs(
-                        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=flow_run_ids)),
-                        task_run_filter=TaskRunFilter(state=TaskRunFilterState(type=open_states)),
-                        limit=200,
-                    )
-                    for run in runs:
-                        client.set_task_run_state(run.id, Crashed(message="its flow run crashed"), force=True)
-                    if len(runs) < 200:
-                        break
-    except Exception as exc:  # a record left open is not worth failing the stop for
-        log.warning("could not mark the crashed flow run's open task runs: %s", exc)
 
 
 def stop_temporary_server_now() -> None:
