@@ -14,6 +14,8 @@ Settings, each switchable for the paper's ablations:
   part follows the whole-model transport, so a fused unit never mixes parts of different source units);
 * ``hard``: round Sinkhorn's plan to a permutation, so alignment only reorders units (Hungarian's
   always does); ``cost_dtype``: the cost matrices' precision (``float64``, or ``float32``: half the time);
+* ``screen``: Hungarian skips a layer's cost matrix where a triangle-inequality certificate proves the
+  match optimal (:func:`~fedcore.openset.align.certify`: the exact optimum, found faster);
 * ``reg``, ``max_iter``, ``tol``: Sinkhorn's relative entropy, iteration cap and stopping tolerance
   on the marginals (1e-6; 1e-3 halves the three parts' alignment time on a ResNet-18, ``benchmarks/fedpd_align.py``);
 * ``quality``: also solve every layer exactly, to log Sinkhorn's cost over Hungarian's (slower);
@@ -66,6 +68,7 @@ class FedPD(Strategy):
         reference: str = "largest",
         client_weights: str = "examples",
         quality: bool = False,
+        screen: bool = True,
     ) -> None:
         for what, value, choices in (
             ("parts", parts, PART_MODES),
@@ -91,6 +94,7 @@ class FedPD(Strategy):
             float(sba_weight),
             float(tol),
         )
+        self.screen = bool(screen)
         self.sba_mode, self.part_transport, self.hard, self.cost_dtype = (
             sba_mode,
             part_transport,
@@ -134,6 +138,7 @@ class FedPD(Strategy):
             cost_dtype=self.cost_dtype,
             banks=[self.bank.get(i) for i in ids] if self.sba and self.align != "none" else None,
             quality=self.quality and self.align == "sinkhorn",
+            screen=self.screen,
             names=ids,
         )
         metrics = {

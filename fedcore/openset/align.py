@@ -347,6 +347,7 @@ class Transport:
     cost: float  # mean ground distance moved per unit, Σ P·C / n
     entropy: float  # mean row entropy of P over log n: 0 for a permutation, 1 for uniform
     converged: bool = True
+    certified: bool = False  # proven optimal by :func:`certify`, no cost matrix built
 
 
 COST_DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -463,6 +464,7 @@ def transport(
     extra_weight: float = 1.0,
     hard: bool = False,
     dtype: torch.dtype = torch.float64,
+    screen: Optional["Screen"] = None,
 ) -> Transport:
     """The coupling of A's units (rows of ``a``) to B's (rows of ``b``).
 
@@ -482,6 +484,9 @@ def transport(
     the identity is an optimal assignment (its cost is the sum of the row minima, a lower bound on any
     assignment) and no solver runs. Clients that start a round from one global model usually stand so.
     ``dtype`` is the precision of the cost matrix (float32 halves its time; float64 as before).
+    ``screen`` (the reference's :class:`Screen`) lets Hungarian skip the cost matrix where :func:`certify`
+    proves a permutation optimal; the unweighted cost with no ``extra`` only. Rounded Sinkhorn keeps its own
+    answer (the plan's heaviest permutation need not be the cheapest), so it is never screened.
     """
     if method not in ALIGN_METHODS or method == "none":
         raise ValueError(f"unknown alignment {method!r}; use one of sinkhorn, hungarian (or none to skip alignment)")
@@ -493,6 +498,13 @@ def transport(
         raise ValueError(
             f"{where}{n} units against {b_blocks[0].shape[0]}: alignment needs the same architecture everywhere"
         )
+    if screen is not None and method == "hungarian" and a_weight is None and (extra is None or extra_weight <= 0):
+        proof = certify(a_blocks, b_blocks, screen)
+        if proof is not None:
+            target, dist = proof
+            P = torch.zeros((n, n), dtype=torch.float64)
+            P[torch.arange(n), target] = 1.0
+            return Transport(P=P, cost=float(dist.mean()), entropy=0.0, certified=True)
     C = unit_distance([x.to(dtype) for x in a_blocks], [y.to(dtype) for y in b_blocks], a_weight, b_weight)
     scale = float(C.mean())
     Cn = C / scale if scale > 0 else C
@@ -502,6 +514,91 @@ def transport(
         Cn = Cn + extra_weight * (e / e_scale if e_scale > 0 else e)
     P, converged = couple(Cn, method=method, reg=reg, max_iter=max_iter, tol=tol, hard=hard, where=where)
     return Transport(P=P, cost=float((P.to(C.dtype) * C).sum()) / n, entropy=row_entropy(P), converged=converged)
+
+
+SKETCH_DIM = 32  # random projections per unit that propose a match for units not at their own index
+SCREEN_MARGIN = 1e-3  # relative slack on the certificate's inequality, above float32's rounding of a distance
+
+
+@dataclass(frozen=True)
+class Screen:
+    """What :func:`certify` needs of the reference's units, built once a round per layer (:func:`screen_of`).
+
+    ``gaps[j]`` is the distance from the reference's unit j to its nearest other unit (float64);
+    ``project`` maps each column block to ``SKETCH_DIM`` random directions; ``sketch`` holds the
+    reference's units projected so.
+    """
+
+    gaps: torch.Tensor
+    project: Tuple[torch.Tensor, ...]
+    sketch: torch.Tensor
+
+
+def screen_of(b_blocks: Sequence[torch.Tensor], *, seed: int = 0) -> Screen:
+    """The reference's :class:`Screen`: one ``units x units`` distance matrix, in float64.
+
+    The gaps must be lower bounds: ``|b_i|^2 + |b_j|^2 - 2 b_i.b_j`` loses up to about ``d eps`` of
+    ``|b_i|^2 + |b_j|^2`` to cancellation, so that much (four times over) is taken off before the root;
+    two coinciding units get a gap of 0 and are never proven apart.
+    """
+    exact = torch.cat([y.double() for y in b_blocks], 1)
+    norms = (exact * exact).sum(1)
+    scale = norms[:, None] + norms[None]
+    sq = torch.addmm(scale, exact, exact.t(), alpha=-2.0)
+    D = (sq - 4 * exact.shape[1] * torch.finfo(torch.float64).eps * scale).clamp_min(0).sqrt()
+    D.fill_diagonal_(math.inf)
+    g = torch.Generator().manual_seed(seed)
+    project = tuple(
+        torch.randn(y.shape[1], SKETCH_DIM, generator=g, dtype=torch.float64).to(y.dtype) / math.sqrt(SKETCH_DIM)
+        for y in b_blocks
+    )
+    return Screen(gaps=D.min(1).values, project=project, sketch=_sketch(b_blocks, project))
+
+
+def _sketch(blocks: Sequence[torch.Tensor], project: Sequence[torch.Tensor]) -> torch.Tensor:
+    return sum((x @ r for x, r in zip(blocks[1:], project[1:])), blocks[0] @ project[0])
+
+
+def _row_distances(
+    a_blocks: Sequence[torch.Tensor], b_blocks: Sequence[torch.Tensor], target: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """``‖a_i − b_target[i]‖`` for every row i (``target`` None: B's row i), from the differences: no
+    cancellation, so float32 rows are good to far better than :data:`SCREEN_MARGIN`. Returned in float64."""
+    sq = torch.zeros(a_blocks[0].shape[0], dtype=torch.float64)
+    for x, y in zip(a_blocks, b_blocks):
+        sq += torch.linalg.vector_norm(x - (y if target is None else y.index_select(0, target)), dim=1).double() ** 2
+    return sq.sqrt()
+
+
+def certify(
+    a_blocks: Sequence[torch.Tensor], b_blocks: Sequence[torch.Tensor], screen: Screen
+) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """A permutation proven to be an optimal assignment of A's units to B's without the cost matrix, or None.
+
+    Each of A's units i gets a candidate c(i): its own index, or else the reference unit nearest to it
+    in the random sketch. The triangle inequality gives ``‖a_i − b_j‖ ≥ gap_c − ‖a_i − b_c‖`` for every
+    other j, so ``2 ‖a_i − b_c‖ < gap_c`` proves b_c strictly nearest to a_i. When every row is proven
+    so and the candidates form a permutation, its cost is the sum of the row minima, a lower bound on any
+    assignment: it is the unique optimum, the one Hungarian returns. Returns ``(c, ‖a_i − b_c(i)‖)``.
+    Units standing closer to each other than twice their distance to the match fall back to the solver.
+    The proof is about the exact distances: a float32 solver agrees with it unless two of its costs lie
+    within float32's rounding of each other, where the screen's answer is the right one.
+    """
+    n = a_blocks[0].shape[0]
+    dist = _row_distances(a_blocks, b_blocks)
+    proven = 2 * dist * (1 + SCREEN_MARGIN) < screen.gaps
+    target = torch.arange(n)
+    if not bool(proven.all()):
+        rows = (~proven).nonzero().squeeze(1)
+        sub = list(a_blocks) if len(rows) == n else [x.index_select(0, rows) for x in a_blocks]
+        near = torch.cdist(_sketch(sub, screen.project), screen.sketch).argmin(1)
+        target[rows] = near
+        if int(torch.bincount(target, minlength=n).max()) != 1:
+            return None
+        dist[rows] = _row_distances(sub, b_blocks, near)
+        if not bool((2 * dist[rows] * (1 + SCREEN_MARGIN) < screen.gaps[near]).all()):
+            return None
+    return target, dist
 
 
 def couple(
@@ -588,6 +685,7 @@ class Chain:
     costs: List[float] = field(default_factory=list)
     entropies: List[float] = field(default_factory=list)
     quality: List[float] = field(default_factory=list)  # Hungarian's cost / this cost, per layer
+    certified: List[bool] = field(default_factory=list)  # per solved layer: proven by :func:`certify`
 
 
 PART_COSTS = ("weighted", "masked")
@@ -613,7 +711,8 @@ def align_chain(
     cost_dtype: str = "float64",
     quality: bool = False,
     where: str = "",
-    ref_units: Optional[Dict[str, List[torch.Tensor]]] = None,
+    ref_units: Optional[Dict[str, Any]] = None,
+    screen: bool = True,
 ) -> Chain:
     """Transports aligning ``state`` to ``ref`` layer by layer, each carried into the next layer's inputs.
 
@@ -627,7 +726,9 @@ def align_chain(
     product of the two. ``"added"`` adds the history cost to the weights' cost, times ``sba_weight``.
     ``hard`` and ``cost_dtype`` (``float64`` or ``float32``) are :func:`transport`'s ``hard`` and ``dtype``.
     ``ref_units``: a dict shared by the chains of one round that align whole models to the same ``ref``;
-    the reference's unit rows are built once and kept there.
+    the reference's unit rows are built once and kept there, and with ``screen`` (Hungarian transports of
+    whole models) also each layer's :class:`Screen`, so that a layer whose match :func:`certify` proves
+    needs no cost matrix.
     """
     check_choice("part_cost", part_cost, PART_COSTS)
     check_choice("sba_mode", sba_mode, SBA_MODES)
@@ -684,6 +785,10 @@ def align_chain(
             wa = _reorder_rows(wa, first) if wa is not None else None
             extra = None
         solve: Dict[str, Any] = dict(a_weight=wa, b_weight=wb, extra=extra, extra_weight=sba_weight, dtype=dtype)
+        proof = None
+        if screen and ref_units is not None and mask is None and method == "hungarian" and extra is None:
+            key = f"{layer.name}:{cost_dtype}:screen"
+            proof = ref_units[key] if key in ref_units else ref_units.setdefault(key, screen_of(b_blocks))
         t = transport(
             a,
             b,
@@ -693,6 +798,7 @@ def align_chain(
             tol=tol,
             where=f"{where} {layer.name}".strip(),
             hard=hard,
+            screen=proof,
             **solve,
         )
         if quality:
@@ -701,6 +807,7 @@ def align_chain(
         P = t.P if first is None else first @ t.P
         chain.P.append(P)
         chain.costs.append(t.cost)
+        chain.certified.append(t.certified)
         chain.entropies.append(t.entropy if first is None else row_entropy(P))
     return chain
 

@@ -51,6 +51,7 @@ def fuse(
     hard: bool = False,
     cost_dtype: str = "float64",
     quality: bool = False,
+    screen: bool = True,
     names: Optional[Sequence[int]] = None,
 ) -> Fused:
     """Align every client's parts to client ``ref``'s and average them.
@@ -69,7 +70,7 @@ def fuse(
     banks:
         Per client, ``{"rounds": (t,), layer name: (t, C) BatchNorm running means}`` (SBA,
         :func:`~fedcore.openset.sba.sba_costs`), or ``None`` for a client with none yet; ``None`` turns SBA off.
-    sba_mode, hard, cost_dtype:
+    sba_mode, hard, cost_dtype, screen:
         As :func:`fedcore.openset.align.align_chain` takes them.
     part_transport:
         ``own``: each part is aligned with its own chain (Eq. 19–21); ``whole``: every part follows the
@@ -86,7 +87,7 @@ def fuse(
     settings: Dict[str, Any] = dict(
         method=method, reg=reg, max_iter=max_iter, tol=tol, hard=hard, cost_dtype=cost_dtype
     )
-    ref_units: Dict[str, List[torch.Tensor]] = {}  # the reference's unit rows, built once for every client's chain
+    ref_units: Dict[str, Any] = {}  # the reference's unit rows (and screens), built once for every client's chain
     param_keys = list(next(iter(parts[0].values())).keys())
     others = [k for k in states[0] if k not in param_keys]
     total = float(sum(weights))
@@ -103,6 +104,7 @@ def fuse(
     per_client: Dict[int, Dict[str, float]] = {}
     kept: List[bool] = []  # per aligned client: every chain the identity, so nothing was applied
     kept_layers: List[bool] = []  # per layer transport that acts: the identity
+    certified: List[bool] = []  # per whole-model layer transport: proven optimal without its cost matrix
     for k, (state, w, cut) in enumerate(zip(states, weights, parts)):
         if method == "none" or k == ref:
             whole = identity_chain(plan)
@@ -120,6 +122,7 @@ def fuse(
                 quality=quality,
                 where=f"client {names[k]}",
                 ref_units=ref_units,
+                screen=screen,
                 **settings,
                 **sba,
             )
@@ -144,6 +147,7 @@ def fuse(
             for ch in {id(c): c for c in chains.values()}.values():  # every transport that acts, once
                 entropies.extend(ch.entropies)
             quality_vals.extend(whole.quality)
+            certified.extend(whole.certified)
             per_client[names[k]] = {"align_cost": float(np.mean(whole.costs)) if whole.costs else 0.0}
             acting = {id(c): c for c in chains.values()}.values()
             for ch in acting:  # the transports solved (a tied or last layer has none of its own)
@@ -180,4 +184,6 @@ def fuse(
     if kept:
         metrics["align_identity"] = float(np.mean(kept))
         metrics["align_identity_layers"] = float(np.mean(kept_layers)) if kept_layers else 1.0
+    if screen and method == "hungarian" and certified:
+        metrics["align_certified"] = float(np.mean(certified))
     return Fused(state=out, metrics=metrics, per_client=per_client)

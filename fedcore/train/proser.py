@@ -22,6 +22,10 @@ That is the PROSER and FedPD authors' code: a closed-set network first, then PRO
 much smaller rate (the FedPD++ paper's "10⁻² closed, 10⁻⁴ open"). ``closed_rounds = 0`` (the default)
 trains PROSER from the first round at ``lr``.
 
+``own_init_rounds = R`` (default 0) makes the first R rounds start each client from a network initialised
+afresh under the client's own seed instead of the global model: clients that start from different
+models, whose units a server must match before it averages them (alignment's own setting).
+
 When ``importance`` is not ``none`` the trainer scores every parameter for each loss
 (:mod:`fedcore.openset.dpi`, :mod:`fedcore.openset.masks`): DPI sums ``|∇L · ω| · Δt`` over every local step of
 the round (Δt = the round's learning rate; the path is the round's local optimisation, since the masks go to the
@@ -47,7 +51,7 @@ from fedcore.train.base import TRAINERS, LocalTrainer, State
 @TRAINERS.register("proser")
 class ProserTrainer(LocalTrainer):
     """Parameters: ``beta``, ``gamma``, ``mix_alpha`` (PROSER); ``closed_rounds``, ``open_lr_scale`` (the
-    two-phase schedule, above); ``importance``, ``mask``, ``score_norm``, ``delta0``, ``delta_end``, ``mask_rounds`` (FedPD++'s masks; ``mask_rounds`` is T of δ's schedule,
+    two-phase schedule, above); ``own_init_rounds`` (above); ``importance``, ``mask``, ``score_norm``, ``delta0``, ``delta_end``, ``mask_rounds`` (FedPD++'s masks; ``mask_rounds`` is T of δ's schedule,
     by default the run's number of rounds, which the engine broadcasts)."""
 
     constant_lr_because = "DPI's path integral takes the lr as its time step"
@@ -66,6 +70,7 @@ class ProserTrainer(LocalTrainer):
         mask_rounds: int | None = None,
         closed_rounds: int = 0,
         open_lr_scale: float = 1.0,
+        own_init_rounds: int = 0,
         **kw,
     ) -> None:
         super().__init__(**kw)
@@ -94,7 +99,13 @@ class ProserTrainer(LocalTrainer):
                 f"open_lr_scale (PROSER's lr as a share of the closed-set lr) must be in (0, 1], got "
                 f"{open_lr_scale}; e.g. 0.01 for the paper's 1e-2 closed / 1e-4 open"
             )
+        if own_init_rounds < 0:
+            raise ValueError(
+                f"own_init_rounds (rounds whose clients start from a model of their own) must be >= 0, got "
+                f"{own_init_rounds}"
+            )
         self.closed_rounds, self.open_lr_scale = int(closed_rounds), float(open_lr_scale)
+        self.own_init_rounds = int(own_init_rounds)
         self.beta, self.gamma, self.mix_alpha = float(beta), float(gamma), float(mix_alpha)
         self.importance, self.mask, self.score_norm = importance, mask, score_norm
         self.delta0, self.delta_end = float(delta0), float(delta_end)
@@ -106,6 +117,14 @@ class ProserTrainer(LocalTrainer):
     ) -> None:
         self._pre, self._post = mix_split(model)  # a model without a mixing layer fails here, before training
         self._round = int(broadcast.get("round", 0))
+        if self.own_init_rounds and "round" not in broadcast:
+            raise ValueError(
+                "own_init_rounds reads the round from the server's broadcast; train through the round engine"
+            )
+        if self._round < self.own_init_rounds:  # a model of its own (the global RNG holds the client's seed)
+            for mod in model.modules():
+                if hasattr(mod, "reset_parameters"):
+                    mod.reset_parameters()
         self._closed = self._round < self.closed_rounds
         self._rounds = self.mask_rounds or int(broadcast.get("rounds", 1))
         self._params = dict(model.named_parameters())

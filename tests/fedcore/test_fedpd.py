@@ -574,6 +574,89 @@ def test_the_identity_shortcut_gives_the_solvers_answer():
     assert torch.equal(couple(near, method="sinkhorn", hard=True)[0], torch.eye(n, dtype=torch.float64))
 
 
+def test_the_certificate_gives_the_solvers_permutation_or_steps_aside():
+    from fedcore.openset.align import _assignment, certify, screen_of
+
+    g = torch.Generator().manual_seed(5)
+    outcomes = set()
+    for trial in range(60):
+        # Prepare: reference units, and a client holding them shuffled, with drift from small to larger
+        # than the units' spacing; every few trials two reference units nearly coincide
+        n, d = 24, 40
+        b = torch.randn(n, d, generator=g)
+        if trial % 4 == 3:
+            b[1] = b[0] + 1e-3 * torch.randn(d, generator=g)
+        shuffle = torch.randperm(n, generator=g) if trial % 2 else torch.arange(n)
+        noise = [0.02, 0.2, 0.6, 1.5][(trial // 4) % 4]
+        a = b[shuffle] + noise * torch.randn(n, d, generator=g)
+        blocks_a, blocks_b = [a[:, :36], a[:, 36:]], [b[:, :36], b[:, 36:]]
+
+        # Execute
+        proof = certify(blocks_a, blocks_b, screen_of(blocks_b))
+
+        # Assert: a proven match is the exact assignment, with its distances; otherwise the solver runs
+        if proof is not None:
+            target, dist = proof
+            exact = _assignment(torch.cdist(a.double(), b.double()))
+            assert torch.equal(exact.argmax(1), target)
+            assert torch.allclose(dist, (a.double() - b.double()[target]).norm(dim=1))
+        outcomes.add((proof is not None, trial % 2 == 1))
+    assert outcomes == {(True, False), (True, True), (False, False), (False, True)}  # every branch was taken
+    # two coinciding reference units, swapped in the client: float64's rounding of their distance is no gap
+    b = torch.randn(40, 300, generator=g, dtype=torch.float64)
+    b[1] = b[0]
+    a = b[torch.tensor([1, 0] + list(range(2, 40)))]
+    assert certify([a], [b], screen_of([b])) is None
+    # the transport it saves: the same permutation, marked certified, and the cost the full matrix gives
+    a, b = torch.randn(16, 30, generator=g), torch.randn(16, 30, generator=g)
+    a = b[torch.randperm(16, generator=g)] + 0.01 * a
+    fast = transport(a, b, method="hungarian", dtype=torch.float32, screen=screen_of([b]))
+    full = transport(a, b, method="hungarian", dtype=torch.float32)
+    assert fast.certified and not full.certified and torch.equal(fast.P, full.P)
+    # its cost comes from the differences (no cancellation), the solver's from float32's |a|^2 + |b|^2 - 2 a.b
+    truth = float((fast.P * torch.cdist(a.double(), b.double())).sum()) / 16
+    assert fast.cost == pytest.approx(truth, rel=1e-6) and full.cost == pytest.approx(truth, rel=1e-3)
+
+
+@pytest.mark.parametrize("model,part_transport", [("lenet", "whole"), ("lenet", "own"), ("resnet20", "whole")])
+def test_screened_alignment_fuses_exactly_as_the_solver_does(model, part_transport):
+    # Prepare: noisy clients of one model, two of them shuffled, with their own masks and histories
+    base = lenet(name=model)
+    plan = layer_plan(base)
+    g = torch.Generator().manual_seed(9)
+    ref = base.state_dict()
+    keys = [k for k, _ in base.named_parameters()]
+    states = []
+    for k in range(4):
+        noisy = {
+            key: v + 0.05 * v.std() * torch.randn(v.shape, generator=g)
+            if v.is_floating_point() and v.numel() > 1
+            else v
+            for key, v in ref.items()
+        }
+        states.append(
+            apply_chain(noisy, plan, shuffled_chain(plan, torch.Generator().manual_seed(k))) if k > 1 else noisy
+        )
+    cut = lambda: split_parts(  # noqa: E731
+        masks_from_scores({k: torch.rand(ref[k].shape, generator=g) for k in keys}, mode="soft", delta=0.6),
+        masks_from_scores({k: torch.rand(ref[k].shape, generator=g) for k in keys}, mode="soft", delta=0.6),
+    )
+    parts = [cut() for _ in states]
+    banks = _banks(4, plan, seed=2)
+    settings = dict(HARD, part_transport=part_transport, banks=banks)
+
+    # Execute
+    screened = fuse(states, [1.0, 2.0, 3.0, 4.0], plan=plan, parts=parts, ref=0, **settings)
+    solved = fuse(states, [1.0, 2.0, 3.0, 4.0], plan=plan, parts=parts, ref=0, screen=False, **settings)
+
+    # Assert: the same fused model, bit for bit; most whole-model transports were proven without a cost
+    # matrix (a part's own chain, weighted by its masks, is always solved)
+    for k, v in solved.state.items():
+        assert torch.equal(screened.state[k], v), k
+    assert screened.metrics["align_certified"] > 0.5 and "align_certified" not in solved.metrics
+    assert screened.metrics["align_identity"] == solved.metrics["align_identity"] == 1 / 3  # the unshuffled client
+
+
 def test_sba_composed_in_a_chain_gives_the_exact_chain_of_the_weights():
     # Prepare: noisy, shuffled clients of a residual network, BatchNorm histories that say nothing, part masks
     base = lenet(name="resnet20")
@@ -730,6 +813,43 @@ def test_fedpd_fuses_a_closed_set_round_whole_and_masks_its_parts_after():
         res = run_rounds(data, SPEC, cfg)
     assert "mask.whole" in res.records[0] and "mask.close" not in res.records[0]
     assert {"mask.close", "mask.open", "mask.share"} <= set(res.records[1])
+
+
+def test_clients_of_their_own_models_give_alignment_work_in_those_rounds_only():
+    # Prepare: every client starts round 0 from a network of its own, then the global model
+    data = _data()
+    hard = {"parts": "three", "align": "hungarian", "hard": True, "sba_mode": "compose", "part_transport": "whole"}
+
+    def run(own, align=hard):
+        cfg = RoundConfig(
+            rounds=2,
+            trainer="proser",
+            trainer_params={"lr": 0.05, "batch_size": 16, "importance": "dpi", "own_init_rounds": own},
+            strategy="fedpd",
+            strategy_params=align,
+            seed=0,
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return run_rounds(data, SPEC, cfg)
+
+    # Execute
+    own, shared = run(1), run(0)
+    plain = run(1, {"parts": "three", "align": "none", "sba": False})
+    again = run(1)
+
+    # Assert: round 0 has units to reorder; round 1 (from one global model) and the shared start have none
+    assert own.records[0]["align_identity"] == 0.0 and own.records[0]["align_identity_layers"] < 0.5
+    assert own.records[1]["align_identity"] == 1.0 and shared.records[0]["align_identity"] == 1.0
+    # the same client models, fused with and without alignment: different global models
+    assert own.records[0]["train_loss"] == plain.records[0]["train_loss"]
+    assert not torch.equal(own.final_state["features.0.weight"], plain.final_state["features.0.weight"])
+    assert all(torch.equal(v, again.final_state[k]) for k, v in own.final_state.items())  # seeded per client
+    model = create_model("lenet", in_channels=1, num_classes=4)
+    with pytest.raises(ValueError, match="broadcast"):
+        create_trainer("proser", own_init_rounds=1).train(model, *_toy(), global_state=model.state_dict(), seed=0)
+    with pytest.raises(ValueError, match="own_init_rounds"):
+        create_trainer("proser", own_init_rounds=-1)
 
 
 # ---------------------------------------------------------------------------------------------- strategy
