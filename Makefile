@@ -95,8 +95,9 @@ fedpad: setup
 fedpad-natural: setup
 	@git rev-parse --git-dir >/dev/null 2>&1 || (git init -q && echo "initialised a git repo for DVC")
 	$(BIN)/dvc repro fedpad@pacs_natural fedpad@pacs_equal_shards fedpad@pacs_natural_part20 \
-		fedpad@pacs_natural_part50 fedpad@pacs_natural_6211
-	@for g in pacs_natural pacs_equal_shards pacs_natural_part20 pacs_natural_part50 pacs_natural_6211; do echo; cat results/fedpad/$$g/table.md; cat results/fedpad/$$g/stats.md; done
+		fedpad@pacs_natural_part50 fedpad@pacs_natural_6211 fedpad@digits_natural
+	@for g in pacs_natural pacs_equal_shards pacs_natural_part20 pacs_natural_part50 pacs_natural_6211 \
+		digits_natural; do echo; cat results/fedpad/$$g/table.md; cat results/fedpad/$$g/stats.md; done
 
 fedpd: setup
 	@git rev-parse --git-dir >/dev/null 2>&1 || (git init -q && echo "initialised a git repo for DVC")
