@@ -69,7 +69,8 @@ def recovered(chain, shuffle, plan) -> float:
     for layer, P, S in zip(plan, chain.P, shuffle.P):
         if layer.last or layer.tie is not None or P is None:
             continue
-        hit += int((P.argmax(1) == S.t().argmax(1)).sum())  # S moved unit i to S^T's row; P must send it back
+        back = torch.arange(P.shape[0]) if S is None else S.t().argmax(1)  # S moved unit i to S^T's row
+        hit += int((P.argmax(1) == back).sum())  # P must send it back
         total += P.shape[0]
     return hit / max(total, 1)
 

@@ -27,6 +27,7 @@ the fix.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -404,6 +405,8 @@ def align_inputs(w: torch.Tensor, prev: Optional[torch.Tensor], layer: Layer) ->
     if prev is None:
         return w
     source = permutation_source(prev)
+    if source is not None and bool((source == torch.arange(len(source))).all()):
+        return w  # the identity: nothing to reorder, no copy
     if w.dim() == 4:  # conv (out, in, k, k)
         return w.index_select(1, source) if source is not None else torch.einsum("oikl,ij->ojkl", w, prev.to(w.dtype))
     out, width = w.shape
@@ -535,24 +538,27 @@ class Screen:
 
 
 def screen_of(b_blocks: Sequence[torch.Tensor], *, seed: int = 0) -> Screen:
-    """The reference's :class:`Screen`: one ``units x units`` distance matrix, in float64.
+    """The reference's :class:`Screen`: one ``units x units`` distance matrix, in the blocks' precision.
 
-    The gaps must be lower bounds: ``|b_i|^2 + |b_j|^2 - 2 b_i.b_j`` loses up to about ``d eps`` of
-    ``|b_i|^2 + |b_j|^2`` to cancellation, so that much (four times over) is taken off before the root;
-    two coinciding units get a gap of 0 and are never proven apart.
+    The gaps must be lower bounds: ``|b_i|^2 + |b_j|^2 - 2 b_i.b_j`` loses at most about ``d u`` of
+    ``|b_i|^2 + |b_j|^2`` to rounding (u the unit roundoff, d the row length), so ``4 d eps`` (eps = 2u) of
+    it is taken off before the root; two coinciding units get a gap of 0 and are never proven apart.
     """
-    exact = torch.cat([y.double() for y in b_blocks], 1)
-    norms = (exact * exact).sum(1)
+    rows = torch.cat(list(b_blocks), 1)
+    norms = (rows * rows).sum(1)
     scale = norms[:, None] + norms[None]
-    sq = torch.addmm(scale, exact, exact.t(), alpha=-2.0)
-    D = (sq - 4 * exact.shape[1] * torch.finfo(torch.float64).eps * scale).clamp_min(0).sqrt()
+    sq = torch.addmm(scale, rows, rows.t(), alpha=-2.0)
+    D = (sq - 4 * rows.shape[1] * torch.finfo(rows.dtype).eps * scale).clamp_min(0).sqrt().double()
     D.fill_diagonal_(math.inf)
-    g = torch.Generator().manual_seed(seed)
-    project = tuple(
-        torch.randn(y.shape[1], SKETCH_DIM, generator=g, dtype=torch.float64).to(y.dtype) / math.sqrt(SKETCH_DIM)
-        for y in b_blocks
-    )
+    project = tuple(_directions(seed, k, y.shape[1], y.dtype) for k, y in enumerate(b_blocks))
     return Screen(gaps=D.min(1).values, project=project, sketch=_sketch(b_blocks, project))
+
+
+@functools.lru_cache(maxsize=256)
+def _directions(seed: int, block: int, features: int, dtype: torch.dtype) -> torch.Tensor:
+    """``SKETCH_DIM`` random directions for one column block, the same every round (a pure function)."""
+    g = torch.Generator().manual_seed(seed * 1009 + block)
+    return torch.randn(features, SKETCH_DIM, generator=g, dtype=torch.float64).to(dtype) / math.sqrt(SKETCH_DIM)
 
 
 def _sketch(blocks: Sequence[torch.Tensor], project: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -575,8 +581,7 @@ def certify(
 ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
     """A permutation proven to be an optimal assignment of A's units to B's without the cost matrix, or None.
 
-    Each of A's units i gets a candidate c(i): its own index, or else the reference unit nearest to it
-    in the random sketch. The triangle inequality gives ``‖a_i − b_j‖ ≥ gap_c − ‖a_i − b_c‖`` for every
+    Each of A's units i gets a candidate c(i): the reference unit nearest to it in the random sketch. The triangle inequality gives ``‖a_i − b_j‖ ≥ gap_c − ‖a_i − b_c‖`` for every
     other j, so ``2 ‖a_i − b_c‖ < gap_c`` proves b_c strictly nearest to a_i. When every row is proven
     so and the candidates form a permutation, its cost is the sum of the row minima, a lower bound on any
     assignment: it is the unique optimum, the one Hungarian returns. Returns ``(c, ‖a_i − b_c(i)‖)``.
@@ -585,19 +590,13 @@ def certify(
     within float32's rounding of each other, where the screen's answer is the right one.
     """
     n = a_blocks[0].shape[0]
-    dist = _row_distances(a_blocks, b_blocks)
-    proven = 2 * dist * (1 + SCREEN_MARGIN) < screen.gaps
-    target = torch.arange(n)
-    if not bool(proven.all()):
-        rows = (~proven).nonzero().squeeze(1)
-        sub = list(a_blocks) if len(rows) == n else [x.index_select(0, rows) for x in a_blocks]
-        near = torch.cdist(_sketch(sub, screen.project), screen.sketch).argmin(1)
-        target[rows] = near
-        if int(torch.bincount(target, minlength=n).max()) != 1:
-            return None
-        dist[rows] = _row_distances(sub, b_blocks, near)
-        if not bool((2 * dist[rows] * (1 + SCREEN_MARGIN) < screen.gaps[near]).all()):
-            return None
+    target = torch.cdist(_sketch(a_blocks, screen.project), screen.sketch).argmin(1)
+    if int(torch.bincount(target, minlength=n).max()) != 1:
+        return None
+    in_place = bool((target == torch.arange(n)).all())
+    dist = _row_distances(a_blocks, b_blocks, None if in_place else target)
+    if not bool((2 * dist * (1 + SCREEN_MARGIN) < screen.gaps[target]).all()):
+        return None
     return target, dist
 
 

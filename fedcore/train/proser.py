@@ -123,8 +123,9 @@ class ProserTrainer(LocalTrainer):
             )
         if self._round < self.own_init_rounds:  # a model of its own (the global RNG holds the client's seed)
             for mod in model.modules():
-                if hasattr(mod, "reset_parameters"):
-                    mod.reset_parameters()
+                reset = getattr(mod, "reset_parameters", None)
+                if callable(reset):
+                    reset()
         self._closed = self._round < self.closed_rounds
         self._rounds = self.mask_rounds or int(broadcast.get("rounds", 1))
         self._params = dict(model.named_parameters())
