@@ -519,7 +519,7 @@ def transport(
     return Transport(P=P, cost=float((P.to(C.dtype) * C).sum()) / n, entropy=row_entropy(P), converged=converged)
 
 
-SKETCH_DIM = 32  # random projections per unit that propose a match for units not at their own index
+SKETCH_DIM = 32  # random projections per unit, whose nearest neighbours propose the matches
 SCREEN_MARGIN = 1e-3  # relative slack on the certificate's inequality, above float32's rounding of a distance
 
 
@@ -581,8 +581,9 @@ def certify(
 ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
     """A permutation proven to be an optimal assignment of A's units to B's without the cost matrix, or None.
 
-    Each of A's units i gets a candidate c(i): the reference unit nearest to it in the random sketch. The triangle inequality gives ``‖a_i − b_j‖ ≥ gap_c − ‖a_i − b_c‖`` for every
-    other j, so ``2 ‖a_i − b_c‖ < gap_c`` proves b_c strictly nearest to a_i. When every row is proven
+    Each of A's units i gets a candidate c(i): the reference unit nearest to it in the random sketch.
+    The triangle inequality gives ``‖a_i − b_j‖ ≥ gap_c − ‖a_i − b_c‖`` for every other j, so
+    ``2 ‖a_i − b_c‖ < gap_c`` proves b_c strictly nearest to a_i. When every row is proven
     so and the candidates form a permutation, its cost is the sum of the row minima, a lower bound on any
     assignment: it is the unique optimum, the one Hungarian returns. Returns ``(c, ‖a_i − b_c(i)‖)``.
     Units standing closer to each other than twice their distance to the match fall back to the solver.
