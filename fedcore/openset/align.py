@@ -697,7 +697,7 @@ def align_chain(
     ref: Mapping[str, torch.Tensor],
     plan: Sequence[Layer],
     *,
-    method: str = "sinkhorn",
+    method: str = "hungarian",
     reg: float = 0.05,
     max_iter: int = 200,
     tol: float = 1e-6,
@@ -706,15 +706,16 @@ def align_chain(
     part_cost: str = "weighted",
     bank_costs: Optional[Mapping[str, torch.Tensor]] = None,
     sba_weight: float = 1.0,
-    sba_mode: str = "added",
-    hard: bool = False,
-    cost_dtype: str = "float64",
+    sba_mode: str = "compose",
+    hard: bool = True,
+    cost_dtype: str = "float32",
     quality: bool = False,
     where: str = "",
     ref_units: Optional[Dict[str, Any]] = None,
     screen: bool = True,
 ) -> Chain:
     """Transports aligning ``state`` to ``ref`` layer by layer, each carried into the next layer's inputs.
+    The defaults are FedPD++'s: exact (Hungarian) permutations, SBA composed, float32 costs.
 
     ``mask``/``ref_mask`` make it a part's alignment (FedPD++'s close/open/shared parts, Eq. 19–21).
     ``part_cost="weighted"`` compares units on the coordinates both parts hold (:func:`unit_distance`);

@@ -39,22 +39,26 @@ def fuse(
     plan: Sequence[Layer],
     parts: Sequence[Mapping[str, Mapping[str, torch.Tensor]]],
     ref: int,
-    method: str = "sinkhorn",
+    method: str = "hungarian",
     reg: float = 0.05,
     max_iter: int = 200,
     tol: float = 1e-6,
     part_cost: str = "weighted",
     banks: Optional[Sequence[Optional[Mapping[str, torch.Tensor]]]] = None,
     sba_weight: float = 1.0,
-    sba_mode: str = "added",
-    part_transport: str = "own",
-    hard: bool = False,
-    cost_dtype: str = "float64",
+    sba_mode: str = "compose",
+    part_transport: str = "whole",
+    hard: bool = True,
+    cost_dtype: str = "float32",
     quality: bool = False,
     screen: bool = True,
     names: Optional[Sequence[int]] = None,
 ) -> Fused:
     """Align every client's parts to client ``ref``'s and average them.
+
+    The defaults are FedPD++'s (:class:`fedcore.aggregate.fedpd.FedPD`): one exact transport per client for
+    every part, SBA composed with it, float32 costs, so that each fused unit comes whole from one unit of each
+    client.
 
     Parameters
     ----------

@@ -748,23 +748,69 @@ def round_config(cfg: DictConfig, system: str, *, method: str, seed: int, grid_n
     if method not in block.methods:
         raise ValueError(f"unknown {system} method {method!r}; valid names are: {', '.join(sorted(block.methods))}")
     m = OmegaConf.to_container(block.methods[method], resolve=True)
+    # the block's trainer settings, then the grid's, then the method's; a block's or grid's setting reaches the
+    # methods whose trainer (strategy) takes it (a PROSER schedule passes plain SGD by), and one that no method of
+    # the grid takes is refused by check_grids
     trainer = {
-        **OmegaConf.to_container(block.trainer, resolve=True),
-        **OmegaConf.to_container(
-            g.get("trainer") or OmegaConf.create({}), resolve=True
-        ),  # the grid's, then the method's
+        **_taken("trainer", str(m["trainer"]), block.get("trainer")),
+        **_taken("trainer", str(m["trainer"]), g.get("trainer")),
         **(m.get("trainer_params") or {}),
     }
+    strategy = {**_taken("strategy", str(m["strategy"]), g.get("strategy")), **(m.get("strategy_params") or {})}
     return RoundConfig(
         rounds=grid_rounds(g, system),
         trainer=str(m["trainer"]),
         trainer_params=trainer,
         strategy=str(m["strategy"]),
-        strategy_params=dict(m.get("strategy_params") or {}),
+        strategy_params=strategy,
         participation=float(g.participation),
         seed=int(seed),
         device=str(cfg.device),
     )
+
+
+def _settings_of(kind: str, name: str) -> List[str] | None:
+    """The settings a trainer or strategy takes (``None``: any)."""
+    if kind == "trainer":
+        from fedcore.train.base import TRAINERS as registry
+    else:
+        import fedcore.aggregate  # noqa: F401 - registers the strategies
+        from fedcore.aggregate.base import STRATEGIES as registry
+    return registry.settings(name)
+
+
+def _taken(kind: str, name: str, settings: Any) -> Dict[str, Any]:
+    """The shared ``settings`` (a block's or grid's) that the trainer or strategy ``name`` takes."""
+    if settings is None:
+        return {}
+    values = OmegaConf.to_container(settings, resolve=True) if isinstance(settings, DictConfig) else dict(settings)
+    valid = _settings_of(kind, name)
+    return {k: v for k, v in values.items() if valid is None or k in valid}
+
+
+def _check_shared_settings(cfg: DictConfig, system: str, name: str, g: DictConfig) -> None:
+    """Every block or grid trainer / strategy setting is taken by at least one of the grid's methods (a
+    misspelt one would otherwise reach none of them)."""
+    block = cfg[system]
+    for kind, where in (
+        ("trainer", block.get("trainer")),
+        ("trainer", g.get("trainer")),
+        ("strategy", g.get("strategy")),
+    ):
+        if not where:
+            continue
+        names = sorted({str(block.methods[str(m)][kind]) for m in g.methods if str(m) in block.methods})
+        valid = [_settings_of(kind, n) for n in names]
+        if not names or any(v is None for v in valid):  # an unknown method is named by round_config
+            continue
+        takes = sorted(set().union(*[set(v or ()) for v in valid]))
+        for key in where:
+            if str(key) not in takes:
+                raise ValueError(
+                    f"{system} grid {name!r}: {kind} setting {key!r} is taken by none of its methods' "
+                    f"{'strategies' if kind == 'strategy' else 'trainers'} ({', '.join(names)}); their settings "
+                    f"are: {', '.join(takes)}"
+                )
 
 
 def grid_rounds(g: DictConfig, system: str) -> int:
@@ -782,22 +828,24 @@ def single_round_config(cfg: DictConfig, system: str) -> RoundConfig:
     """One run from the ``trainer`` and ``strategy`` groups on the system's selected grid."""
     block, g = cfg[system], grid(cfg, system)
     trainer = {
-        **OmegaConf.to_container(block.trainer, resolve=True),
+        **_taken("trainer", str(cfg.trainer.name), block.get("trainer")),
         **OmegaConf.to_container(cfg.trainer.params, resolve=True),
     }
-    # the grid's trainer settings (as its cells take them) wherever the trainer group holds its library default
+    strategy = dict(OmegaConf.to_container(cfg.strategy.params, resolve=True))
+    # the grid's settings (as its cells take them) wherever the trainer / strategy group holds its library default
     from flows.config.defaults import KINDS
 
-    library = KINDS["trainer"](str(cfg.trainer.name))
-    for key, value in OmegaConf.to_container(g.get("trainer") or OmegaConf.create({}), resolve=True).items():
-        if key not in trainer or trainer[key] == library.get(key):
-            trainer[key] = value
+    for kind, params, name in (("trainer", trainer, cfg.trainer.name), ("strategy", strategy, cfg.strategy.name)):
+        library = KINDS[kind](str(name))
+        for key, value in _taken(kind, str(name), g.get(kind)).items():
+            if key not in params or params[key] == library.get(key):
+                params[key] = value
     return RoundConfig(
         rounds=grid_rounds(g, system),
         trainer=str(cfg.trainer.name),
         trainer_params=trainer,
         strategy=str(cfg.strategy.name),
-        strategy_params=dict(OmegaConf.to_container(cfg.strategy.params, resolve=True)),
+        strategy_params=strategy,
         participation=float(g.participation),
         seed=int(cfg.seed),
         device=str(cfg.device),
@@ -880,6 +928,7 @@ def validate_rounds(cfg: DictConfig, system: str) -> None:
             _check_unknown_sets(f"{system} grid {str(name)!r}", g.unknown_sets, g.set, domains)
         if is_incremental(system):  # before the rounds (tasks x rounds_per_task) are read: the message names them
             _check_schedule(f"{system} grid {str(name)!r}", g)
+        _check_shared_settings(cfg, system, str(name), g)
         for method in g.methods:
             rc = round_config(cfg, system, method=str(method), seed=0, grid_name=str(name))
             closed = int(rc.trainer_params.get("closed_rounds") or 0)

@@ -77,6 +77,7 @@ def round_block(grid_keys: Iterable[str]) -> dict:
     """A round-based system's block, whose grids take ``grid_keys``."""
     grid = {k: OPEN if k == "clients_per_domain" else LEAF for k in grid_keys}
     grid["trainer"] = OPEN  # the grid's trainer settings, over the block's and under each method's
+    grid["strategy"] = OPEN  # the grid's strategy settings, under each method's
     grid["target"] = LEAF  # the method the grid's paired tests compare against the others (else the block's)
     return {
         "grid": LEAF,

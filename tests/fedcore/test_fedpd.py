@@ -238,7 +238,17 @@ def test_sinkhorn_tolerance_reaches_the_solver_and_the_fusion():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the tight one stops at max_iter, short of 1e-9
         fused = [
-            fuse(states, [1.0, 1.0], plan=layer_plan(m), parts=[cut, cut], ref=0, reg=0.02, tol=t).state
+            fuse(
+                states,
+                [1.0, 1.0],
+                plan=layer_plan(m),
+                parts=[cut, cut],
+                ref=0,
+                method="sinkhorn",
+                hard=False,
+                reg=0.02,
+                tol=t,
+            ).state
             for t in (1e-2, 1e-9)
         ]
     assert not all(torch.equal(fused[0][k], fused[1][k]) for k in fused[0])
@@ -379,6 +389,7 @@ def test_parts_of_one_model_with_different_masks_are_not_scrambled():
         ref=0,
         method="hungarian",
         part_cost="masked",
+        part_transport="own",
     )
     assert not torch.allclose(outputs(build, scrambled.state, x), a(x), atol=1e-2)
 
@@ -396,7 +407,18 @@ def test_sba_history_changes_the_match_where_the_weights_cannot_tell():
     assert torch.equal(sba.P, torch.tensor([[0.0, 1, 0], [1, 0, 0], [0, 0, 1]], dtype=torch.float64))
 
 
-HARD = dict(method="hungarian", hard=True, cost_dtype="float32", sba_mode="compose")  # hard alignment
+DEFAULT: dict = {}  # FedPD++'s default alignment: exact permutations, SBA composed, float32 costs
+
+
+def test_the_strategy_and_the_fusion_share_one_default_alignment():
+    from fedcore.aggregate.fedpd import FedPD
+    from fedcore.registry import signature_defaults
+
+    strategy, fusion = signature_defaults(FedPD.__init__), signature_defaults(fuse)
+    shared = sorted(set(strategy) & set(fusion) | {"align"})
+    assert {k: strategy[k] for k in shared if k != "align"} == {k: fusion[k] for k in shared if k != "align"}
+    assert strategy["align"] == fusion["method"] == "hungarian"
+    assert (fusion["part_transport"], fusion["hard"], fusion["sba_mode"]) == ("whole", True, "compose")
 
 
 def _banks(n_clients, plan, seed=0, rounds=4):
@@ -445,8 +467,8 @@ def test_a_shuffled_trained_model_is_aligned_back_to_bit_identical_outputs(name)
     held_out = torch.randn(8, 1, 28, 28)
     build = lambda: create_model(name, in_channels=1, num_classes=7)  # noqa: E731
 
-    # Execute: align the shuffled copy to the original with the hard settings
-    chain = align_chain(shuffled, model.state_dict(), plan, **HARD)
+    # Execute: align the shuffled copy to the original with the default settings
+    chain = align_chain(shuffled, model.state_dict(), plan)
     back = apply_chain(shuffled, plan, chain)
 
     # Assert: the original weights and outputs, bit for bit
@@ -457,8 +479,8 @@ def test_a_shuffled_trained_model_is_aligned_back_to_bit_identical_outputs(name)
 
 @pytest.mark.parametrize(
     "settings",
-    [HARD, dict(HARD, method="sinkhorn", reg=0.05), dict(HARD, sba_mode="added")],
-    ids=["hungarian", "sinkhorn-rounded", "sba-added"],
+    [DEFAULT, dict(method="sinkhorn", reg=0.05), dict(sba_mode="added")],
+    ids=["default", "sinkhorn-rounded", "sba-added"],
 )
 def test_hard_alignment_never_blends_units(settings):
     # Prepare: noisy, shuffled clients and histories that disagree with the weights
@@ -475,7 +497,7 @@ def test_hard_alignment_never_blends_units(settings):
         align_chain(s, states[0], plan, bank_costs=sba_costs(b, banks[0], plan), **settings)
         for s, b in zip(states[1:], banks[1:])
     ]
-    soft_chain = align_chain(states[1], states[0], plan, **dict(soft, method="sinkhorn", reg=0.5))
+    soft_chain = align_chain(states[1], states[0], plan, **dict(soft, method="sinkhorn", reg=0.5, hard=False))
 
     # Assert: every transport of every chain is a permutation (the fused units follow these transports)
     for chain in hard_chains:
@@ -494,18 +516,18 @@ def test_identical_clients_give_the_identity_and_the_plain_average():
     # Execute
     for part_transport in ("whole", "own"):
         fused = fuse(
-            same, w, plan=plan, parts=parts, ref=0, banks=_banks(3, plan, seed=1), part_transport=part_transport, **HARD
+            same, w, plan=plan, parts=parts, ref=0, banks=_banks(3, plan, seed=1), part_transport=part_transport
         )
         for k, v in states[0].items():
             if v.is_floating_point():
                 assert torch.allclose(fused.state[k].float(), v.float(), atol=1e-6), (part_transport, k)
         # both other clients were found in place: no transport applied, and the round says so
         assert fused.metrics["align_identity"] == fused.metrics["align_identity_layers"] == 1.0
-    soft = fuse(same, w, plan=plan, parts=parts, ref=0, method="sinkhorn", part_transport="whole")
+    soft = fuse(same, w, plan=plan, parts=parts, ref=0, method="sinkhorn", hard=False)
     assert soft.metrics["align_identity"] == 0.0  # a soft plan spreads mass even between identical models
-    moved = fuse([base.state_dict(), permuted(base)[0]], w[:2], plan=plan, parts=parts[:2], ref=0, **HARD)
+    moved = fuse([base.state_dict(), permuted(base)[0]], w[:2], plan=plan, parts=parts[:2], ref=0)
     assert moved.metrics["align_identity"] == 0.0 and moved.metrics["align_identity_layers"] < 1.0
-    chain = align_chain(states[0], states[0], plan, bank_costs=sba_costs(*_banks(2, plan, seed=3), plan), **HARD)
+    chain = align_chain(states[0], states[0], plan, bank_costs=sba_costs(*_banks(2, plan, seed=3), plan))
     assert all(P is None or torch.equal(P, torch.eye(P.shape[0], dtype=P.dtype)) for P in chain.P)
 
 
@@ -643,7 +665,7 @@ def test_screened_alignment_fuses_exactly_as_the_solver_does(model, part_transpo
     )
     parts = [cut() for _ in states]
     banks = _banks(4, plan, seed=2)
-    settings = dict(HARD, part_transport=part_transport, banks=banks)
+    settings = dict(part_transport=part_transport, banks=banks)
 
     # Execute
     screened = fuse(states, [1.0, 2.0, 3.0, 4.0], plan=plan, parts=parts, ref=0, **settings)

@@ -170,7 +170,11 @@ def _arrival_tables(folder: Path, cell: Cell, tmp: Path, partition: Path) -> Non
 
 TINY_GRIDS = {
     "fedpad": ["fedpad.grids.quick.max_per_domain=120", "fedpad.grids.quick.rounds=2"],
-    "fedpd": ["fedpd.grids.quick.max_per_domain=150", "fedpd.grids.quick.rounds=2"],
+    "fedpd": [
+        "fedpd.grids.quick.max_per_domain=150",
+        "fedpd.grids.quick.rounds=2",
+        "fedpd.grids.quick.trainer.closed_rounds=1",
+    ],
     "ppfcil": [
         "ppfcil.grids.quick.max_per_domain=300",
         "ppfcil.grids.quick.tasks=2",

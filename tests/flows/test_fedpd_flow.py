@@ -24,6 +24,7 @@ def overrides(tmp, *extra):
         "fedpd.grid=quick",
         "fedpd.grids.quick.max_per_domain=300",
         "fedpd.grids.quick.rounds=2",
+        "fedpd.grids.quick.trainer.closed_rounds=1",
         "fedpd.grids.quick.methods=[fedavg,fedpd++]",
         *extra,
     ]
@@ -39,6 +40,31 @@ def test_the_fedpd_experiment_composes_and_every_grid_method_builds():
     assert C.is_openset("fedpd") and not C.is_openset("fedpad")
 
 
+def test_a_block_or_grid_setting_reaches_the_methods_that_take_it_and_a_misspelt_one_none():
+    cfg = C.compose([])
+
+    def cell(grid, method):
+        return C.round_config(cfg, "fedpd", method=method, seed=0, grid_name=grid)
+
+    # the block's two-phase PROSER schedule reaches every PROSER method and passes plain SGD by
+    assert cell("digits", "fedpd++").trainer_params["closed_rounds"] == 10
+    assert cell("digits", "fedavg-proser").trainer_params["open_lr_scale"] == 0.01
+    assert "closed_rounds" not in cell("digits", "fedavg").trainer_params
+    assert cell("quick", "fedpd").trainer_params["closed_rounds"] == 2  # the grid's, over the block's
+    # a grid's strategy settings reach the fedpd strategy's methods, under each method's own
+    pinned = cell("digits-10c", "fedpd++").strategy_params
+    assert (pinned["align"], pinned["part_transport"], pinned["parts"]) == ("sinkhorn", "own", "three")
+    assert cell("digits-10c", "fedavg-proser").strategy_params == {}
+    assert cell("digits-10c", "fedpd++").trainer_params["closed_rounds"] == 0
+    assert "align" not in cell("digits", "fedpd++").strategy_params  # the strategy's default
+    with pytest.raises(
+        ValueError, match=r"grid 'digits-10c': strategy setting 'algin' is taken by none of its methods' strategies"
+    ):
+        C.compose(["+fedpd.grids.digits-10c.strategy.algin=none"])
+    with pytest.raises(ValueError, match=r"trainer setting 'closed_round' is taken by none .* closed_rounds"):
+        C.compose(["+fedpd.grids.digits.trainer={closed_round: 3}"])
+
+
 def test_bad_fedpd_settings_are_refused_with_the_fix():
     with pytest.raises(ValueError, match=re.escape("unknown fedpd method 'fedpd+';")):
         C.compose(["fedpd.grids.quick.methods=[fedpd+]"])
@@ -49,7 +75,7 @@ def test_bad_fedpd_settings_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="grid 'digits': target='nope' is not one of the grid's methods: fedavg,"):
         C.compose(["+fedpd.grids.digits.target=nope"])
     with pytest.raises(ValueError, match=r"closed_rounds \(20\) must be below the grid's rounds \(20\)"):
-        C.compose(["fedpd.grids.digits-paper.trainer.closed_rounds=20"])
+        C.compose(["fedpd.trainer.closed_rounds=20"])
 
 
 def test_a_random_known_split_is_drawn_by_the_seed_and_refused_where_classes_are_named():
@@ -183,7 +209,12 @@ def test_a_grid_on_random_known_splits_trains_each_seed_on_its_own_classes_and_r
     from flows.runs.rounds import grid, results_dir
     from flows.runs.steps import partition_domains as _partition_domains
 
-    extra = ("+fedpd.grids.quick.known_split=random", "fedpd.grids.quick.rounds=1", "fedpd.grids.quick.seeds=[0,1]")
+    extra = (
+        "+fedpd.grids.quick.known_split=random",
+        "fedpd.grids.quick.rounds=1",
+        "fedpd.grids.quick.trainer.closed_rounds=0",
+        "fedpd.grids.quick.seeds=[0,1]",
+    )
     cfg = C.compose(overrides(tmp_path, *extra, "fedpd.grids.quick.methods=[fedavg-proser]"))
     _partition_domains(cfg, "fedpd")
     grid(cfg, "fedpd")
