@@ -344,6 +344,40 @@ def test_divide_and_conquer_without_alignment_is_exactly_fedavg():
                 assert torch.allclose(fused.state[k], v, atol=1e-6), k
 
 
+def test_clients_from_one_start_fuse_by_default_to_exactly_the_fedavg_average():
+    """As in every round that starts from one global model: each client drifted a little from it, with its own
+    masks and BatchNorm history. The default alignment finds every unit in place, so FedPD++ is FedAvg (the
+    earlier soft per-part alignment spreads mass and is not)."""
+    base, _, _ = _clients(n=1, seed=6)
+    torch.manual_seed(7)
+    states = [
+        {
+            k: v + 0.01 * v.std() * torch.randn_like(v) if v.is_floating_point() else v.clone()
+            for k, v in base.state_dict().items()
+        }
+        for _ in range(4)
+    ]
+    keys = [k for k, _ in base.named_parameters()]
+    parts = [
+        split_parts(
+            masks_from_scores({k: torch.rand_like(s[k]) for k in keys}, mode="soft", delta=0.6),
+            masks_from_scores({k: torch.rand_like(s[k]) for k in keys}, mode="soft", delta=0.6),
+        )
+        for s in states
+    ]
+    plan, w = layer_plan(base), [10.0, 20.0, 30.0, 40.0]
+    avg = weighted_average(list(zip(states, w)))
+
+    fused = fuse(states, w, plan=plan, parts=parts, ref=3, banks=_banks(4, plan, seed=2))
+    soft = fuse(states, w, plan=plan, parts=parts, ref=3, method="sinkhorn", hard=False, part_transport="own")
+
+    assert fused.metrics["align_identity"] == 1.0 and soft.metrics["align_identity"] == 0.0
+    for k, v in avg.items():
+        if v.is_floating_point():
+            assert torch.allclose(fused.state[k].double(), v.double(), atol=1e-6), k
+    assert not all(torch.allclose(soft.state[k].double(), v.double(), atol=1e-6) for k, v in avg.items())
+
+
 @pytest.mark.parametrize("name", ["lenet", "resnet20"])
 def test_fusing_a_reordered_copy_with_the_original_gives_the_original(name):
     a = lenet(name=name)
