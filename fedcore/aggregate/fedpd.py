@@ -85,6 +85,12 @@ class FedPD(Strategy):
             ("cost_dtype", cost_dtype, tuple(COST_DTYPES)),
         ):
             check_choice(what, value, choices)
+        if part_cost != "weighted" and part_transport != "own":
+            raise ValueError(
+                f"part_cost={part_cost!r} compares a part's units for the part's own transport; with "
+                f"part_transport={part_transport!r} every part follows the whole-model transport and part_cost "
+                "would do nothing: set part_transport=own, or leave part_cost at weighted"
+            )
         if reg <= 0 or max_iter < 1 or sba_window < 1 or sba_weight < 0 or not 0 < tol < 5e-2:
             raise ValueError(
                 f"need reg > 0, max_iter >= 1, 0 < tol < 0.05, sba_window >= 1 and sba_weight >= 0; got "

@@ -789,25 +789,26 @@ def _taken(kind: str, name: str, settings: Any) -> Dict[str, Any]:
 
 
 def _check_shared_settings(cfg: DictConfig, system: str, name: str, g: DictConfig) -> None:
-    """Every block or grid trainer / strategy setting is taken by at least one of the grid's methods (a
-    misspelt one would otherwise reach none of them)."""
+    """Every shared trainer / strategy setting (the block's ``trainer:``, a grid's ``trainer:`` and ``strategy:``)
+    is one that some method of the experiment takes: a misspelt setting would otherwise reach none of them. (One
+    that the grid's own methods do not take, after its methods were narrowed, is left unused.)"""
     block = cfg[system]
-    for kind, where in (
-        ("trainer", block.get("trainer")),
-        ("trainer", g.get("trainer")),
-        ("strategy", g.get("strategy")),
+    for kind, where, owner in (
+        ("trainer", block.get("trainer"), f"{system}.trainer"),
+        ("trainer", g.get("trainer"), f"{system} grid {name!r}: trainer"),
+        ("strategy", g.get("strategy"), f"{system} grid {name!r}: strategy"),
     ):
         if not where:
             continue
-        names = sorted({str(block.methods[str(m)][kind]) for m in g.methods if str(m) in block.methods})
+        names = sorted({str(m[kind]) for m in block.methods.values()})
         valid = [_settings_of(kind, n) for n in names]
-        if not names or any(v is None for v in valid):  # an unknown method is named by round_config
+        if any(v is None for v in valid):  # a trainer or strategy that takes any setting
             continue
         takes = sorted(set().union(*[set(v or ()) for v in valid]))
         for key in where:
             if str(key) not in takes:
                 raise ValueError(
-                    f"{system} grid {name!r}: {kind} setting {key!r} is taken by none of its methods' "
+                    f"{owner} setting {key!r} is taken by none of {system}'s "
                     f"{'strategies' if kind == 'strategy' else 'trainers'} ({', '.join(names)}); their settings "
                     f"are: {', '.join(takes)}"
                 )
@@ -827,19 +828,20 @@ def grid_target(cfg: DictConfig, system: str, g: DictConfig) -> str | None:
 def single_round_config(cfg: DictConfig, system: str) -> RoundConfig:
     """One run from the ``trainer`` and ``strategy`` groups on the system's selected grid."""
     block, g = cfg[system], grid(cfg, system)
-    trainer = {
-        **_taken("trainer", str(cfg.trainer.name), block.get("trainer")),
-        **OmegaConf.to_container(cfg.trainer.params, resolve=True),
-    }
-    strategy = dict(OmegaConf.to_container(cfg.strategy.params, resolve=True))
-    # the grid's settings (as its cells take them) wherever the trainer / strategy group holds its library default
+    trainer = dict(OmegaConf.to_container(cfg.trainer.params, resolve=True))
+    # the block's and the grid's trainer settings (as the grid's cells take them) wherever the trainer group
+    # holds its library default; the strategy is the strategy group's (a grid's `strategy:` is for its cells)
     from flows.config.defaults import KINDS
 
-    for kind, params, name in (("trainer", trainer, cfg.trainer.name), ("strategy", strategy, cfg.strategy.name)):
-        library = KINDS[kind](str(name))
-        for key, value in _taken(kind, str(name), g.get(kind)).items():
-            if key not in params or params[key] == library.get(key):
-                params[key] = value
+    library = KINDS["trainer"](str(cfg.trainer.name))
+    shared = {
+        **_taken("trainer", str(cfg.trainer.name), block.get("trainer")),
+        **_taken("trainer", str(cfg.trainer.name), g.get("trainer")),
+    }
+    for key, value in shared.items():
+        if key not in trainer or trainer[key] == library.get(key):
+            trainer[key] = value
+    strategy = dict(OmegaConf.to_container(cfg.strategy.params, resolve=True))
     return RoundConfig(
         rounds=grid_rounds(g, system),
         trainer=str(cfg.trainer.name),

@@ -86,7 +86,7 @@ def test_a_permuted_network_is_aligned_back_and_the_transport_is_the_permutation
     fresh = (lambda: type(a)()) if isinstance(a, MLP) else (lambda: create_model(name, in_channels=1, num_classes=7))
     for method, tol in (("hungarian", 0.0), ("sinkhorn", 1e-2)):
         # Execute
-        chain = align_chain(a.state_dict(), b_state, plan, method=method, reg=0.01)
+        chain = align_chain(a.state_dict(), b_state, plan, method=method, reg=0.01, hard=False)
         aligned = apply_chain(a.state_dict(), plan, chain)
         # Assert: each transport is the shuffle; the aligned weights are B's; the function is A's
         for P, perm in zip(chain.P, perms):
@@ -448,10 +448,11 @@ def test_the_strategy_and_the_fusion_share_one_default_alignment():
     from fedcore.aggregate.fedpd import FedPD
     from fedcore.registry import signature_defaults
 
-    strategy, fusion = signature_defaults(FedPD.__init__), signature_defaults(fuse)
-    shared = sorted(set(strategy) & set(fusion) | {"align"})
-    assert {k: strategy[k] for k in shared if k != "align"} == {k: fusion[k] for k in shared if k != "align"}
-    assert strategy["align"] == fusion["method"] == "hungarian"
+    strategy, fusion, chain = (signature_defaults(f) for f in (FedPD.__init__, fuse, align_chain))
+    shared = sorted(set(strategy) & set(fusion))
+    assert {k: strategy[k] for k in shared} == {k: fusion[k] for k in shared}
+    assert {k: chain[k] for k in set(chain) & set(fusion)} == {k: fusion[k] for k in set(chain) & set(fusion)}
+    assert strategy["align"] == fusion["method"] == chain["method"] == "hungarian"
     assert (fusion["part_transport"], fusion["hard"], fusion["sba_mode"]) == ("whole", True, "compose")
 
 
@@ -743,9 +744,11 @@ def test_fedpd_alignment_settings_are_checked_with_the_choices():
         (dict(sba_mode="after"), "sba_mode.*compose.*added"),
         (dict(part_transport="each"), "part_transport.*own.*whole"),
         (dict(cost_dtype="float16"), "cost_dtype.*float64.*float32"),
+        (dict(part_cost="masked"), "part_cost='masked'.*would do nothing: set part_transport=own"),
     ):
         with pytest.raises(ValueError, match=match):
             FedPD(**bad)
+    FedPD(part_cost="masked", part_transport="own")  # the literal Eq. 19-21 reading, where it acts
 
 
 # ---------------------------------------------------------------------------------------------- trainer

@@ -58,11 +58,17 @@ def test_a_block_or_grid_setting_reaches_the_methods_that_take_it_and_a_misspelt
     assert cell("digits-10c", "fedpd++").trainer_params["closed_rounds"] == 0
     assert "align" not in cell("digits", "fedpd++").strategy_params  # the strategy's default
     with pytest.raises(
-        ValueError, match=r"grid 'digits-10c': strategy setting 'algin' is taken by none of its methods' strategies"
+        ValueError, match=r"grid 'digits-10c': strategy setting 'algin' is taken by none of fedpd's strategies"
     ):
         C.compose(["+fedpd.grids.digits-10c.strategy.algin=none"])
     with pytest.raises(ValueError, match=r"trainer setting 'closed_round' is taken by none .* closed_rounds"):
         C.compose(["+fedpd.grids.digits.trainer={closed_round: 3}"])
+    with pytest.raises(ValueError, match=r"fedpd.trainer setting 'open_lr' is taken by none of fedpd's trainers"):
+        C.compose(["+fedpd.trainer.open_lr=0.1"])
+    C.compose(["fedpd.grids.quick.methods=[fedavg]"])  # the experiment's PROSER schedule is simply not used
+    # a single run takes the experiment's and the grid's trainer settings, as the grid's cells do
+    single = C.single_round_config(C.compose(["fedpd.grid=quick", "trainer=proser", "strategy=fedpd"]), "fedpd")
+    assert (single.trainer_params["closed_rounds"], single.trainer_params["open_lr_scale"]) == (2, 0.01)
 
 
 def test_bad_fedpd_settings_are_refused_with_the_fix():
