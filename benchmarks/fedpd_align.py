@@ -12,8 +12,8 @@ model plus noise, with its units shuffled consistently (:func:`~fedcore.openset.
 as a client that learnt the same units in another order; client 0 is the reference.
 
 Printed per setting: the seconds to align the 9 other clients to the reference (the best of
-``--repeats``), as a ratio to FedPD++'s earlier default (soft Sinkhorn, a chain per part plus the
-whole model, float64 costs); the share of shuffled units put back where they were; whether every
+``--repeats``), as a ratio to the earlier soft reading (``fedpd++-soft``: soft Sinkhorn, a chain per part
+plus the whole model, float64 costs); the share of shuffled units put back where they were; whether every
 aligned unit is one source unit (a permutation) rather than a blend; and the share of layer
 transports proven optimal without a cost matrix (the screen, :func:`fedcore.openset.align.certify`).
 Without the screen the floor is the cost matrices: one (units x units x features) product per layer
