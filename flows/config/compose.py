@@ -750,7 +750,7 @@ def round_config(cfg: DictConfig, system: str, *, method: str, seed: int, grid_n
     m = OmegaConf.to_container(block.methods[method], resolve=True)
     # the block's trainer settings, then the grid's, then the method's; a block's or grid's setting reaches the
     # methods whose trainer (strategy) takes it (a PROSER schedule passes plain SGD by), and one that no method of
-    # the grid takes is refused by check_grids
+    # the experiment takes is refused by _check_shared_settings
     trainer = {
         **_taken("trainer", str(m["trainer"]), block.get("trainer")),
         **_taken("trainer", str(m["trainer"]), g.get("trainer")),
