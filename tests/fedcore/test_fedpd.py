@@ -314,15 +314,19 @@ def _clients(n=3, seed=0):
                 for k, v in base.state_dict().items()
             }
         )
+    return base, states, _soft_parts(base, states)
+
+
+def _soft_parts(base, states):
+    """Random soft close/open masks per client, cut into FedPD++'s parts (drawn from the global RNG)."""
     keys = [k for k, _ in base.named_parameters()]
-    parts = [
+    return [
         split_parts(
             masks_from_scores({k: torch.rand_like(s[k]) for k in keys}, mode="soft", delta=0.6),
             masks_from_scores({k: torch.rand_like(s[k]) for k in keys}, mode="soft", delta=0.6),
         )
         for s in states
     ]
-    return base, states, parts
 
 
 def test_divide_and_conquer_without_alignment_is_exactly_fedavg():
@@ -357,14 +361,7 @@ def test_clients_from_one_start_fuse_by_default_to_exactly_the_fedavg_average():
         }
         for _ in range(4)
     ]
-    keys = [k for k, _ in base.named_parameters()]
-    parts = [
-        split_parts(
-            masks_from_scores({k: torch.rand_like(s[k]) for k in keys}, mode="soft", delta=0.6),
-            masks_from_scores({k: torch.rand_like(s[k]) for k in keys}, mode="soft", delta=0.6),
-        )
-        for s in states
-    ]
+    parts = _soft_parts(base, states)
     plan, w = layer_plan(base), [10.0, 20.0, 30.0, 40.0]
     avg = weighted_average(list(zip(states, w)))
 
